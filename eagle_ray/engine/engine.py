@@ -1,0 +1,244 @@
+"""EagleEngine: load a target + draft pair, run requests with EAGLE-2 speculative decoding (or plain decoding).
+
+``generate()`` takes strings, chat message lists or token id lists, admits up to ``max_batch_size`` of them into
+KV-cache slots, and steps the whole running batch together; finished sequences free their slots for waiting ones.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from eagle_ray.config import EngineConfig, SamplingParams, TreeConfig
+from eagle_ray.engine.sequence import Sequence
+from eagle_ray.engine.step import StepTimer, decode_step, prefill
+from eagle_ray.errors import InvalidRequestError, PromptTooLongError
+from eagle_ray.model.draft_head import DraftHead
+from eagle_ray.model.loading import resolve_draft, resolve_target
+from eagle_ray.model.target import TargetModel
+from eagle_ray.spec.tree import static_shape
+from eagle_ray.stats import RequestStats
+
+CHAT_ROLES = {"system", "user", "assistant", "tool", "developer"}
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stats: RequestStats = field(default_factory=RequestStats)
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def cpu_has_fast_bf16() -> bool:
+    """bf16 pays off on CPUs with native bf16 dot products (AVX512-BF16 / AMX); elsewhere fp32 is faster."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" or cpu_has_fast_bf16() else torch.float32
+    return getattr(torch, dtype)
+
+
+class EagleEngine:
+    def __init__(self, target: TargetModel, draft: DraftHead | None, tokenizer, config: EngineConfig):
+        self.target, self.draft, self.tokenizer, self.config = target, draft, tokenizer, config
+        self.device = target.device
+        self._ids = itertools.count()
+        eos = tokenizer.eos_token_id
+        gen_eos = getattr(getattr(target.hf, "generation_config", None), "eos_token_id", None)
+        self.eos_ids = frozenset(x for x in ([eos] + (gen_eos if isinstance(gen_eos, list) else [gen_eos]))
+                                 if x is not None)
+        if draft is not None:
+            draft.allocate_cache(config.max_batch_size, target.max_len + self.tree_budget(config.tree) + 64)
+
+    # ---- construction -----------------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, target: str | None = None, draft: str | None = None, dtype: str = "auto",
+                        device: str = "auto", tree: TreeConfig | None = None, max_batch_size: int = 8,
+                        max_model_len: int = 2048, threads: int | None = None,
+                        storage_options: dict | None = None) -> "EagleEngine":
+        """Load a target and its EAGLE head. With neither given: the embedded SmolLM2-135M-Instruct pair.
+
+        ``draft="none"`` loads only the target (plain decoding); a random head can be made with
+        :meth:`DraftHead.for_target` and passed to the constructor.
+        """
+        config = EngineConfig(target=target, draft=draft, dtype=dtype, device=device, tree=tree or TreeConfig(),
+                              max_batch_size=max_batch_size, max_model_len=max_model_len, threads=threads)
+        return cls.from_config(config, storage_options)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, storage_options: dict | None = None) -> "EagleEngine":
+        from transformers import AutoTokenizer
+
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        dev = pick_device(config.device)
+        dt = pick_dtype(config.dtype, dev)
+        target_dir = resolve_target(config.target, storage_options)
+        draft_dir = None if config.draft == "none" else resolve_draft(config.draft, storage_options)
+        if draft_dir is not None:  # validate the head's config before spending time on the target's weights
+            from transformers import AutoConfig
+            DraftHead.check_config(draft_dir, AutoConfig.from_pretrained(str(target_dir)))
+        target = TargetModel.load(target_dir, dt, dev, config.max_batch_size, config.max_model_len)
+        draft = None
+        if draft_dir is not None:
+            draft = DraftHead.load(draft_dir, target.config, target.model.embed_tokens.weight, dt, dev)
+        tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+        return cls(target, draft, tokenizer, config)
+
+    @staticmethod
+    def tree_budget(tree: TreeConfig) -> int:
+        return tree.total_tokens if tree.mode == "dynamic" else len(static_shape(tree)) + 1
+
+    # ---- requests -----------------------------------------------------------------------------------------------
+    def encode(self, prompt) -> list[int]:
+        """A raw string, a chat message list (templated with a generation prompt) or a list of token ids."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty")
+            return self.tokenizer(prompt)["input_ids"]
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            bad = [t for t in prompt if not 0 <= t < self.target.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.target.vocab_size})")
+            return list(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            for i, m in enumerate(prompt):
+                if m.get("role") not in CHAT_ROLES:
+                    raise InvalidRequestError(f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, "
+                                              f"got {m.get('role')!r}")
+                if not isinstance(m.get("content"), str):
+                    raise InvalidRequestError(f"messages[{i}].content must be a string")
+            return self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
+                                                      return_dict=True)["input_ids"]
+        raise InvalidRequestError("a prompt must be a non-empty string, a list of chat messages "
+                                  "({'role', 'content'}) or a list of token ids; got " + type(prompt).__name__)
+
+    def make_sequence(self, prompt, params: SamplingParams, request_id: str | None = None) -> Sequence:
+        ids = self.encode(prompt)
+        room = self.target.max_len - self.tree_budget(self.config.tree) - 1
+        if len(ids) > room:
+            raise PromptTooLongError(
+                f"prompt has {len(ids)} tokens but the engine fits at most {room} (max_model_len="
+                f"{self.target.max_len} minus the verify budget); shorten the prompt or raise max_model_len")
+        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
+        gen = None
+        if not params.greedy:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,))))
+        return Sequence(request_id or str(next(self._ids)), ids, params, frozenset(stop), gen)
+
+    # ---- the loop -------------------------------------------------------------------------------------------------
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 speculative: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order."""
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict))
+        if single:
+            prompts = [prompts]
+        params = params or SamplingParams()
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise InvalidRequestError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, plist)]
+        self.run(seqs, speculative)
+        return [self.output(s) for s in seqs]
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], speculative: bool = True) -> None:
+        if speculative and self.draft is None:
+            raise InvalidRequestError("this engine has no draft head; use speculative=False")
+        waiting = list(seqs)
+        running: list[Sequence] = []
+        free = list(range(self.config.max_batch_size))
+        while waiting or running:
+            while waiting and free:
+                seq = waiting.pop(0)
+                self._admit(seq, free.pop(0), speculative)
+                running.append(seq)
+            self.step([s for s in running if not s.finished], speculative)
+            for seq in [s for s in running if s.finished]:
+                running.remove(seq)
+                self._retire(seq, free)
+
+    def _admit(self, seq: Sequence, slot: int, speculative: bool) -> None:
+        seq.slot = slot
+        seq.start_time = time.perf_counter()
+        self.target.cache.reset(slot)
+        if self.draft is not None:
+            self.draft.cache.reset(slot)
+        timer = StepTimer(self.device)
+        prefill(self.target, seq, timer)
+        seq.stats.prefill_s = timer.verify_s
+        seq.stats.ttft_s = time.perf_counter() - seq.start_time
+        if not speculative:
+            seq.draft_tokens, seq.draft_features = [], None
+
+    def _retire(self, seq: Sequence, free: list[int]) -> None:
+        seq.stats.total_s = time.perf_counter() - seq.start_time
+        seq.stats.new_tokens = len(seq.output_ids)
+        free.append(seq.slot)
+        free.sort()
+        seq.slot = -1
+
+    def step(self, running: list[Sequence], speculative: bool) -> None:
+        budget = self.tree_budget(self.config.tree) if speculative else 1
+        active = []
+        if not running:
+            return
+        for s in running:
+            if int(self.target.cache.lengths[s.slot]) + budget > self.target.max_len:
+                s.finish_reason = "length"
+            else:
+                active.append(s)
+        if not active:
+            return
+        timer = StepTimer(self.device)
+        t0 = timer.now()
+        decode_step(self.target, self.draft if speculative else None, active,
+                    self.config.tree if speculative else None, timer)
+        total = timer.now() - t0
+        for s in active:
+            s.stats.draft_s += timer.draft_s
+            s.stats.verify_s += timer.verify_s
+            s.stats.other_s += total - timer.draft_s - timer.verify_s
+        for s in active:
+            if s.finished or not s.params.stop:
+                continue
+            self._check_stop_strings(s)
+
+    def _check_stop_strings(self, seq: Sequence) -> None:
+        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+        hits = [(text.find(x), x) for x in seq.params.stop if x and x in text]
+        if not hits:
+            return
+        pos = min(hits)[0]
+        # keep the fewest tokens whose text reaches the stop string; the text itself ends before it
+        for n in range(1, len(seq.output_ids) + 1):
+            if len(self.tokenizer.decode(seq.output_ids[:n], skip_special_tokens=True)) > pos:
+                seq.output_ids = seq.output_ids[:n]
+                break
+        seq.stop_text = text[:pos]
+        seq.finish_reason = "stop"
+
+    def output(self, seq: Sequence) -> RequestOutput:
+        text = seq.stop_text if seq.stop_text is not None else \
+            self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+        return RequestOutput(seq.request_id, seq.prompt_ids, list(seq.output_ids), text, seq.finish_reason or "length",
+                             seq.stats)

@@ -1,0 +1,158 @@
+"""One decoding step for a batch of running sequences: draft -> tree -> verify -> accept -> compact.
+
+Everything is batched over sequences; the only Python loops run over sequences (to pack ragged inputs and hand
+out results), never over tree nodes. ``StepTimer`` splits the step into draft forwards, target forwards and the
+rest, which is the overhead we keep small.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from eagle_ray.config import TreeConfig
+from eagle_ray.engine.sequence import Sequence
+from eagle_ray.model.draft_head import DraftHead
+from eagle_ray.model.target import TargetModel
+from eagle_ray.spec.accept import accept
+from eagle_ray.spec.sampling import SamplingBatch, choose_tokens
+from eagle_ray.spec.tree import Tree, grow_tree
+
+
+class StepTimer:
+    """Wall time of the draft and target forwards inside a step (synchronising CUDA at the edges)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.draft_s = 0.0
+        self.verify_s = 0.0
+
+    def now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+
+def sampling_batch(seqs: list[Sequence], device) -> SamplingBatch:
+    return SamplingBatch.from_params([s.params for s in seqs], [s.generator for s in seqs], device)
+
+
+def causal_block(lengths: list[int], width: int, device) -> torch.Tensor:
+    """[B, W, W] causal masks for ragged blocks; rows past a sequence's length see only themselves."""
+    n = torch.tensor(lengths, device=device).view(-1, 1, 1)
+    idx = torch.arange(width, device=device)
+    causal = idx.view(1, -1, 1) >= idx.view(1, 1, -1)
+    real = (idx.view(1, -1, 1) < n) & (idx.view(1, 1, -1) < n)
+    return (causal & real) | torch.eye(width, dtype=torch.bool, device=device)
+
+
+def prefill(target: TargetModel, seq: Sequence, timer: StepTimer) -> None:
+    """Run the prompt, emit the first token; queue all (feature, next token) pairs for the draft head."""
+    device = target.device
+    ids = torch.tensor([seq.prompt_ids], device=device)
+    T = ids.shape[1]
+    t0 = timer.now()
+    hidden = target.forward(ids, [seq.slot], torch.arange(T, device=device).view(1, -1),
+                            causal_block([T], T, device))
+    logits = target.logits(hidden[:, -1:])
+    timer.verify_s += timer.now() - t0
+    target.cache.lengths[seq.slot] = T
+    first = int(choose_tokens(logits, sampling_batch([seq], device))[0, 0])
+    seq.draft_tokens = seq.prompt_ids[1:] + [first]
+    seq.draft_features = hidden[0]
+    seq.append([first])
+
+
+def draft_tree(target: TargetModel, draft: DraftHead, seqs: list[Sequence], slots: list[int], tree_cfg: TreeConfig,
+               timer: StepTimer) -> Tree:
+    """Feed each sequence's pending pairs to the head (committing them to its cache), then grow the trees."""
+    device = target.device
+    B = len(seqs)
+    n = [len(s.draft_tokens) for s in seqs]
+    N = max(n)
+    d = target.hidden_size
+    tokens = torch.zeros(B, N, dtype=torch.long, device=device)
+    feats = torch.zeros(B, N, d, dtype=target.dtype, device=device)
+    for b, s in enumerate(seqs):
+        tokens[b, : n[b]] = torch.tensor(s.draft_tokens, device=device)
+        feats[b, : n[b]] = s.draft_features
+    lm_head = target.lm_head
+
+    def topk_fn(hidden, k):
+        t0 = timer.now()
+        logp, tok = torch.log_softmax(lm_head(hidden).float(), dim=-1).topk(k, dim=-1)
+        timer.draft_s += timer.now() - t0
+        return logp, tok
+
+    def draft_fn(tok, feat, level, block_mask, offset):
+        t0 = timer.now()
+        depth = torch.full(tok.shape, level, dtype=torch.long, device=device)
+        out = draft.forward(tok, feat, slots, depth, block_mask, offset)
+        timer.draft_s += timer.now() - t0
+        return out
+
+    t0 = timer.now()
+    hidden = draft.forward(tokens, feats, slots, torch.arange(N, device=device).expand(B, N),
+                           causal_block(n, N, device))
+    timer.draft_s += timer.now() - t0
+    draft.cache.lengths[slots] += torch.tensor(n)
+    root_hidden = hidden[torch.arange(B, device=device), torch.tensor(n, device=device) - 1]
+    roots = torch.tensor([s.root for s in seqs], device=device)
+    return grow_tree(draft_fn, topk_fn, root_hidden, roots, tree_cfg)
+
+
+def root_only_tree(seqs: list[Sequence], device) -> Tree:
+    """Plain decoding is verification of a one-node tree."""
+    B = len(seqs)
+    tokens = torch.tensor([[s.root] for s in seqs], device=device)
+    zeros = torch.zeros(B, 1, dtype=torch.long, device=device)
+    return Tree(tokens, zeros, zeros, torch.ones(B, 1, dtype=torch.bool, device=device),
+                torch.ones(B, 1, 1, dtype=torch.bool, device=device), torch.zeros(B, 1, device=device))
+
+
+def decode_step(target: TargetModel, draft: DraftHead | None, seqs: list[Sequence], tree_cfg: TreeConfig | None,
+                timer: StepTimer) -> list[list[int]]:
+    """One step for ``seqs``; returns the tokens each sequence emits (accepted drafts + bonus).
+
+    With ``draft is None`` this is plain autoregressive decoding on the same runtime.
+    """
+    device = target.device
+    slots = [s.slot for s in seqs]
+    B = len(seqs)
+    speculative = draft is not None
+    tree = draft_tree(target, draft, seqs, slots, tree_cfg, timer) if speculative else root_only_tree(seqs, device)
+
+    t0 = timer.now()
+    hidden = target.forward(tree.tokens, slots, tree.depth, tree.ancestors)
+    logits = target.logits(hidden)
+    timer.verify_s += timer.now() - t0
+
+    choice = choose_tokens(logits, sampling_batch(seqs, device))
+    acc = accept(tree, choice)
+
+    lengths = target.cache.lengths[slots]
+    A = acc.nodes.shape[1]
+    base = lengths.to(device).view(-1, 1)
+    src = acc.nodes + base
+    i = torch.arange(A, device=device).view(1, -1)
+    dst = torch.where(i < acc.count.view(-1, 1), base + i, src)
+    if A > 1 or bool((acc.nodes[:, 0] != 0).any()):
+        target.cache.compact(torch.tensor(slots, device=device), src, dst)
+    count = acc.count.cpu()
+    target.cache.lengths[slots] += count
+
+    nodes, counts = acc.nodes.tolist(), count.tolist()
+    tree_tokens = tree.tokens.gather(1, acc.nodes).tolist()
+    bonus = acc.bonus.tolist()
+    sizes = tree.size.tolist()
+    emitted = []
+    for b, s in enumerate(seqs):
+        c = counts[b]
+        new = tree_tokens[b][1:c] + [bonus[b]]
+        if speculative:
+            s.draft_tokens = list(new)
+            s.draft_features = hidden[b, nodes[b][:c]]
+        kept = s.append(new)
+        s.stats.record_step(c - 1, sizes[b], kept)
+        emitted.append(new[:kept])
+    return emitted

@@ -1,0 +1,21 @@
+"""Typed errors: every message says what was wrong and what to do about it."""
+
+
+class EagleError(Exception):
+    """Base class for errors raised by eagle-ray."""
+
+
+class ConfigError(EagleError, ValueError):
+    """A configuration or sampling value is out of range."""
+
+
+class CheckpointError(EagleError):
+    """A model or draft-head checkpoint is missing, malformed or does not match its partner."""
+
+
+class PromptTooLongError(EagleError, ValueError):
+    """A prompt (plus at least one new token) does not fit the engine's context."""
+
+
+class InvalidRequestError(EagleError, ValueError):
+    """A request is malformed (empty prompt, bad roles, wrong types)."""

@@ -1,0 +1,137 @@
+"""The EAGLE-1/2 draft head, in the SafeAILab checkpoint layout.
+
+``fc(concat(embed(token), feature))`` (embedding first) feeds one Llama decoder layer whose input_layernorm is
+absent; its output is a predicted target feature, scored by the *target's* lm_head. Keys on disk:
+``embed_tokens.weight, fc.weight[, fc.bias], layers.0.self_attn.{q,k,v,o}_proj.weight[, q/k/v bias],
+layers.0.mlp.{gate,up,down}_proj.weight, layers.0.post_attention_layernorm.weight``; config.json is a Llama
+config with ``num_hidden_layers: 1`` plus ``bias`` (fc bias, default true) and ``qkv_bias``.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+from eagle_ray.errors import CheckpointError
+from eagle_ray.model.attention import decoder_layer, make_block_meta
+from eagle_ray.model.kv_cache import KVCache
+
+CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+               "hidden_act", "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling",
+               "pad_token_id", "bos_token_id", "eos_token_id", "head_dim")
+
+
+class DraftHead(nn.Module):
+    def __init__(self, config: LlamaConfig, bias: bool = True, qkv_bias: bool = False):
+        super().__init__()
+        config.num_hidden_layers = 1
+        self.config, self.bias, self.qkv_bias = config, bias, qkv_bias
+        d = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, d, padding_idx=config.pad_token_id)
+        self.fc = nn.Linear(2 * d, d, bias=bias)
+        layer = LlamaDecoderLayer(config, layer_idx=0)
+        layer.input_layernorm = nn.Identity()  # EAGLE layer 0 attends to the fused input directly
+        if qkv_bias:  # Qwen2 heads: bias on q/k/v only
+            for name in ("q_proj", "k_proj", "v_proj"):
+                old = getattr(layer.self_attn, name)
+                setattr(layer.self_attn, name, nn.Linear(old.in_features, old.out_features, bias=True))
+        self.layers = nn.ModuleList([layer])
+        self.rotary_emb = LlamaRotaryEmbedding(config)
+        self.cache: KVCache | None = None
+
+    @classmethod
+    def for_target(cls, target_config, bias: bool = True, intermediate_size: int | None = None) -> "DraftHead":
+        """A fresh (random) head shaped for ``target_config``."""
+        kw = {k: getattr(target_config, k) for k in CONFIG_KEYS if getattr(target_config, k, None) is not None}
+        if intermediate_size:
+            kw["intermediate_size"] = intermediate_size
+        rope = getattr(target_config, "rope_parameters", None)
+        if rope:
+            kw["rope_parameters"] = dict(rope)
+        cfg = LlamaConfig(**kw, num_hidden_layers=1, architectures=["LlamaForCausalLM"])
+        return cls(cfg, bias=bias, qkv_bias=getattr(target_config, "model_type", "") == "qwen2")
+
+    # ---- checkpoint I/O -------------------------------------------------------------------------------------
+    def save(self, out_dir: str | Path, dtype: torch.dtype | None = None) -> None:
+        from safetensors.torch import save_file
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        cfg = self.config.to_dict()
+        cfg.update(num_hidden_layers=1, architectures=["LlamaForCausalLM"], bias=self.bias, qkv_bias=self.qkv_bias)
+        (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+        sd = {k: (v.to(dtype) if dtype else v).contiguous() for k, v in self.state_dict().items()}
+        save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+    @classmethod
+    def load(cls, path: str | Path, target_config=None, target_embed: torch.Tensor | None = None,
+             dtype: torch.dtype = torch.float32, device="cpu") -> "DraftHead":
+        """Load a head; with ``target_config`` check it fits (hidden size, vocabulary) and name any mismatch."""
+        path = Path(path)
+        raw = cls.check_config(path, target_config)
+        bias, qkv_bias = bool(raw.pop("bias", True)), bool(raw.pop("qkv_bias", False))
+        raw = {k: v for k, v in raw.items() if k not in ("architectures", "model_type", "transformers_version")}
+        raw["num_hidden_layers"] = 1
+        head = cls(LlamaConfig(**raw), bias=bias, qkv_bias=qkv_bias)
+        state = _read_state_dict(path)
+        if "embed_tokens.weight" not in state:  # some published heads share the target's embedding
+            if target_embed is None:
+                raise CheckpointError(f"draft head {path} has no embed_tokens.weight and no target to take it from")
+            state["embed_tokens.weight"] = target_embed.detach().to(torch.float32).cpu()
+        expected = head.state_dict()
+        missing = sorted(set(expected) - set(state))
+        unexpected = sorted(set(state) - set(expected) - {"layers.0.input_layernorm.weight"})
+        if missing or unexpected:
+            raise CheckpointError(f"draft head {path} keys do not match the EAGLE layout: missing {missing}, "
+                                  f"unexpected {unexpected}")
+        for k, v in expected.items():
+            if tuple(state[k].shape) != tuple(v.shape):
+                raise CheckpointError(f"draft head {path}: {k} has shape {tuple(state[k].shape)}, "
+                                      f"config implies {tuple(v.shape)}")
+        head.load_state_dict({k: state[k] for k in expected}, strict=True)
+        return head.to(device=device, dtype=dtype).eval()
+
+    @staticmethod
+    def check_config(path: str | Path, target_config=None) -> dict:
+        """The head's config.json; with ``target_config``, fail unless hidden size and vocabulary match."""
+        cfg_file = Path(path) / "config.json"
+        if not cfg_file.exists():
+            raise CheckpointError(f"draft head {path} has no config.json")
+        raw = json.loads(cfg_file.read_text())
+        if target_config is not None:
+            for key in ("hidden_size", "vocab_size"):
+                if raw.get(key) != getattr(target_config, key):
+                    raise CheckpointError(
+                        f"draft head {path} does not match the target: head {key}={raw.get(key)}, "
+                        f"target {key}={getattr(target_config, key)}")
+        return raw
+
+    # ---- runtime ---------------------------------------------------------------------------------------------
+    def allocate_cache(self, max_slots: int, max_len: int) -> None:
+        p = self.fc.weight
+        attn = self.layers[0].self_attn
+        self.cache = KVCache(1, max_slots, self.config.num_key_value_heads, max_len, attn.head_dim, p.dtype, p.device)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, features: torch.Tensor, slots: list[int], depth: torch.Tensor,
+                block_mask: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """Predicted next features for pairs ``(features[b, t], tokens[b, t])``; see ``make_block_meta``."""
+        assert self.cache is not None, "call allocate_cache() first"
+        meta = make_block_meta(self.cache, slots, block_mask, offset)
+        x = self.fc(torch.cat([self.embed_tokens(tokens), features.to(self.fc.weight.dtype)], dim=-1))
+        positions = self.cache.lengths[slots].to(x.device).view(-1, 1) + depth.to(x.device)
+        cos, sin = self.rotary_emb(x, positions)
+        return decoder_layer(self.layers[0], x, cos, sin, self.cache, 0, meta)
+
+
+def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    if (path / "model.safetensors").exists():
+        from safetensors.torch import load_file
+        return load_file(str(path / "model.safetensors"))
+    if (path / "pytorch_model.bin").exists():
+        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise CheckpointError(f"draft head {path} has neither model.safetensors nor pytorch_model.bin")

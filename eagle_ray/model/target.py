@@ -1,0 +1,75 @@
+"""The target model runtime: transformers modules, our KV cache, block/tree forwards.
+
+transformers gives config, weights, tokenizer, chat template and RoPE (incl. Llama-3 scaling); we run its layers
+with :func:`decoder_layer`, so a tree of candidate tokens is verified in one pass. ``forward`` returns the final
+post-norm hidden states: the draft head's input features, and the lm_head's input.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from eagle_ray.errors import CheckpointError
+from eagle_ray.model.attention import decoder_layer, make_block_meta
+from eagle_ray.model.kv_cache import KVCache
+
+SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+
+
+class TargetModel:
+    def __init__(self, hf_model, max_slots: int, max_len: int):
+        cfg = hf_model.config
+        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+            raise CheckpointError(f"target model_type '{cfg.model_type}' is not supported; eagle-ray runs "
+                                  f"Llama-family decoders: {sorted(SUPPORTED_MODEL_TYPES)}")
+        self.hf = hf_model.eval()
+        self.config = cfg
+        self.model = hf_model.model
+        self.layers = list(self.model.layers)
+        self.lm_head = hf_model.lm_head
+        param = next(hf_model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.max_len = min(max_len, cfg.max_position_embeddings)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.cache = KVCache(len(self.layers), max_slots, cfg.num_key_value_heads, self.max_len, head_dim,
+                             self.dtype, self.device)
+
+    @classmethod
+    def load(cls, path: str | Path, dtype: torch.dtype, device, max_slots: int, max_len: int) -> "TargetModel":
+        from transformers import AutoModelForCausalLM
+
+        try:
+            hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa")
+        except OSError as e:
+            raise CheckpointError(f"cannot load target from {path}: {e}") from e
+        return cls(hf.to(device), max_slots, max_len)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.weight.shape[0]
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, slots: list[int], depth: torch.Tensor,
+                block_mask: torch.Tensor) -> torch.Tensor:
+        """Run ``tokens [B, T]`` on top of each slot's committed prefix; returns post-norm hidden ``[B, T, d]``.
+
+        Row ``t`` of slot ``b`` sits at position ``lengths[b] + depth[b, t]`` and attends to the prefix plus the
+        block columns where ``block_mask[b, t]`` is True. K/V land at ``[lengths, lengths + T)``; the caller
+        commits them (prefill) or compacts the accepted ones (verify).
+        """
+        meta = make_block_meta(self.cache, slots, block_mask)
+        positions = self.cache.lengths[slots].to(self.device).view(-1, 1) + depth.to(self.device)
+        hidden = self.model.embed_tokens(tokens.to(self.device))
+        cos, sin = self.model.rotary_emb(hidden, positions)
+        for i, layer in enumerate(self.layers):
+            hidden = decoder_layer(layer, hidden, cos, sin, self.cache, i, meta)
+        return self.model.norm(hidden)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

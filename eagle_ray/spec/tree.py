@@ -1,0 +1,210 @@
+"""Draft trees for a batch: EAGLE-2 dynamic expansion + rerank, EAGLE-1 static shapes, chains.
+
+Pure tensor code. The draft model is passed in as two callables, so trees can be tested with a fake draft:
+
+- ``draft_fn(tokens [B,n], features [B,n,d], level: int, block_mask [B,n,N], offset: int) -> hidden [B,n,d]``
+  runs the head on ``n`` tree tokens per sequence placed at draft position ``stable_len + level``; the block
+  holds the ``N`` tree tokens forwarded so far this cycle (the new ones are the last ``n``).
+- ``topk_fn(hidden [..., d], k) -> (logprob [..., k], token [..., k])`` scores the draft's next-token distribution.
+
+Node 0 of every tree is the root (the last token the target emitted, not yet in its KV cache). Nodes are
+ordered so that a parent always precedes its children; padding nodes (``valid == False``) see only themselves.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from eagle_ray.config import TreeConfig
+
+DEFAULT_STATIC_TREE = [  # EAGLE-1 style: wide near the root, a deep greedy spine (25 draft nodes)
+    [0], [1], [2], [3],
+    [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [3, 0],
+    [0, 0, 0], [0, 0, 1], [0, 1, 0], [1, 0, 0], [0, 2, 0],
+    [0, 0, 0, 0], [0, 0, 1, 0], [0, 1, 0, 0], [1, 0, 0, 0],
+    [0, 0, 0, 0, 0], [0, 0, 0, 0, 1], [0, 1, 0, 0, 0],
+    [0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0],
+]
+
+
+@dataclass
+class Tree:
+    tokens: torch.Tensor     # [B, T] long
+    parents: torch.Tensor    # [B, T] long, index of the parent node (root: 0)
+    depth: torch.Tensor      # [B, T] long, root 0
+    valid: torch.Tensor      # [B, T] bool
+    ancestors: torch.Tensor  # [B, T, T] bool, row i = i and its ancestors (the verify attention mask)
+    scores: torch.Tensor     # [B, T] cumulative draft log-prob (root 0, padding -inf)
+
+    @property
+    def size(self) -> torch.Tensor:
+        return self.valid.sum(1)
+
+
+def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """[B, T, T] reflexive ancestor relation from parent indices (parents precede children): one gather per level."""
+    B, T = parents.shape
+    eye = torch.eye(T, dtype=torch.bool, device=parents.device).expand(B, T, T)
+    anc = eye
+    for _ in range(max_depth):
+        anc = eye | anc.gather(1, parents.unsqueeze(-1).expand(B, T, T))
+        anc[:, 0] = eye[:, 0]
+    return anc
+
+
+def root_to_leaf_paths(tree: Tree) -> list[list[list[int]]]:
+    """Per sequence, every root-to-leaf path as node indices (for inspection and tests; not on the hot path)."""
+    out = []
+    for b in range(tree.tokens.shape[0]):
+        valid = tree.valid[b]
+        has_child = torch.zeros_like(valid)
+        has_child[tree.parents[b][valid][1:]] = True
+        leaves = (valid & ~has_child).nonzero().flatten().tolist()
+        out.append([tree.ancestors[b, i].nonzero().flatten().tolist() for i in leaves])
+    return out
+
+
+def _pool_to_tree(root_tokens, pool_tokens, pool_scores, pool_parents, pool_depth, keep: int,
+                  min_cum_prob: float) -> Tree:
+    """Keep the ``keep`` best-scoring pool nodes per sequence (ascending pool order) and connect them.
+
+    A child's cumulative log-prob never exceeds its parent's and pool ids grow with depth, so ranking by
+    (score, -pool id) keeps every chosen node's parent chosen: the tree stays connected without a check.
+    """
+    B, P = pool_scores.shape
+    device = pool_scores.device
+    keep = min(keep, P)
+    pool_ids = torch.arange(P, device=device)
+    key = pool_scores.double() - pool_ids.double() * 1e-9
+    chosen = key.topk(keep, dim=1).indices.sort(dim=1).values                       # [B, keep]
+    parent_pool = pool_parents.gather(1, chosen)                                     # -1 = root
+    parent_node = torch.searchsorted(chosen, parent_pool.clamp(min=0)) + 1
+    parents = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=device),
+                         torch.where(parent_pool < 0, 0, parent_node)], dim=1)
+    scores = torch.cat([torch.zeros(B, 1, device=device), pool_scores.gather(1, chosen).float()], dim=1)
+    tokens = torch.cat([root_tokens.view(B, 1), pool_tokens.gather(1, chosen)], dim=1)
+    depth = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=device), pool_depth.gather(1, chosen)], dim=1)
+    valid = torch.ones_like(tokens, dtype=torch.bool)
+    if min_cum_prob > 0:
+        valid = scores >= torch.log(torch.tensor(min_cum_prob))
+        valid[:, 0] = True
+    max_depth = int(depth.max()) if depth.numel() else 0
+    parents = torch.where(valid, parents, torch.arange(parents.shape[1], device=device).expand_as(parents))
+    parents[:, 0] = 0
+    anc = ancestor_mask(parents, max_depth)
+    eye = torch.eye(anc.shape[1], dtype=torch.bool, device=device)
+    anc = torch.where(valid.unsqueeze(-1), anc, eye)
+    return Tree(tokens, parents, torch.where(valid, depth, 0), valid, anc,
+                torch.where(valid, scores, float("-inf")))
+
+
+def grow_dynamic(draft_fn, topk_fn, root_hidden: torch.Tensor, root_tokens: torch.Tensor, cfg: TreeConfig) -> Tree:
+    """EAGLE-2: expand a global top-k frontier by cumulative log-prob for ``depth`` steps, keep the best
+    ``total_tokens - 1`` candidates of the pool (``k + depth * k^2`` nodes)."""
+    B, d = root_hidden.shape
+    k = cfg.top_k
+    device = root_hidden.device
+    logp, tok = topk_fn(root_hidden, k)                                              # [B, k]
+    pool_tokens, pool_scores = [tok], [logp.float()]
+    pool_parents = [torch.full((B, k), -1, dtype=torch.long, device=device)]
+    pool_depth = [torch.ones(B, k, dtype=torch.long, device=device)]
+    front_ids = torch.arange(k, device=device).expand(B, k)
+    front_scores, front_tok = logp.float(), tok
+    front_feat = root_hidden.unsqueeze(1).expand(B, k, d)
+    eye = torch.eye(k, dtype=torch.bool, device=device).expand(B, k, k)
+    front_mask = eye
+    base = k
+    for level in range(cfg.depth):
+        hidden = draft_fn(front_tok, front_feat, level, front_mask, level * k)        # [B, k, d]
+        logp, tok = topk_fn(hidden, k)                                               # [B, k, k]
+        cum = (front_scores.unsqueeze(-1) + logp.float()).view(B, k * k)
+        pool_tokens.append(tok.reshape(B, k * k))
+        pool_scores.append(cum)
+        pool_parents.append(front_ids.unsqueeze(-1).expand(B, k, k).reshape(B, k * k))
+        pool_depth.append(torch.full((B, k * k), level + 2, dtype=torch.long, device=device))
+        if level == cfg.depth - 1:
+            break
+        front_scores, sel = cum.topk(k, dim=1)
+        parent = sel // k
+        front_ids = base + sel
+        front_tok = tok.reshape(B, k * k).gather(1, sel)
+        front_feat = hidden.gather(1, parent.unsqueeze(-1).expand(B, k, d))
+        front_mask = torch.cat([front_mask.gather(1, parent.unsqueeze(-1).expand_as(front_mask)), eye], dim=2)
+        base += k * k
+    return _pool_to_tree(root_tokens, torch.cat(pool_tokens, 1), torch.cat(pool_scores, 1),
+                         torch.cat(pool_parents, 1), torch.cat(pool_depth, 1), cfg.total_tokens - 1,
+                         cfg.min_cum_prob)
+
+
+def static_shape(cfg: TreeConfig) -> list[list[int]]:
+    if cfg.mode == "chain":
+        return [[0] * (i + 1) for i in range(cfg.depth + 1)]
+    shape = cfg.static_tree or DEFAULT_STATIC_TREE
+    return sorted((list(p) for p in shape), key=lambda p: (len(p), p))
+
+
+def grow_static(draft_fn, topk_fn, root_hidden: torch.Tensor, root_tokens: torch.Tensor, cfg: TreeConfig) -> Tree:
+    """EAGLE-1 style fixed tree (and chains): node ``[r0, r1, ...]`` is the r-th ranked child along the path.
+
+    Only nodes that have children are forwarded through the draft, one batched call per level.
+    """
+    shape = static_shape(cfg)
+    B, d = root_hidden.shape
+    device = root_hidden.device
+    index = {tuple(p): i for i, p in enumerate(shape)}
+    K = max(p[-1] for p in shape) + 1
+    levels = sorted({len(p) for p in shape})
+    logp, tok = topk_fn(root_hidden, K)
+    P = len(shape)
+    pool_tokens = torch.zeros(B, P, dtype=torch.long, device=device)
+    pool_scores = torch.zeros(B, P, device=device)
+    pool_parents = torch.tensor([index.get(tuple(p[:-1]), -1) for p in shape], device=device).expand(B, P)
+    pool_depth = torch.tensor([len(p) for p in shape], device=device).expand(B, P)
+    lvl1 = [i for i, p in enumerate(shape) if len(p) == 1]
+    ranks = torch.tensor([shape[i][-1] for i in lvl1], device=device)
+    pool_tokens[:, lvl1] = tok[:, ranks]
+    pool_scores[:, lvl1] = logp[:, ranks].float()
+    forwarded: list[int] = []                   # pool ids in draft block column order
+    col_mask = torch.zeros(B, 0, 0, dtype=torch.bool, device=device)
+    hidden_of: dict[int, torch.Tensor] = {}
+    for level in levels[:-1]:
+        parents = [i for i, p in enumerate(shape) if len(p) == level and any(
+            len(q) == level + 1 and q[:-1] == p for q in shape)]
+        if not parents:
+            break
+        n, N0 = len(parents), len(forwarded)
+        feats = torch.stack([_feature(i, shape, index, root_hidden, hidden_of) for i in parents], 1)
+        block = torch.zeros(B, n, N0 + n, dtype=torch.bool, device=device)
+        for r, i in enumerate(parents):  # host-side shape bookkeeping, independent of B
+            for anc in _ancestors(shape[i], index):
+                if anc in forwarded:
+                    block[:, r, forwarded.index(anc)] = True
+            block[:, r, N0 + r] = True
+        hidden = draft_fn(pool_tokens[:, parents], feats, level - 1, block, N0)
+        forwarded += parents
+        lp, tk = topk_fn(hidden, K)                                                # [B, n, K]
+        for r, i in enumerate(parents):
+            hidden_of[i] = hidden[:, r]
+        children = [j for j, q in enumerate(shape) if len(q) == level + 1]
+        rows = torch.tensor([parents.index(index[tuple(shape[j][:-1])]) for j in children], device=device)
+        cr = torch.tensor([shape[j][-1] for j in children], device=device)
+        pool_tokens[:, children] = tk[:, rows, cr]
+        pool_scores[:, children] = pool_scores[:, [index[tuple(shape[j][:-1])] for j in children]] + lp[:, rows, cr].float()
+    return _pool_to_tree(root_tokens, pool_tokens, pool_scores, pool_parents, pool_depth, P, cfg.min_cum_prob)
+
+
+def _ancestors(path: list[int], index: dict) -> list[int]:
+    return [index[tuple(path[:j])] for j in range(1, len(path) + 1)]
+
+
+def _feature(i, shape, index, root_hidden, hidden_of):
+    """The draft feature a static node is forwarded with: its parent's draft output (root output at level 1)."""
+    path = shape[i]
+    return root_hidden if len(path) == 1 else hidden_of[index[tuple(path[:-1])]]
+
+
+def grow_tree(draft_fn, topk_fn, root_hidden, root_tokens, cfg: TreeConfig) -> Tree:
+    if cfg.mode == "dynamic":
+        return grow_dynamic(draft_fn, topk_fn, root_hidden, root_tokens, cfg)
+    return grow_static(draft_fn, topk_fn, root_hidden, root_tokens, cfg)

@@ -1,0 +1,134 @@
+"""Feature extraction: run the target over templated conversations and keep what the drafter learns from.
+
+One shard = a fixed, contiguous range of conversation indices, written atomically as safetensors with
+``input_ids`` (int32), ``loss_mask`` (uint8), ``hidden`` (the target's final post-norm hidden state, bf16) and
+``offsets`` (int64, conversation boundaries). A shard that exists is complete, so a restarted run skips it: every
+conversation is written exactly once however often extraction is killed.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from eagle_ray.train.data import iter_json_array, sharegpt_path, to_messages, tokenize_with_loss_mask
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.safetensors"
+
+
+def read_shard(path: str | Path) -> list[dict]:
+    """Shard -> list of {input_ids, loss_mask, hidden} per conversation."""
+    t = load_file(str(path))
+    off = t["offsets"].tolist()
+    return [{"input_ids": t["input_ids"][a:b].long(), "loss_mask": t["loss_mask"][a:b],
+             "hidden": t["hidden"][a:b], "conv_index": int(t["conv_index"][i])}
+            for i, (a, b) in enumerate(zip(off[:-1], off[1:]))]
+
+
+@torch.inference_mode()
+def extract_features(model, tokenizer, conversations: list[tuple[int, list[dict]]], max_len: int) -> dict:
+    """Tensors of one shard for ``conversations`` = [(global index, messages)]; conversations with no learnable
+    token are skipped (recorded nowhere, as they carry no signal)."""
+    device = next(model.parameters()).device
+    ids_all, mask_all, hid_all, offsets, conv_index = [], [], [], [0], []
+    for index, messages in conversations:
+        ids, mask = tokenize_with_loss_mask(tokenizer, messages, max_len)
+        if sum(mask[1:]) == 0:
+            continue
+        x = torch.tensor([ids], device=device)
+        hidden = model.model(input_ids=x).last_hidden_state[0]  # post-norm, = hidden_states[-1]
+        ids_all.append(torch.tensor(ids, dtype=torch.int32))
+        mask_all.append(torch.tensor(mask, dtype=torch.uint8))
+        hid_all.append(hidden.to("cpu", torch.bfloat16))
+        offsets.append(offsets[-1] + len(ids))
+        conv_index.append(index)
+    if not ids_all:
+        return {"input_ids": torch.zeros(0, dtype=torch.int32), "loss_mask": torch.zeros(0, dtype=torch.uint8),
+                "hidden": torch.zeros(0, model.config.hidden_size, dtype=torch.bfloat16),
+                "offsets": torch.zeros(1, dtype=torch.int64), "conv_index": torch.zeros(0, dtype=torch.int64)}
+    return {"input_ids": torch.cat(ids_all), "loss_mask": torch.cat(mask_all), "hidden": torch.cat(hid_all),
+            "offsets": torch.tensor(offsets, dtype=torch.int64), "conv_index": torch.tensor(conv_index)}
+
+
+def write_shard(out_dir: Path, index: int, tensors: dict) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    final = out_dir / shard_name(index)
+    tmp = out_dir / f".{shard_name(index)}.tmp{os.getpid()}"
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+    os.replace(tmp, final)
+    return final
+
+
+def iter_conversations(source: str | None) -> Iterable[list[dict] | None]:
+    """Messages per record of ``source`` (None = the ShareGPT wheel), None for records without an assistant turn."""
+    if source is None or source.endswith(".json"):
+        for rec in iter_json_array(source or sharegpt_path()):
+            yield to_messages(rec)
+    else:  # JSONL of {"messages": [...]} or ShareGPT records
+        import json
+        with open(source, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    yield to_messages(json.loads(line))
+
+
+def run_local(out_dir: str, target: str | None, source: str | None, max_conversations: int, shard_size: int,
+              max_len: int, dtype: str, threads: int, worker: int = 0, num_workers: int = 1) -> None:
+    """Single-process extraction (the Ray Data job in jobs/extract_features.py fans the same shards out to actors)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from eagle_ray.model.loading import resolve_target
+
+    torch.set_num_threads(threads)
+    path = resolve_target(target)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    out = Path(out_dir)
+    batch: list[tuple[int, list[dict]]] = []
+    shard, t0, done_tokens = 0, time.time(), 0
+    for i, msgs in enumerate(iter_conversations(source)):
+        if i >= max_conversations:
+            break
+        if i // shard_size != shard:
+            shard = i // shard_size
+        if shard % num_workers != worker or (out / shard_name(shard)).exists():
+            continue
+        if msgs is not None:
+            batch.append((i, msgs))
+        if (i + 1) % shard_size == 0:
+            tensors = extract_features(model, tok, batch, max_len)
+            write_shard(out, shard, tensors)
+            done_tokens += len(tensors["input_ids"])
+            print(f"shard {shard}: {len(batch)} convs, {len(tensors['input_ids'])} tokens, "
+                  f"{done_tokens / (time.time() - t0):.0f} tok/s", flush=True)
+            batch = []
+    if batch and not (out / shard_name(shard)).exists():
+        write_shard(out, shard, extract_features(model, tok, batch, max_len))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Extract target features for drafter training (local, resumable).")
+    p.add_argument("--out", required=True)
+    p.add_argument("--target", default=None)
+    p.add_argument("--source", default=None, help="ShareGPT .json or JSONL of messages (default: the ShareGPT wheel)")
+    p.add_argument("--max-conversations", type=int, default=20000)
+    p.add_argument("--shard-size", type=int, default=32)
+    p.add_argument("--max-len", type=int, default=2048)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--worker", type=int, default=0, help="this process takes shards with index %% workers == worker")
+    p.add_argument("--workers", type=int, default=1)
+    a = p.parse_args(argv)
+    run_local(a.out, a.target, a.source, a.max_conversations, a.shard_size, a.max_len, a.dtype, a.threads,
+              a.worker, a.workers)
+
+
+if __name__ == "__main__":
+    main()

@@ -168,27 +168,33 @@ class EagleEngine:
         running: list[Sequence] = []
         free = list(range(self.config.max_batch_size))
         while waiting or running:
+            admitted = []
             while waiting and free:
-                seq = waiting.pop(0)
-                self._admit(seq, free.pop(0), speculative)
-                running.append(seq)
+                admitted.append(waiting.pop(0))
+                admitted[-1].slot = free.pop(0)
+            if admitted:
+                self._admit(admitted, speculative)
+                running += admitted
             self.step([s for s in running if not s.finished], speculative)
             for seq in [s for s in running if s.finished]:
                 running.remove(seq)
                 self._retire(seq, free)
 
-    def _admit(self, seq: Sequence, slot: int, speculative: bool) -> None:
-        seq.slot = slot
-        seq.start_time = time.perf_counter()
-        self.target.cache.reset(slot)
-        if self.draft is not None:
-            self.draft.cache.reset(slot)
+    def _admit(self, seqs: list[Sequence], speculative: bool) -> None:
+        """Prefill newly admitted sequences together (their slots are already assigned)."""
+        start = time.perf_counter()
+        for seq in seqs:
+            seq.start_time = start
+            self.target.cache.reset(seq.slot)
+            if self.draft is not None:
+                self.draft.cache.reset(seq.slot)
         timer = StepTimer(self.device)
-        prefill(self.target, seq, timer)
-        seq.stats.prefill_s = timer.verify_s
-        seq.stats.ttft_s = time.perf_counter() - seq.start_time
-        if not speculative:
-            seq.draft_tokens, seq.draft_features = [], None
+        prefill(self.target, seqs, timer)
+        for seq in seqs:
+            seq.stats.prefill_s = timer.verify_s
+            seq.stats.ttft_s = time.perf_counter() - start
+            if not speculative:
+                seq.draft_tokens, seq.draft_features = [], None
 
     def _retire(self, seq: Sequence, free: list[int]) -> None:
         seq.stats.total_s = time.perf_counter() - seq.start_time

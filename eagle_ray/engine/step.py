@@ -46,21 +46,27 @@ def causal_block(lengths: list[int], width: int, device) -> torch.Tensor:
     return (causal & real) | torch.eye(width, dtype=torch.bool, device=device)
 
 
-def prefill(target: TargetModel, seq: Sequence, timer: StepTimer) -> None:
-    """Run the prompt, emit the first token; queue all (feature, next token) pairs for the draft head."""
+def prefill(target: TargetModel, seqs: list[Sequence], timer: StepTimer) -> None:
+    """Run the prompts (one padded forward), emit each first token; queue every (feature, next token) pair for
+    the draft head."""
     device = target.device
-    ids = torch.tensor([seq.prompt_ids], device=device)
-    T = ids.shape[1]
+    n = [len(s.prompt_ids) for s in seqs]
+    B, T = len(seqs), max(n)
+    ids = torch.zeros(B, T, dtype=torch.long, device=device)
+    for b, s in enumerate(seqs):
+        ids[b, : n[b]] = torch.tensor(s.prompt_ids, device=device)
+    last = torch.tensor(n, device=device) - 1
     t0 = timer.now()
-    hidden = target.forward(ids, [seq.slot], torch.arange(T, device=device).view(1, -1),
-                            causal_block([T], T, device))
-    logits = target.logits(hidden[:, -1:])
+    hidden = target.forward(ids, [s.slot for s in seqs], torch.arange(T, device=device).expand(B, T),
+                            causal_block(n, T, device))
+    logits = target.logits(hidden[torch.arange(B, device=device), last].unsqueeze(1))
     timer.verify_s += timer.now() - t0
-    target.cache.lengths[seq.slot] = T
-    first = int(choose_tokens(logits, sampling_batch([seq], device))[0, 0])
-    seq.draft_tokens = seq.prompt_ids[1:] + [first]
-    seq.draft_features = hidden[0]
-    seq.append([first])
+    first = choose_tokens(logits, sampling_batch(seqs, device))[:, 0].tolist()
+    for b, s in enumerate(seqs):
+        target.cache.lengths[s.slot] = n[b]
+        s.draft_tokens = s.prompt_ids[1:] + [first[b]]
+        s.draft_features = hidden[b, : n[b]]
+        s.append([first[b]])
 
 
 def draft_tree(target: TargetModel, draft: DraftHead, seqs: list[Sequence], slots: list[int], tree_cfg: TreeConfig,

@@ -1,0 +1,202 @@
+"""EAGLE-1/2 drafter training on extracted features.
+
+Recipe (Li et al.; SafeAILab e2): the head sees (feature f_i, token x_{i+1}) and regresses f_{i+1} with SmoothL1,
+plus 0.1 x soft cross-entropy between lm_head(prediction) and the target's distribution lm_head(f_{i+1}) (the
+target's lm_head, frozen); uniform noise on the input features; AdamW(0.9, 0.95), linear warmup, gradient clipping.
+Only assistant positions count. Resumable: the checkpoint holds head, optimizer, step and the data position, and
+every random draw is seeded from (seed, step), so a resumed run equals an uninterrupted one.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from eagle_ray.model.draft_head import DraftHead
+
+
+@dataclass
+class TrainConfig:
+    lr: float = 3e-4
+    warmup_steps: int = 200
+    epochs: int = 4
+    tokens_per_step: int = 2048
+    max_len: int = 1024
+    grad_clip: float = 0.5
+    noise: float = 0.2
+    ce_weight: float = 0.1
+    ce_fraction: float = 1.0   # fraction of positions that pay the lm_head cross-entropy (saves CPU time)
+    seed: int = 0
+    eval_fraction: float = 0.02
+    checkpoint_every: int = 100
+    autocast_bf16: bool = False
+
+
+def make_batches(lengths: list[int], tokens_per_step: int, seed: int, epoch: int) -> list[list[int]]:
+    """Length-bucketed batches of conversation indices, shuffled deterministically per epoch."""
+    rng = random.Random(seed * 1000003 + epoch)
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], rng.random()))
+    batches, cur, longest = [], [], 0
+    for i in order:
+        longest_new = max(longest, lengths[i])
+        if cur and longest_new * (len(cur) + 1) > tokens_per_step:
+            batches.append(cur)
+            cur, longest_new = [], lengths[i]
+        cur.append(i)
+        longest = longest_new
+    if cur:
+        batches.append(cur)
+    rng.shuffle(batches)
+    return batches
+
+
+def collate(convs: list[dict], idx: list[int], max_len: int):
+    """Pad a batch: inputs (h[0..n-1), x[1..n)), targets h[1..n), mask on assistant target positions."""
+    n = min(max(len(convs[i]["input_ids"]) for i in idx), max_len)
+    B, d = len(idx), convs[idx[0]]["hidden"].shape[-1]
+    tokens = torch.zeros(B, n - 1, dtype=torch.long)
+    feats = torch.zeros(B, n - 1, d)
+    target = torch.zeros(B, n - 1, d)
+    mask = torch.zeros(B, n - 1)
+    for b, i in enumerate(idx):
+        c = convs[i]
+        m = min(len(c["input_ids"]), n)
+        tokens[b, : m - 1] = c["input_ids"][1:m]
+        feats[b, : m - 1] = c["hidden"][: m - 1].float()
+        target[b, : m - 1] = c["hidden"][1:m].float()
+        mask[b, : m - 1] = c["loss_mask"][1:m].float()
+    return tokens, feats, target, mask
+
+
+def head_forward_train(head: DraftHead, tokens: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+    """Full-sequence causal forward of the head (training path, plain HF attention, no cache)."""
+    x = head.fc(torch.cat([head.embed_tokens(tokens), feats], dim=-1))
+    T = x.shape[1]
+    pos = torch.arange(T).unsqueeze(0).expand(x.shape[0], T)
+    cos, sin = head.rotary_emb(x, pos)
+    layer = head.layers[0]
+    attn = layer.self_attn
+    B = x.shape[0]
+    hd = attn.head_dim
+    q = attn.q_proj(x).view(B, T, -1, hd).transpose(1, 2)
+    k = attn.k_proj(x).view(B, T, -1, hd).transpose(1, 2)
+    v = attn.v_proj(x).view(B, T, -1, hd).transpose(1, 2)
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=k.shape[1] != q.shape[1])
+    h = x + attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def losses(head: DraftHead, lm_weight: torch.Tensor, tokens, feats, target, mask, cfg: TrainConfig,
+           gen: torch.Generator | None, train: bool):
+    if train and cfg.noise > 0:
+        noise = (torch.rand(feats.shape, generator=gen) - 0.5) * cfg.noise * 512 / feats.shape[1]
+        feats = feats + noise
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
+        pred = head_forward_train(head, tokens, feats).float()
+    denom = mask.sum().clamp(min=1)
+    vloss = (F.smooth_l1_loss(pred, target, reduction="none").mean(-1) * mask).sum() / denom
+    sel = mask.bool()
+    if train and cfg.ce_fraction < 1.0:
+        sel = sel & (torch.rand(mask.shape, generator=gen) < cfg.ce_fraction)
+    p_sel, t_sel = pred[sel], target[sel]
+    with torch.no_grad():
+        t_logits = t_sel @ lm_weight.T
+        t_prob = t_logits.softmax(-1)
+        t_top = t_logits.argmax(-1)
+    p_logits = p_sel @ lm_weight.T
+    ploss = -(t_prob * p_logits.log_softmax(-1)).sum(-1).mean() if len(t_sel) else pred.sum() * 0
+    acc = (p_logits.argmax(-1) == t_top).float().mean().item() if len(t_sel) else 0.0
+    return vloss, ploss, acc, len(t_sel)
+
+
+def save_checkpoint(path: Path, head, opt, state: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "state": state}, tmp)
+    os.replace(tmp, path)
+
+
+def train(convs: list[dict], head: DraftHead, lm_weight: torch.Tensor, out_dir: str | Path, cfg: TrainConfig,
+          max_steps: int | None = None, log=print) -> dict:
+    """Train ``head`` in place; resumes from ``out_dir/checkpoint.pt`` when present. Returns the final metrics."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    n_eval = max(1, int(len(convs) * cfg.eval_fraction)) if len(convs) > 1 else 0
+    eval_set, train_set = convs[:n_eval], convs[n_eval:] or convs
+    lengths = [min(len(c["input_ids"]), cfg.max_len) for c in train_set]
+    head.embed_tokens.weight.requires_grad_(False)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    steps_per_epoch = len(make_batches(lengths, cfg.tokens_per_step, cfg.seed, 0))
+    total = steps_per_epoch * cfg.epochs
+    state = {"step": 0, "epoch": 0, "batch": 0, "history": []}
+    ckpt = out / "checkpoint.pt"
+    if ckpt.exists():
+        saved = torch.load(ckpt, weights_only=True)
+        head.load_state_dict(saved["head"])
+        opt.load_state_dict(saved["opt"])
+        state = saved["state"]
+        log(f"resumed at step {state['step']} (epoch {state['epoch']}, batch {state['batch']})")
+    sched = lambda s: min(1.0, (s + 1) / cfg.warmup_steps) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total))  # noqa
+    t0, seen = time.time(), 0
+    while state["epoch"] < cfg.epochs:
+        batches = make_batches(lengths, cfg.tokens_per_step, cfg.seed, state["epoch"])
+        while state["batch"] < len(batches):
+            if max_steps is not None and state["step"] >= max_steps:
+                return state
+            gen = torch.Generator().manual_seed(cfg.seed * 7919 + state["step"])
+            tokens, feats, target, mask = collate(train_set, batches[state["batch"]], cfg.max_len)
+            for g in opt.param_groups:
+                g["lr"] = cfg.lr * sched(state["step"])
+            head.train()
+            vloss, ploss, acc, _ = losses(head, lm_weight, tokens, feats, target, mask, cfg, gen, True)
+            loss = vloss + cfg.ce_weight * ploss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_value_(params, cfg.grad_clip)
+            opt.step()
+            state["step"] += 1
+            state["batch"] += 1
+            seen += int(mask.sum())
+            if state["step"] % 20 == 0:
+                log(f"step {state['step']}/{total} epoch {state['epoch']} vloss {vloss.item():.4f} "
+                    f"ploss {ploss.item():.3f} acc {acc:.3f} {seen / (time.time() - t0):.0f} tok/s")
+            if state["step"] % cfg.checkpoint_every == 0:
+                save_checkpoint(ckpt, head, opt, state)
+        metrics = evaluate(head, lm_weight, eval_set, cfg) if eval_set else {}
+        metrics.update(epoch=state["epoch"], step=state["step"])
+        state["history"].append(metrics)
+        log(f"epoch {state['epoch']} done: {json.dumps(metrics)}")
+        state["epoch"] += 1
+        state["batch"] = 0
+        save_checkpoint(ckpt, head, opt, state)
+    return state
+
+
+@torch.no_grad()
+def evaluate(head: DraftHead, lm_weight: torch.Tensor, convs: list[dict], cfg: TrainConfig, depth: int = 5) -> dict:
+    """Held-out top-1 accuracy against the target's argmax, and the chain acceptance length it implies
+    (``sum_j acc^j`` for j = 0..depth: a simulation that assumes deeper steps are as accurate as the first)."""
+    head.eval()
+    tot_v, tot_acc, n = 0.0, 0.0, 0
+    for i in range(len(convs)):
+        tokens, feats, target, mask = collate(convs, [i], cfg.max_len)
+        vloss, _, acc, cnt = losses(head, lm_weight, tokens, feats, target, mask, cfg, None, False)
+        tot_v += vloss.item() * cnt
+        tot_acc += acc * cnt
+        n += cnt
+    acc = tot_acc / max(n, 1)
+    return {"eval_vloss": tot_v / max(n, 1), "eval_top1": acc, "sim_tau_chain": sum(acc ** j for j in range(depth + 1)),
+            "eval_tokens": n}
+
+
+def config_dict(cfg: TrainConfig) -> dict:
+    return asdict(cfg)

@@ -1,0 +1,157 @@
+"""The engine on tiny random models: speculative output is the target's own greedy output, exactly, for every
+tree mode, batch size and Llama-family variant; stop rules cut where they should."""
+import pytest
+import torch
+from tiny import make_tokenizer, save_target, tiny_engine, trained_head
+
+from eagle_ray.config import SamplingParams, TreeConfig
+
+
+def reference_greedy(hf, prompt: list[int], n: int, stop: set[int] = frozenset()) -> list[int]:
+    """Independent reference: full forward without any cache, argmax, one token at a time."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+            if ids[-1] in stop:
+                break
+    return ids[len(prompt):]
+
+
+def mixed_prompts(n: int, seed: int = 5) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 64, (int(k),), generator=g).tolist() for k in torch.randint(1, 24, (n,), generator=g)]
+
+
+TREES = {
+    "dynamic": TreeConfig(total_tokens=12, depth=3, top_k=3),
+    "dynamic-wide": TreeConfig(total_tokens=24, depth=5, top_k=4),
+    "dynamic-pruned": TreeConfig(total_tokens=16, depth=4, top_k=4, min_cum_prob=0.02),
+    "static": TreeConfig(mode="static"),
+    "chain": TreeConfig(mode="chain", depth=4),
+}
+
+
+@pytest.mark.parametrize("tree", list(TREES))
+@pytest.mark.parametrize("batch", [1, 3])
+def test_speculative_greedy_equals_target_greedy(tiny_dir, tiny_hf, tiny_head, tree, batch):
+    engine = tiny_engine(tiny_dir, tiny_head, TREES[tree], max_batch_size=batch)
+    prompts = mixed_prompts(6)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=40, ignore_eos=True))
+    for out, prompt in zip(outs, prompts):
+        assert out.token_ids == reference_greedy(tiny_hf, prompt, 40)
+        assert out.finish_reason == "length"
+    # the trained head gets multi-token acceptance, so KV compaction of deep paths is exercised
+    if tree != "dynamic-pruned":  # pruning at 2% keeps little when the head is unsure of random prompts
+        assert any(len(o.stats.accept_hist) > 2 for o in outs), [o.stats.accept_hist for o in outs]
+    assert all(o.stats.verify_steps > 0 and sum(o.stats.accept_hist) == o.stats.verify_steps for o in outs)
+
+
+def test_plain_decoding_on_the_same_runtime(tiny_dir, tiny_hf, tiny_head):
+    engine = tiny_engine(tiny_dir, tiny_head, max_batch_size=4)
+    prompts = mixed_prompts(5, seed=9)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=30, ignore_eos=True), speculative=False)
+    for out, prompt in zip(outs, prompts):
+        assert out.token_ids == reference_greedy(tiny_hf, prompt, 30)
+        assert out.stats.tau == 1.0
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "mistral"])
+def test_other_llama_family_targets(tmp_path, model_type):
+    path = save_target(tmp_path / model_type, model_type=model_type, seed=3)
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    head = trained_head(hf, steps=150)
+    engine = tiny_engine(path, head, TREES["dynamic"], max_batch_size=2)
+    prompts = mixed_prompts(3, seed=2)
+    for out, prompt in zip(engine.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True)), prompts):
+        assert out.token_ids == reference_greedy(hf, prompt, 24)
+
+
+def test_eos_stops_and_nothing_follows(tiny_dir, tiny_hf, tiny_head):
+    engine = tiny_engine(tiny_dir, tiny_head)
+    prompts = mixed_prompts(12, seed=11)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=60))
+    for out, prompt in zip(outs, prompts):
+        ref = reference_greedy(tiny_hf, prompt, 60, stop={1})
+        assert out.token_ids == ref
+        assert out.finish_reason == ("stop" if ref[-1] == 1 else "length")
+
+
+def test_stop_token_ids_and_max_new_tokens_never_overshoot(tiny_dir, tiny_hf, tiny_head):
+    engine = tiny_engine(tiny_dir, tiny_head)
+    prompt = mixed_prompts(1, seed=4)[0]
+    full = reference_greedy(tiny_hf, prompt, 40)
+    stop_tok = full[17]
+    out = engine.generate([prompt], SamplingParams(max_new_tokens=40, stop_token_ids=[stop_tok], ignore_eos=True))[0]
+    assert out.token_ids == full[: full.index(stop_tok) + 1] and out.finish_reason == "stop"
+    for n in (1, 2, 7):
+        out = engine.generate([prompt], SamplingParams(max_new_tokens=n, ignore_eos=True))[0]
+        assert out.token_ids == full[:n] and out.finish_reason == "length"
+
+
+def test_stop_strings_cut_the_text_before_the_match(tiny_dir, tiny_hf, tiny_head):
+    engine = tiny_engine(tiny_dir, tiny_head)
+    tok = make_tokenizer(64)
+    prompt = mixed_prompts(1, seed=4)[0]
+    full = reference_greedy(tiny_hf, prompt, 40)
+    full_text = tok.decode(full)
+    stop = " " + tok.decode([full[12]]) + " "
+    pos = full_text.find(stop)
+    out = engine.generate([prompt], SamplingParams(max_new_tokens=40, stop=[stop], ignore_eos=True))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == full_text[:pos]
+    n = next(n for n in range(1, 41) if len(tok.decode(full[:n])) > pos)  # fewest tokens that reach the match
+    assert out.token_ids == full[:n]
+
+
+def test_context_limit_finishes_with_length(tiny_dir, tiny_hf, tiny_head):
+    engine = tiny_engine(tiny_dir, tiny_head, max_model_len=64)
+    prompt = mixed_prompts(1, seed=4)[0]
+    out = engine.generate([prompt], SamplingParams(max_new_tokens=500, ignore_eos=True))[0]
+    assert out.finish_reason == "length"
+    assert len(prompt) + len(out.token_ids) <= 64
+    assert out.token_ids == reference_greedy(tiny_hf, prompt, len(out.token_ids))
+
+
+def test_chat_messages_and_strings_are_accepted(tiny_dir, tiny_head):
+    engine = tiny_engine(tiny_dir, tiny_head)
+    outs = engine.generate([[{"role": "user", "content": "w1 w2 w3"}], "w4 w5"], SamplingParams(max_new_tokens=5))
+    assert outs[0].prompt_token_ids == [2, 3, 6, 8, 9, 10, 1, 2, 4, 6]
+    assert outs[1].prompt_token_ids == [11, 12]
+    assert all(1 <= len(o.token_ids) <= 5 for o in outs)
+
+
+@pytest.mark.parametrize("tree", ["dynamic-wide", "static"])
+def test_tree_scores_equal_the_draft_head_recomputed_along_each_path(tiny_dir, tiny_hf, tiny_head, tree):
+    """The batched tree drafting (draft KV cache, per-level masks, positions) gives every node the cumulative
+    log-prob that a cache-free recomputation of the head along the node's path gives."""
+    from eagle_ray.engine.step import StepTimer, draft_tree, prefill
+    from eagle_ray.train.trainer import head_forward_train
+
+    engine = tiny_engine(tiny_dir, tiny_head, TREES[tree], max_batch_size=2)
+    prompts = mixed_prompts(2, seed=21)
+    seqs = [engine.make_sequence(p, SamplingParams(max_new_tokens=8)) for p in prompts]
+    timer = StepTimer(engine.device)
+    with torch.inference_mode():
+        for slot, s in enumerate(seqs):
+            s.slot = slot
+        prefill(engine.target, seqs, timer)
+        features = [s.draft_features.clone() for s in seqs]
+        t = draft_tree(engine.target, engine.draft, seqs, [0, 1], engine.config.tree, timer)
+    lm = tiny_hf.lm_head.weight
+    for b, s in enumerate(seqs):
+        toks0, feats0 = s.prompt_ids[1:] + [s.root], list(features[b])
+        for i in range(1, t.tokens.shape[1]):
+            path = t.ancestors[b, i].nonzero().flatten().tolist()  # root ... i
+            toks, feats, score = list(toks0), list(feats0), 0.0
+            with torch.no_grad():
+                for node in path[1:]:
+                    pred = head_forward_train(tiny_head, torch.tensor([toks]), torch.stack(feats)[None])[0, -1]
+                    logp = torch.log_softmax(pred @ lm.T, -1)
+                    tok = int(t.tokens[b, node])
+                    assert tok in logp.topk(engine.config.tree.top_k if tree != "static" else 4).indices.tolist()
+                    score += float(logp[tok])
+                    toks.append(tok)
+                    feats.append(pred)
+            assert abs(score - float(t.scores[b, i])) < 1e-4

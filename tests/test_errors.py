@@ -1,0 +1,69 @@
+"""Bad input raises a typed error whose message says what to fix."""
+import pytest
+from tiny import make_target, tiny_engine
+from transformers import LlamaConfig
+
+from eagle_ray.config import EngineConfig, SamplingParams, TreeConfig
+from eagle_ray.engine.engine import EagleEngine
+from eagle_ray.errors import CheckpointError, ConfigError, InvalidRequestError, PromptTooLongError
+from eagle_ray.model.draft_head import DraftHead
+
+
+@pytest.mark.parametrize("kw,field", [
+    ({"temperature": -0.5}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+    ({"max_new_tokens": 0}, "max_new_tokens"), ({"top_k": -1}, "top_k"), ({"max_tokens": 0}, "max_new_tokens"),
+    ({"temprature": 1.0}, "temprature"),
+])
+def test_invalid_sampling_values_name_the_field(kw, field):
+    with pytest.raises(ConfigError) as e:
+        SamplingParams(**kw)
+    assert field in str(e.value)
+
+
+def test_invalid_tree_and_engine_values():
+    with pytest.raises(ConfigError, match="total_tokens"):
+        TreeConfig(total_tokens=0)
+    with pytest.raises(ConfigError, match="mode"):
+        TreeConfig(mode="bushy")
+    with pytest.raises(ConfigError, match="max_batch_size"):
+        EngineConfig(max_batch_size=0)
+
+
+def test_mismatched_head_fails_before_the_target_loads(tiny_dir, tmp_path):
+    other = LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=64, num_attention_heads=4,
+                        num_key_value_heads=2, num_hidden_layers=1)
+    DraftHead.for_target(other).save(tmp_path / "head")
+    with pytest.raises(CheckpointError, match="head hidden_size=48, target hidden_size=32"):
+        EagleEngine.from_pretrained(target=str(tiny_dir), draft=str(tmp_path / "head"))
+
+
+def test_missing_target_files(tmp_path):
+    with pytest.raises(CheckpointError, match="not a directory"):
+        EagleEngine.from_pretrained(target=str(tmp_path / "nope"), draft="none")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="no config.json"):
+        EagleEngine.from_pretrained(target=str(tmp_path / "empty"), draft="none")
+    make_target().config.save_pretrained(tmp_path / "noweights")
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+        EagleEngine.from_pretrained(target=str(tmp_path / "noweights"), draft="none")
+    with pytest.raises(CheckpointError, match="GGUF file .* does not exist"):
+        EagleEngine.from_pretrained(target=str(tmp_path / "model.gguf"), draft="none")
+
+
+def test_prompt_longer_than_the_context(tiny_dir, tiny_head):
+    engine = tiny_engine(tiny_dir, tiny_head, max_model_len=64)
+    with pytest.raises(PromptTooLongError, match="prompt has 60 tokens but the engine fits at most 51"):
+        engine.generate([[5] * 60])
+
+
+@pytest.mark.parametrize("prompt,msg", [
+    ("", "prompt is empty"),
+    ([{"role": "wizard", "content": "w1"}], "role must be one of"),
+    ([{"role": "user"}], "content must be a string"),
+    ([999], "outside the vocabulary"),
+    (3.5, "a prompt must be"),
+])
+def test_malformed_prompts(tiny_dir, tiny_head, prompt, msg):
+    engine = tiny_engine(tiny_dir, tiny_head)
+    with pytest.raises(InvalidRequestError, match=msg):
+        engine.generate([prompt])

@@ -1,0 +1,43 @@
+"""Logits processors agree with transformers' own warpers; token choice is greedy or seeded sampling."""
+import pytest
+import torch
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from eagle_ray.spec.sampling import SamplingBatch, choose_tokens, processed_probs
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 0.9), (1.0, 5, 1.0), (1.3, 7, 0.8)])
+def test_processed_probs_match_transformers_warpers(temperature, top_k, top_p):
+    logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(0)) * 2
+    ref = logits.clone()
+    ref = TemperatureLogitsWarper(temperature)(None, ref)
+    if top_k:
+        ref = TopKLogitsWarper(top_k)(None, ref)
+    if top_p < 1:
+        ref = TopPLogitsWarper(top_p)(None, ref)
+    n = logits.shape[0]
+    got = processed_probs(logits, torch.full((n,), temperature), torch.full((n,), top_k), torch.full((n,), top_p))
+    torch.testing.assert_close(got, ref.softmax(-1), atol=1e-6, rtol=1e-5)
+
+
+def test_rows_with_different_parameters_in_one_call():
+    logits = torch.randn(3, 30, generator=torch.Generator().manual_seed(1))
+    got = processed_probs(logits, torch.tensor([1.0, 0.5, 1.0]), torch.tensor([0, 3, 0]), torch.tensor([1.0, 1.0, 0.5]))
+    assert (got[0] > 0).all()
+    assert (got[1] > 0).sum() == 3
+    n = int((got[2] > 0).sum())
+    mass = logits[2].softmax(-1).sort(descending=True).values.cumsum(0)
+    assert mass[n - 2] < 0.5 <= mass[n - 1]  # the smallest prefix reaching top_p
+
+
+def test_greedy_rows_take_the_argmax_and_sampled_rows_follow_their_seed():
+    logits = torch.randn(2, 4, 20, generator=torch.Generator().manual_seed(2))
+
+    def run(seed):
+        gens = [None, torch.Generator().manual_seed(seed)]
+        return choose_tokens(logits, SamplingBatch(torch.tensor([0.0, 1.0]), torch.tensor([0, 0]),
+                                                   torch.tensor([1.0, 1.0]), gens))
+    a, b = run(7), run(7)
+    assert a[0].equal(logits[0].argmax(-1))
+    assert a.equal(b)
+    assert not all(run(s)[1].equal(a[1]) for s in range(8, 12))

@@ -1,0 +1,102 @@
+"""Tiny random Llama-family models and a word-level tokenizer, built in seconds for unit tests."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from eagle_ray.config import EngineConfig, TreeConfig
+from eagle_ray.engine.engine import EagleEngine
+from eagle_ray.model.draft_head import DraftHead
+from eagle_ray.model.target import TargetModel
+
+CHAT_TEMPLATE = ("{% for m in messages %}<s> {{ m['role'] }} : {{ m['content'] }} </s> {% endfor %}"
+                 "{% if add_generation_prompt %}<s> assistant : {% endif %}")
+
+
+def make_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    special = ["<unk>", "</s>", "<s>"]
+    words = special + ["user", "assistant", "system", ":"] + [f"w{i}" for i in range(vocab_size - 7)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    from tokenizers import decoders
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>", bos_token="<s>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_target(vocab_size: int = 64, hidden: int = 32, layers: int = 2, seed: int = 0, model_type: str = "llama",
+                logit_scale: float = 1.0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, eos_token_id=1,
+              bos_token_id=2, pad_token_id=0, tie_word_embeddings=False, rms_norm_eps=1e-6)
+    if model_type == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**kw))
+    elif model_type == "qwen2":
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+        model = Qwen2ForCausalLM(Qwen2Config(**kw))
+    elif model_type == "qwen3":
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+        model = Qwen3ForCausalLM(Qwen3Config(**kw, head_dim=hidden // 4))
+    elif model_type == "mistral":
+        from transformers import MistralConfig, MistralForCausalLM
+        model = MistralForCausalLM(MistralConfig(**kw, sliding_window=None))
+    else:
+        raise ValueError(model_type)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(logit_scale)
+    return model.eval()
+
+
+def save_target(path: Path, vocab_size: int = 64, **kw) -> Path:
+    model = make_target(vocab_size, **kw)
+    model.save_pretrained(path)
+    make_tokenizer(vocab_size).save_pretrained(path)
+    return path
+
+
+def tiny_engine(target_dir: Path, head: DraftHead | None = None, tree: TreeConfig | None = None,
+                max_batch_size: int = 4, max_model_len: int = 256, dtype=torch.float32) -> EagleEngine:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype)
+    target = TargetModel(hf, max_batch_size, max_model_len)
+    if head is None:
+        torch.manual_seed(1)
+        head = DraftHead.for_target(hf.config)
+        head.embed_tokens.weight.data.copy_(hf.model.embed_tokens.weight)
+    cfg = EngineConfig(tree=tree or TreeConfig(total_tokens=12, depth=3, top_k=3), max_batch_size=max_batch_size,
+                       max_model_len=max_model_len)
+    return EagleEngine(target, head.to(dtype).eval(), AutoTokenizer.from_pretrained(target_dir), cfg)
+
+
+def self_distilled_convs(hf, n: int = 64, prompt_len: int = 6, new_tokens: int = 40, seed: int = 0) -> list[dict]:
+    """Greedy continuations of random prompts with target features: a drafter learns this in seconds."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(3, hf.config.vocab_size, (n, prompt_len), generator=g)
+    with torch.no_grad():
+        out = hf.generate(prompts, max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens,
+                          pad_token_id=0)
+        hidden = hf.model(input_ids=out).last_hidden_state
+    mask = torch.zeros(out.shape[1], dtype=torch.uint8)
+    mask[prompt_len:] = 1
+    return [{"input_ids": out[i], "loss_mask": mask, "hidden": hidden[i]} for i in range(n)]
+
+
+def trained_head(hf, steps: int = 300, seed: int = 0) -> DraftHead:
+    from eagle_ray.train.trainer import TrainConfig, train
+
+    torch.manual_seed(seed)
+    head = DraftHead.for_target(hf.config)
+    head.embed_tokens.weight.data.copy_(hf.model.embed_tokens.weight)
+    convs = self_distilled_convs(hf, seed=seed)
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        train(convs, head, hf.lm_head.weight.detach(), d,
+              TrainConfig(lr=3e-3, warmup_steps=20, epochs=1000, tokens_per_step=512, noise=0.0, eval_fraction=0.0,
+                          checkpoint_every=10**9), max_steps=steps, log=lambda *_: None)
+    return head.eval()

@@ -86,4 +86,6 @@ class EngineConfig(StrictModel):
     max_batch_size: int = Field(8, ge=1, le=1024)
     max_model_len: int = Field(2048, ge=16)
     tree: TreeConfig = Field(default_factory=TreeConfig)
+    draft_vocab_size: int | None = Field(None, ge=0, description="draft proposes only the N most frequent tokens "
+                                         "of the head's token_map (None: all of the map, 0: full vocabulary)")
     threads: int | None = Field(None, ge=1, description="torch CPU threads (None = torch default)")

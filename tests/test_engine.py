@@ -155,3 +155,20 @@ def test_tree_scores_equal_the_draft_head_recomputed_along_each_path(tiny_dir, t
                     toks.append(tok)
                     feats.append(pred)
             assert abs(score - float(t.scores[b, i])) < 1e-4
+
+
+def test_a_draft_vocabulary_changes_speed_not_output(tiny_dir, tiny_hf, tiny_head):
+    """With a token map the draft proposes only mapped ids; the target still decides, so output is unchanged."""
+    import copy
+
+    head = copy.deepcopy(tiny_head)
+    head.token_map = torch.arange(63, 3, -2)  # 30 ids, most "frequent" first
+    engine = tiny_engine(tiny_dir, head)
+    engine.draft.bind_lm_head(engine.target.lm_head.weight, 20)
+    assert engine.draft.lm_weight.shape[0] == 20
+    prompts = mixed_prompts(4, seed=13)
+    seqs = engine.generate(prompts, SamplingParams(max_new_tokens=30, ignore_eos=True))
+    for out, prompt in zip(seqs, prompts):
+        assert out.token_ids == reference_greedy(tiny_hf, prompt, 30)
+    logp, tok = engine.draft.topk(torch.randn(3, 32), 5)
+    assert set(tok.flatten().tolist()) <= set(range(63, 23, -2))

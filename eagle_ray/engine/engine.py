@@ -66,21 +66,22 @@ class EagleEngine:
         self.eos_ids = frozenset(x for x in ([eos] + (gen_eos if isinstance(gen_eos, list) else [gen_eos]))
                                  if x is not None)
         if draft is not None:
+            draft.bind_lm_head(target.lm_head.weight, config.draft_vocab_size)
             draft.allocate_cache(config.max_batch_size, target.max_len + self.tree_budget(config.tree) + 64)
 
     # ---- construction -----------------------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, target: str | None = None, draft: str | None = None, dtype: str = "auto",
                         device: str = "auto", tree: TreeConfig | None = None, max_batch_size: int = 8,
-                        max_model_len: int = 2048, threads: int | None = None,
+                        max_model_len: int = 2048, threads: int | None = None, draft_vocab_size: int | None = None,
                         storage_options: dict | None = None) -> "EagleEngine":
         """Load a target and its EAGLE head. With neither given: the embedded SmolLM2-135M-Instruct pair.
 
-        ``draft="none"`` loads only the target (plain decoding); a random head can be made with
-        :meth:`DraftHead.for_target` and passed to the constructor.
+        ``draft="none"`` loads only the target (plain decoding only); ``draft="random"`` an untrained head.
         """
         config = EngineConfig(target=target, draft=draft, dtype=dtype, device=device, tree=tree or TreeConfig(),
-                              max_batch_size=max_batch_size, max_model_len=max_model_len, threads=threads)
+                              max_batch_size=max_batch_size, max_model_len=max_model_len, threads=threads,
+                              draft_vocab_size=draft_vocab_size)
         return cls.from_config(config, storage_options)
 
     @classmethod
@@ -92,7 +93,7 @@ class EagleEngine:
         dev = pick_device(config.device)
         dt = pick_dtype(config.dtype, dev)
         target_dir = resolve_target(config.target, storage_options)
-        draft_dir = None if config.draft == "none" else resolve_draft(config.draft, storage_options)
+        draft_dir = None if config.draft in ("none", "random") else resolve_draft(config.draft, storage_options)
         if draft_dir is not None:  # validate the head's config before spending time on the target's weights
             from transformers import AutoConfig
             DraftHead.check_config(draft_dir, AutoConfig.from_pretrained(str(target_dir)))
@@ -100,6 +101,11 @@ class EagleEngine:
         draft = None
         if draft_dir is not None:
             draft = DraftHead.load(draft_dir, target.config, target.model.embed_tokens.weight, dt, dev)
+        elif config.draft == "random":  # an untrained head: useless for speed, a strong test of losslessness
+            torch.manual_seed(0)
+            draft = DraftHead.for_target(target.config)
+            draft.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight)
+            draft = draft.to(device=dev, dtype=dt).eval()
         tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
         return cls(target, draft, tokenizer, config)
 

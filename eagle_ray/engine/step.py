@@ -82,11 +82,9 @@ def draft_tree(target: TargetModel, draft: DraftHead, seqs: list[Sequence], slot
     for b, s in enumerate(seqs):
         tokens[b, : n[b]] = torch.tensor(s.draft_tokens, device=device)
         feats[b, : n[b]] = s.draft_features
-    lm_head = target.lm_head
-
     def topk_fn(hidden, k):
         t0 = timer.now()
-        logp, tok = torch.log_softmax(lm_head(hidden).float(), dim=-1).topk(k, dim=-1)
+        logp, tok = draft.topk(hidden, k)
         timer.draft_s += timer.now() - t0
         return logp, tok
 

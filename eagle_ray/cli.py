@@ -1,0 +1,191 @@
+"""Command line: ``eagle-ray generate`` (run prompts), ``eagle-ray measure`` (tau, speed, losslessness -> JSON),
+``eagle-ray extract`` (drafter features)."""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from eagle_ray.config import SamplingParams, TreeConfig
+from eagle_ray.prompts import demo_prompts_path, first_turn_prompt, read_jsonl
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None, help="HF dir, .gguf or s3:// (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--draft", default=None, help="EAGLE head dir or s3:// (default: embedded head); 'random'")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--tree-mode", default="dynamic", choices=["dynamic", "static", "chain"])
+    p.add_argument("--total-tokens", type=int, default=TreeConfig().total_tokens)
+    p.add_argument("--depth", type=int, default=TreeConfig().depth)
+    p.add_argument("--top-k", type=int, default=TreeConfig().top_k)
+    p.add_argument("--batch-size", type=int, default=1, help="max batch size of the engine")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--threads", type=int, default=None)
+
+
+def build_engine(a):
+    from eagle_ray.engine.engine import EagleEngine
+    tree = TreeConfig(mode=a.tree_mode, total_tokens=a.total_tokens, depth=a.depth, top_k=a.top_k)
+    return EagleEngine.from_pretrained(target=a.target, draft=a.draft, dtype=a.dtype, device=a.device, tree=tree,
+                                       max_batch_size=a.batch_size, max_model_len=a.max_model_len, threads=a.threads)
+
+
+def cmd_generate(a) -> int:
+    engine = build_engine(a)
+    records = read_jsonl(a.prompts or demo_prompts_path())[: a.num_prompts]
+    params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k_sampling,
+                            max_new_tokens=a.max_new_tokens)
+    t0 = time.perf_counter()
+    outs = engine.generate([first_turn_prompt(r) for r in records], params, speculative=not a.plain)
+    wall = time.perf_counter() - t0
+    for r, o in zip(records, outs):
+        print(json.dumps({"id": r.get("id", o.request_id), "text": o.text, "finish_reason": o.finish_reason,
+                          "tokens": len(o.token_ids), "tau": round(o.stats.tau, 3)}, ensure_ascii=False))
+    n = sum(len(o.token_ids) for o in outs)
+    print(f"# {len(outs)} requests, {n} tokens in {wall:.1f}s = {n / wall:.1f} tok/s, "
+          f"tau {statistics.mean(o.stats.tau for o in outs):.2f}", file=sys.stderr)
+    return 0
+
+
+def divergence(hf, prompt_ids: list[int], ref: list[int], got: list[int]) -> dict | None:
+    """First index where ``got`` leaves ``ref``, with the target's top-2 logit gap there (a near-tie or a bug)."""
+    n = min(len(ref), len(got))
+    i = next((j for j in range(n) if ref[j] != got[j]), None)
+    if i is None:
+        return None if len(ref) == len(got) else {"index": n, "gap": None, "reason": "length differs"}
+    with torch.inference_mode():
+        logits = hf(torch.tensor([prompt_ids + ref[:i]], device=hf.device)).logits[0, -1].float()
+    top = logits.topk(2)
+    return {"index": i, "gap": float(top.values[0] - top.values[1]), "ref_token": ref[i], "got_token": got[i]}
+
+
+def cmd_measure(a) -> int:
+    """One configuration over a prompt file: speculative vs plain (and transformers ``generate``), at batch 1
+    prompt by prompt (or at ``--batch-size`` over the whole set), greedy checks, time split."""
+    engine = build_engine(a)
+    hf = engine.target.hf
+    records = read_jsonl(a.prompts)[: a.num_prompts]
+    prompts = [first_turn_prompt(r) for r in records]
+    params = SamplingParams(temperature=a.temperature, max_new_tokens=a.max_new_tokens)
+    tie = a.tie_gap if a.tie_gap is not None else (1e-3 if engine.target.dtype == torch.float32 else 5e-2)
+    engine.generate(prompts[:1], SamplingParams(max_new_tokens=8))          # warm-up
+    engine.generate(prompts[:1], SamplingParams(max_new_tokens=8), speculative=False)
+
+    def timed(speculative: bool):
+        if a.batch_size > 1:
+            t0 = time.perf_counter()
+            outs = engine.generate(prompts, params, speculative=speculative)
+            return outs, [time.perf_counter() - t0]
+        outs, walls = [], []
+        for p in prompts:
+            t0 = time.perf_counter()
+            outs += engine.generate([p], params, speculative=speculative)
+            walls.append(time.perf_counter() - t0)
+        return outs, walls
+
+    spec, spec_wall = timed(True)
+    plain, plain_wall = timed(False)
+    rows = []
+    for i, (s, p) in enumerate(zip(spec, plain)):
+        row = {"id": records[i].get("question_id", records[i].get("id", i)), "tokens": len(s.token_ids),
+               "tau": s.stats.tau, "verify_steps": s.stats.verify_steps, "accept_hist": s.stats.accept_hist,
+               "accepted_per_depth": s.stats.accepted_per_depth, "mean_tree_size": s.stats.mean_tree_size,
+               "draft_s": s.stats.draft_s, "verify_s": s.stats.verify_s, "other_s": s.stats.other_s,
+               "prefill_s": s.stats.prefill_s}
+        if a.batch_size == 1:
+            row.update(spec_tok_s=len(s.token_ids) / spec_wall[i], plain_tok_s=len(p.token_ids) / plain_wall[i])
+            row["speedup"] = row["spec_tok_s"] / row["plain_tok_s"]
+        row["vs_plain"] = divergence(hf, s.prompt_token_ids, p.token_ids, s.token_ids)
+        rows.append(row)
+    if a.compare_hf:
+        hf_walls = []
+        for row, s in zip(rows, spec):
+            ids = torch.tensor([s.prompt_token_ids], device=hf.device)
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                gen = hf.generate(ids, max_new_tokens=a.max_new_tokens, do_sample=False)[0, ids.shape[1]:].tolist()
+            hf_walls.append(time.perf_counter() - t0)
+            row["hf_tok_s"] = len(gen) / hf_walls[-1]
+            if "spec_tok_s" in row:
+                row["speedup_vs_hf"] = row["spec_tok_s"] / row["hf_tok_s"]
+            row["vs_hf"] = divergence(hf, s.prompt_token_ids, gen, s.token_ids)
+    def mismatches(key):
+        bad = [r[key] | {"id": r["id"]} for r in rows if r.get(key)]
+        return {"count": len(bad), "near_ties": sum(1 for b in bad if b["gap"] is not None and b["gap"] < tie),
+                "real": [b for b in bad if b["gap"] is None or b["gap"] >= tie], "all": bad}
+    tot = {k: sum(r[k] for r in rows) for k in ("draft_s", "verify_s", "other_s")}
+    step_total = sum(tot.values())
+    gen_tokens = sum(r["tokens"] for r in rows)
+    summary = {
+        "config": {k: v for k, v in vars(a).items() if k not in ("func",)},
+        "device": str(engine.device), "dtype": str(engine.target.dtype).replace("torch.", ""),
+        "threads": torch.get_num_threads(), "prompts": len(rows), "generated_tokens": gen_tokens,
+        "tau_mean": statistics.mean(r["tau"] for r in rows),
+        "spec_tok_s": gen_tokens / sum(spec_wall), "plain_tok_s": sum(len(p.token_ids) for p in plain) / sum(plain_wall),
+        "time_split": {k: v / step_total for k, v in tot.items()} if step_total else {},
+        "overhead_fraction": tot["other_s"] / step_total if step_total else 0.0,
+        "mismatches_vs_plain": mismatches("vs_plain"), "tie_gap": tie,
+    }
+    summary["speedup_total"] = summary["spec_tok_s"] / summary["plain_tok_s"]
+    if a.batch_size == 1:
+        summary["speedup_median"] = statistics.median(r["speedup"] for r in rows)
+    if a.compare_hf:
+        summary["hf_tok_s"] = sum(r["hf_tok_s"] * w for r, w in zip(rows, hf_walls)) / sum(hf_walls)
+        summary["mismatches_vs_hf"] = mismatches("vs_hf")
+        if a.batch_size == 1:
+            summary["speedup_vs_hf_median"] = statistics.median(r["speedup_vs_hf"] for r in rows)
+    out = {"summary": summary, "rows": rows}
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(out, indent=1))
+    brief = {k: v for k, v in summary.items() if k not in ("config",)}
+    for key in ("mismatches_vs_plain", "mismatches_vs_hf"):
+        if key in brief:
+            brief[key] = {k: v for k, v in brief[key].items() if k != "all"}
+    print(json.dumps(brief, indent=1))
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="eagle-ray")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="run prompts through the engine, print JSON lines")
+    add_engine_args(g)
+    g.add_argument("--prompts", default=None, help="JSONL of prompt/messages/turns (default: bundled demo set)")
+    g.add_argument("--num-prompts", type=int, default=None)
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k-sampling", type=int, default=0)
+    g.add_argument("--plain", action="store_true", help="plain autoregressive decoding")
+    g.set_defaults(func=cmd_generate)
+    m = sub.add_parser("measure", help="tau, tokens/s, greedy mismatches and time split -> JSON")
+    add_engine_args(m)
+    m.add_argument("--prompts", required=True)
+    m.add_argument("--num-prompts", type=int, default=None)
+    m.add_argument("--max-new-tokens", type=int, default=128)
+    m.add_argument("--temperature", type=float, default=0.0)
+    m.add_argument("--compare-hf", action="store_true", help="also run transformers generate() (greedy)")
+    m.add_argument("--tie-gap", type=float, default=None, help="top-2 logit gap that counts as a near-tie")
+    m.add_argument("--out", default=None)
+    m.set_defaults(func=cmd_measure)
+    e = sub.add_parser("extract", help="extract drafter features (see eagle_ray.train.extract)")
+    e.set_defaults(func=None)
+    a, rest = parser.parse_known_args(argv)
+    if a.cmd == "extract":
+        from eagle_ray.train.extract import main as extract_main
+        extract_main(rest)
+        return 0
+    if rest:
+        parser.error(f"unrecognized arguments: {rest}")
+    return a.func(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""Train an EAGLE-1/2 head on extracted features (see jobs/extract_features.py); resumable.
+
+    python jobs/train_drafter.py --features /data/features --out runs/head --epochs 4
+    (kill it, run the same command again: it continues from runs/head/checkpoint.pt)
+
+The final head is written to ``--out/head`` in the SafeAILab layout (bf16 safetensors, embedding taken from the
+target at load) with ``training.json`` (config, tokens seen, per-epoch held-out accuracy).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import fields
+from pathlib import Path
+
+import torch
+
+from eagle_ray.model.draft_head import DraftHead
+from eagle_ray.model.loading import resolve_target
+from eagle_ray.train.extract import read_shard
+from eagle_ray.train.token_map import coverage, frequent_tokens
+from eagle_ray.train.trainer import TrainConfig, config_dict, train
+
+
+def load_features(features_dir: str, limit_tokens: int | None = None) -> list[dict]:
+    convs = []
+    for shard in sorted(Path(features_dir).glob("shard-*.safetensors")):
+        convs += read_shard(shard)
+        if limit_tokens and sum(len(c["input_ids"]) for c in convs) >= limit_tokens:
+            break
+    convs.sort(key=lambda c: c["conv_index"])  # stable order: the held-out split never moves
+    return convs
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--features", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--target", default=None, help="target checkpoint (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--limit-tokens", type=int, default=None)
+    p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (resume later)")
+    p.add_argument("--token-map-size", type=int, default=8192,
+                   help="draft vocabulary: most frequent assistant tokens (0 = none, full vocabulary)")
+    for f in fields(TrainConfig):
+        p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default) if f.type != "bool" else int,
+                       default=f.default)
+    a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    cfg = TrainConfig(**{f.name: (bool(getattr(a, f.name)) if f.type == "bool" else getattr(a, f.name))
+                         for f in fields(TrainConfig)})
+    from transformers import AutoModelForCausalLM
+
+    target_dir = resolve_target(a.target)
+    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32)
+    lm_weight = target.lm_head.weight.detach()
+    head = DraftHead.for_target(target.config)
+    head.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight)
+    eos_id = target.config.eos_token_id
+    del target
+    convs = load_features(a.features, a.limit_tokens)
+    n_tokens = sum(len(c["input_ids"]) for c in convs)
+    n_target = sum(int(c["loss_mask"].sum()) for c in convs)
+    print(f"{len(convs)} conversations, {n_tokens} tokens ({n_target} assistant tokens)", flush=True)
+    out = Path(a.out)
+    t0 = time.time()
+    state = train(convs, head, lm_weight, out, cfg, max_steps=a.max_steps,
+                  log=lambda m: print(m, flush=True))
+    done = state["epoch"] >= cfg.epochs
+    if a.token_map_size:
+        head.token_map = frequent_tokens(convs, lm_weight.shape[0], a.token_map_size,
+                                         always=[t for t in (eos_id,) if t is not None])
+    head.save(out / "head", dtype=torch.bfloat16, include_embedding=False)
+    card = {"target": str(a.target or "SmolLM2-135M-Instruct (embedded)"), "train_config": config_dict(cfg),
+            "conversations": len(convs), "tokens": n_tokens, "assistant_tokens": n_target,
+            "steps": state["step"], "epochs_completed": state["epoch"], "finished": done,
+            "history": state["history"], "wall_s_this_run": time.time() - t0,
+            "token_map_size": a.token_map_size,
+            "token_map_coverage": coverage(convs, head.token_map, lm_weight.shape[0]) if a.token_map_size else 1.0}
+    (out / "head" / "training.json").write_text(json.dumps(card, indent=2))
+    print(json.dumps(card["history"][-1:] or card, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

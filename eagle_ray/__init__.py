@@ -1,0 +1,8 @@
+"""eagle-ray: EAGLE-2 speculative decoding with batched dynamic trees, for Ray Data and Ray Serve."""
+from eagle_ray.config import EngineConfig, SamplingParams, TreeConfig
+from eagle_ray.engine.engine import EagleEngine, RequestOutput
+from eagle_ray.errors import CheckpointError, ConfigError, EagleError, InvalidRequestError, PromptTooLongError
+
+__all__ = ["EagleEngine", "RequestOutput", "SamplingParams", "TreeConfig", "EngineConfig", "EagleError",
+           "ConfigError", "CheckpointError", "InvalidRequestError", "PromptTooLongError"]
+__version__ = "0.1.0"

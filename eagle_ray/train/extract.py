@@ -81,7 +81,9 @@ def iter_conversations(source: str | None) -> Iterable[list[dict] | None]:
 
 def run_local(out_dir: str, target: str | None, source: str | None, max_conversations: int, shard_size: int,
               max_len: int, dtype: str, threads: int, worker: int = 0, num_workers: int = 1) -> None:
-    """Single-process extraction (the Ray Data job in jobs/extract_features.py fans the same shards out to actors)."""
+    """Single-process extraction; ``workers`` processes split the shards by index. A shard covers conversations
+    ``[k * shard_size, (k + 1) * shard_size)`` and is written atomically, so a killed run restarted with the same
+    arguments writes every conversation exactly once. ``max_conversations`` is rounded down to whole shards."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from eagle_ray.model.loading import resolve_target
@@ -92,25 +94,32 @@ def run_local(out_dir: str, target: str | None, source: str | None, max_conversa
     tok = AutoTokenizer.from_pretrained(path)
     out = Path(out_dir)
     batch: list[tuple[int, list[dict]]] = []
-    shard, t0, done_tokens = 0, time.time(), 0
+    t0, done_tokens = time.time(), 0
+    limit = max_conversations - max_conversations % shard_size  # whole shards only: their ranges never change
+
+    def flush(shard: int) -> None:
+        nonlocal done_tokens, batch
+        tensors = extract_features(model, tok, batch, max_len)
+        write_shard(out, shard, tensors)
+        done_tokens += len(tensors["input_ids"])
+        print(f"shard {shard}: {len(batch)} convs, {len(tensors['input_ids'])} tokens, "
+              f"{done_tokens / (time.time() - t0):.0f} tok/s", flush=True)
+        batch = []
+
+    exhausted = True
     for i, msgs in enumerate(iter_conversations(source)):
-        if i >= max_conversations:
+        if i >= limit:
+            exhausted = False
             break
-        if i // shard_size != shard:
-            shard = i // shard_size
+        shard = i // shard_size
         if shard % num_workers != worker or (out / shard_name(shard)).exists():
             continue
         if msgs is not None:
             batch.append((i, msgs))
         if (i + 1) % shard_size == 0:
-            tensors = extract_features(model, tok, batch, max_len)
-            write_shard(out, shard, tensors)
-            done_tokens += len(tensors["input_ids"])
-            print(f"shard {shard}: {len(batch)} convs, {len(tensors['input_ids'])} tokens, "
-                  f"{done_tokens / (time.time() - t0):.0f} tok/s", flush=True)
-            batch = []
-    if batch and not (out / shard_name(shard)).exists():
-        write_shard(out, shard, extract_features(model, tok, batch, max_len))
+            flush(shard)
+    if exhausted and batch:  # the source's last, short shard
+        flush(batch[0][0] // shard_size)
 
 
 def main(argv=None):

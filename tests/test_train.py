@@ -1,0 +1,65 @@
+"""Drafter training resumes exactly; feature extraction writes every conversation exactly once across restarts."""
+import json
+
+import pytest
+import torch
+from tiny import self_distilled_convs
+
+from eagle_ray.model.draft_head import DraftHead
+from eagle_ray.train import extract
+from eagle_ray.train.trainer import TrainConfig, train
+
+CFG = TrainConfig(lr=1e-3, warmup_steps=5, epochs=2, tokens_per_step=128, checkpoint_every=4, eval_fraction=0.1,
+                  ce_fraction=0.5)
+
+
+def fresh_head(hf):
+    torch.manual_seed(0)
+    head = DraftHead.for_target(hf.config)
+    head.embed_tokens.weight.data.copy_(hf.model.embed_tokens.weight)
+    return head
+
+
+def test_training_killed_mid_epoch_resumes_to_the_same_weights(tiny_hf, tmp_path):
+    convs = self_distilled_convs(tiny_hf, n=32, new_tokens=20)
+    lm = tiny_hf.lm_head.weight.detach()
+    straight = fresh_head(tiny_hf)
+    s1 = train(convs, straight, lm, tmp_path / "a", CFG, log=lambda *_: None)
+
+    interrupted = fresh_head(tiny_hf)
+    train(convs, interrupted, lm, tmp_path / "b", CFG, max_steps=7, log=lambda *_: None)  # "killed" after step 7
+    resumed = fresh_head(tiny_hf)                                                        # a new process
+    s2 = train(convs, resumed, lm, tmp_path / "b", CFG, log=lambda *_: None)             # restarts from step 4
+    assert s1["step"] == s2["step"] and s1["step"] > 8
+    for (k, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
+        assert torch.equal(a, b), k
+    assert s1["history"] == s2["history"] and "eval_top1" in s1["history"][-1]
+
+
+def test_extraction_killed_and_restarted_writes_each_conversation_once(tiny_dir, tmp_path, monkeypatch):
+    src = tmp_path / "convs.jsonl"
+    with open(src, "w") as f:
+        for i in range(23):
+            msgs = [{"role": "user", "content": f"w{i} w1"}, {"role": "assistant", "content": f"w{i + 2} w3 w4"}]
+            if i == 7:
+                msgs = [{"role": "user", "content": "no answer"}]  # nothing to learn: skipped, never an error
+            f.write(json.dumps({"messages": msgs}) + "\n")
+    out = tmp_path / "features"
+    real = extract.extract_features
+    calls = {"n": 0}
+
+    def crash_after_two(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt("killed")
+        return real(*a, **kw)
+    monkeypatch.setattr(extract, "extract_features", crash_after_two)
+    args = dict(out_dir=str(out), target=str(tiny_dir), source=str(src), max_conversations=100, shard_size=5,
+                max_len=64, dtype="float32", threads=1)
+    with pytest.raises(KeyboardInterrupt):
+        extract.run_local(**args)
+    assert len(list(out.glob("shard-*"))) == 2
+    monkeypatch.setattr(extract, "extract_features", real)
+    extract.run_local(**args)
+    seen = [c["conv_index"] for s in sorted(out.glob("shard-*.safetensors")) for c in extract.read_shard(s)]
+    assert sorted(seen) == [i for i in range(23) if i != 7]

@@ -90,7 +90,7 @@ def cmd_measure(a) -> int:
         return outs, walls
 
     spec, spec_wall = timed(True)
-    plain, plain_wall = timed(False)
+    plain, plain_wall = timed(False) if not a.skip_plain else (spec, spec_wall)
     rows = []
     for i, (s, p) in enumerate(zip(spec, plain)):
         row = {"id": records[i].get("question_id", records[i].get("id", i)), "tokens": len(s.token_ids),
@@ -172,6 +172,7 @@ def main(argv=None) -> int:
     m.add_argument("--max-new-tokens", type=int, default=128)
     m.add_argument("--temperature", type=float, default=0.0)
     m.add_argument("--compare-hf", action="store_true", help="also run transformers generate() (greedy)")
+    m.add_argument("--skip-plain", action="store_true", help="do not run plain decoding (speed ratios then read 1)")
     m.add_argument("--tie-gap", type=float, default=None, help="top-2 logit gap that counts as a near-tie")
     m.add_argument("--out", default=None)
     m.set_defaults(func=cmd_measure)

@@ -5,6 +5,7 @@ KV-cache slots, and steps the whole running batch together; finished sequences f
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -67,7 +68,10 @@ class EagleEngine:
                                  if x is not None)
         if draft is not None:
             draft.bind_lm_head(target.lm_head.weight, config.draft_vocab_size)
-            draft.allocate_cache(config.max_batch_size, target.max_len + self.tree_budget(config.tree) + 64)
+            # stable pairs never outnumber the target's tokens; a cycle's tree tokens stack on top of them
+            tree = config.tree
+            draft_room = tree.depth * tree.top_k if tree.mode == "dynamic" else self.tree_budget(tree)
+            draft.allocate_cache(config.max_batch_size, target.max_len + draft_room + 1)
 
     # ---- construction -----------------------------------------------------------------------------------------
     @classmethod
@@ -170,13 +174,13 @@ class EagleEngine:
     def run(self, seqs: list[Sequence], speculative: bool = True) -> None:
         if speculative and self.draft is None:
             raise InvalidRequestError("this engine has no draft head; use speculative=False")
-        waiting = list(seqs)
+        waiting = collections.deque(seqs)
         running: list[Sequence] = []
         free = list(range(self.config.max_batch_size))
         while waiting or running:
             admitted = []
             while waiting and free:
-                admitted.append(waiting.pop(0))
+                admitted.append(waiting.popleft())
                 admitted[-1].slot = free.pop(0)
             if admitted:
                 self._admit(admitted, speculative)

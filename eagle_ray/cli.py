@@ -69,7 +69,7 @@ def cmd_measure(a) -> int:
     """One configuration over a prompt file: speculative vs plain (and transformers ``generate``), at batch 1
     prompt by prompt (or at ``--batch-size`` over the whole set), greedy checks, time split."""
     engine = build_engine(a)
-    hf = engine.target.hf
+    hf = engine.reference_model()
     records = read_jsonl(a.prompts)[: a.num_prompts]
     prompts = [first_turn_prompt(r) for r in records]
     params = SamplingParams(temperature=a.temperature, max_new_tokens=a.max_new_tokens)

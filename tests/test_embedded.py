@@ -29,7 +29,7 @@ def test_greedy_equals_transformers_generate_in_fp32(fp32_engine, draft):
     engine = fp32_engine if draft == "embedded" else EagleEngine.from_pretrained(
         draft="random", dtype="float32", max_batch_size=2, max_model_len=1024)
     outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=48))
-    hf = engine.target.hf
+    hf = engine.reference_model()
     for out in outs:
         ids = torch.tensor([out.prompt_token_ids])
         with torch.inference_mode():

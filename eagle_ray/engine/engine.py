@@ -61,13 +61,14 @@ class EagleEngine:
     def __init__(self, target: TargetModel, draft: DraftHead | None, tokenizer, config: EngineConfig):
         self.target, self.draft, self.tokenizer, self.config = target, draft, tokenizer, config
         self.device = target.device
+        self.target_dir: Path | None = None
         self._ids = itertools.count()
         eos = tokenizer.eos_token_id
         gen_eos = getattr(getattr(target.hf, "generation_config", None), "eos_token_id", None)
         self.eos_ids = frozenset(x for x in ([eos] + (gen_eos if isinstance(gen_eos, list) else [gen_eos]))
                                  if x is not None)
         if draft is not None:
-            draft.bind_lm_head(target.lm_head.weight, config.draft_vocab_size)
+            draft.bind_lm_head(target.lm_head_weight, config.draft_vocab_size)
             # stable pairs never outnumber the target's tokens; a cycle's tree tokens stack on top of them
             tree = config.tree
             draft_room = tree.depth * tree.top_k if tree.mode == "dynamic" else self.tree_budget(tree)
@@ -111,7 +112,15 @@ class EagleEngine:
             draft.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight)
             draft = draft.to(device=dev, dtype=dt).eval()
         tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
-        return cls(target, draft, tokenizer, config)
+        engine = cls(target, draft, tokenizer, config)
+        engine.target_dir = target_dir
+        return engine
+
+    def reference_model(self):
+        """A pristine transformers model of the target (our runtime rewrites its copy's linears on CPU), for
+        comparisons with ``generate()``."""
+        from transformers import AutoModelForCausalLM
+        return AutoModelForCausalLM.from_pretrained(str(self.target_dir), dtype=self.target.dtype).to(self.device).eval()
 
     @staticmethod
     def tree_budget(tree: TreeConfig) -> int:

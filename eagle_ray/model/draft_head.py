@@ -12,7 +12,6 @@ import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
@@ -137,20 +136,21 @@ class DraftHead(nn.Module):
     def bind_lm_head(self, lm_weight: torch.Tensor, draft_vocab_size: int | None) -> None:
         """Score drafts with the target's lm_head, restricted to the first ``draft_vocab_size`` ids of the token
         map (None: the whole map if the head has one; 0: the full vocabulary)."""
-        lm_weight = lm_weight.detach()  # a plain tensor: never registered as (or saved with) the head's parameters
+        # kept as a plain, input-major [hidden, vocab] tensor: never registered as (or saved with) the head's
+        # parameters, and the faster sgemm layout on CPU for the few rows a draft level scores
         if draft_vocab_size == 0 or (self.token_map is None and not draft_vocab_size):
-            self.token_map, self.lm_weight = None, lm_weight
+            self.token_map, self.lm_weight = None, lm_weight.detach().t().contiguous()
             return
         if self.token_map is None:
             raise CheckpointError("draft_vocab_size is set but this draft head has no token_map.safetensors")
         tm = self.token_map[:draft_vocab_size] if draft_vocab_size else self.token_map
         self.token_map = tm.to(lm_weight.device)
-        self.lm_weight = lm_weight[self.token_map].contiguous()
+        self.lm_weight = lm_weight.detach()[self.token_map].t().contiguous()
 
     @torch.inference_mode()
     def topk(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k draft log-probs and target token ids of the draft's next-token distribution."""
-        logp, idx = torch.log_softmax(F.linear(hidden, self.lm_weight).float(), dim=-1).topk(k, dim=-1)
+        logp, idx = torch.log_softmax((hidden @ self.lm_weight).float(), dim=-1).topk(k, dim=-1)
         return logp, (self.token_map[idx] if self.token_map is not None else idx)
 
     @torch.inference_mode()

@@ -25,6 +25,8 @@ class TargetModel:
                                   f"Llama-family decoders: {sorted(SUPPORTED_MODEL_TYPES)}")
         self.hf = hf_model.eval()
         self.config = cfg
+        if next(hf_model.parameters()).device.type == "cpu":
+            use_input_major_linears(hf_model)  # faster small-M GEMMs on CPU (see InputMajorLinear)
         self.model = hf_model.model
         self.layers = list(self.model.layers)
         self.lm_head = hf_model.lm_head
@@ -51,7 +53,12 @@ class TargetModel:
 
     @property
     def vocab_size(self) -> int:
-        return self.lm_head.weight.shape[0]
+        return self.lm_head.out_features
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """[vocab, hidden], whichever layout the lm_head module stores."""
+        return self.lm_head.weight if hasattr(self.lm_head, "weight") else self.lm_head.weight_t.t()
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, slots: list[int], depth: torch.Tensor,
@@ -73,3 +80,31 @@ class TargetModel:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+
+class InputMajorLinear(torch.nn.Module):
+    """``y = x @ W^T + b`` with ``W^T`` stored contiguous (input-major).
+
+    On CPU, MKL's sgemm is several times faster for the 4-32 row products of a verify pass when the weight is
+    stored [in, out] instead of nn.Linear's [out, in] (measured on the 2-core dev machine: 8 rows x 576 x 1536,
+    ~0.2 ms against ~0.6 ms); single-row decode is no slower. CUDA keeps nn.Linear.
+    """
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.weight_t = torch.nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)
+        self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x @ self.weight_t
+        return y if self.bias is None else y + self.bias
+
+
+def use_input_major_linears(module: torch.nn.Module) -> None:
+    """Swap every nn.Linear under ``module`` for :class:`InputMajorLinear` (in place)."""
+    for name, child in list(module.named_children()):
+        if isinstance(child, torch.nn.Linear):
+            setattr(module, name, InputMajorLinear(child))
+        else:
+            use_input_major_linears(child)

@@ -16,9 +16,11 @@ print(f"{sys.argv[1]:>14} tau {s['tau_mean']:.2f}  spec {s['spec_tok_s']:.1f} to
       f"  speedup {s['speedup_median']:.2f}  split {json.dumps({k: round(v, 2) for k, v in s['time_split'].items()})}")
 PY
 }
-run dyn-8-2-3 --total-tokens 8 --depth 2 --top-k 3
-run dyn-12-3-4 --total-tokens 12 --depth 3 --top-k 4
-run dyn-16-4-4 --total-tokens 16 --depth 4 --top-k 4
-run dyn-24-5-6 --total-tokens 24 --depth 5 --top-k 6
-run chain-3 --tree-mode chain --depth 3
-run static --tree-mode static
+CONFIGS=${CONFIGS:-"dyn-6-2-2 dyn-8-2-3 dyn-12-3-4 dyn-16-4-4 dyn-24-5-6 chain-2 chain-3 static"}
+for c in $CONFIGS; do
+  case $c in
+    dyn-*) IFS=- read -r _ t d k <<< "$c"; run "$c" --total-tokens "$t" --depth "$d" --top-k "$k" ;;
+    chain-*) run "$c" --tree-mode chain --depth "${c#chain-}" ;;
+    static) run static --tree-mode static ;;
+  esac
+done

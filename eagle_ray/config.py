@@ -39,9 +39,9 @@ class TreeConfig(StrictModel):
     Defaults are the ones measured fastest for the embedded pair on a 2-core CPU (see README).
     """
     mode: Literal["dynamic", "static", "chain"] = "dynamic"
-    total_tokens: int = Field(16, ge=1, le=512, description="verify budget per sequence, root included")
-    depth: int = Field(4, ge=0, le=32, description="draft expansion steps after the first head output")
-    top_k: int = Field(4, ge=1, le=64, description="children per node and frontier width")
+    total_tokens: int = Field(8, ge=1, le=512, description="verify budget per sequence, root included")
+    depth: int = Field(2, ge=0, le=32, description="draft expansion steps after the first head output")
+    top_k: int = Field(3, ge=1, le=64, description="children per node and frontier width")
     min_cum_prob: float = Field(0.0, ge=0.0, lt=1.0,
                                 description="drop nodes whose cumulative draft probability is below this")
     static_tree: list[list[int]] | None = Field(None, description="static mode: node paths as sibling ranks")

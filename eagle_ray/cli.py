@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -62,7 +63,12 @@ def divergence(hf, prompt_ids: list[int], ref: list[int], got: list[int]) -> dic
     with torch.inference_mode():
         logits = hf(torch.tensor([prompt_ids + ref[:i]], device=hf.device)).logits[0, -1].float()
     top = logits.topk(2)
-    return {"index": i, "gap": float(top.values[0] - top.values[1]), "ref_token": ref[i], "got_token": got[i]}
+    gap = float(top.values[0] - top.values[1])
+    out = {"index": i, "gap": gap, "ref_token": ref[i], "got_token": got[i]}
+    if hf.dtype in (torch.bfloat16, torch.float16):  # logits carry 8 (bf16) / 11 (fp16) significant bits
+        ulp = 2.0 ** (math.floor(math.log2(max(abs(float(top.values[0])), 1e-30))) - {torch.bfloat16: 7, torch.float16: 10}[hf.dtype])
+        out["gap_ulps"] = gap / ulp
+    return out
 
 
 def cmd_measure(a) -> int:

@@ -46,7 +46,9 @@ def test_bf16_speculative_equals_bf16_plain():
     spec, plain = engine.generate(PROMPTS, params), engine.generate(PROMPTS, params, speculative=False)
     for s, p in zip(spec, plain):
         d = divergence(engine.target.hf, s.prompt_token_ids, p.token_ids, s.token_ids)
-        assert d is None or (d["gap"] is not None and d["gap"] < 5e-2), d
+        # a bf16 logit near 20 moves in steps of 0.125: a divergence is only a tie when the target's own bf16
+        # logits are within 2 of those steps (or 5e-2) at the first differing token
+        assert d is None or (d["gap"] is not None and (d["gap"] < 5e-2 or d["gap_ulps"] <= 2)), d
 
 
 def test_the_embedded_head_is_small_and_documented():

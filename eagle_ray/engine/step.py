@@ -122,7 +122,6 @@ def decode_step(target: TargetModel, draft: DraftHead | None, seqs: list[Sequenc
     """
     device = target.device
     slots = [s.slot for s in seqs]
-    B = len(seqs)
     speculative = draft is not None
     tree = draft_tree(target, draft, seqs, slots, tree_cfg, timer) if speculative else root_only_tree(seqs, device)
 

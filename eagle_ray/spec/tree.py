@@ -166,7 +166,6 @@ def grow_static(draft_fn, topk_fn, root_hidden: torch.Tensor, root_tokens: torch
     pool_tokens[:, lvl1] = tok[:, ranks]
     pool_scores[:, lvl1] = logp[:, ranks].float()
     forwarded: list[int] = []                   # pool ids in draft block column order
-    col_mask = torch.zeros(B, 0, 0, dtype=torch.bool, device=device)
     hidden_of: dict[int, torch.Tensor] = {}
     for level in levels[:-1]:
         parents = [i for i, p in enumerate(shape) if len(p) == level and any(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 import time
@@ -54,28 +53,31 @@ def cmd_generate(a) -> int:
     return 0
 
 
-def divergence(hf, prompt_ids: list[int], ref: list[int], got: list[int]) -> dict | None:
-    """First index where ``got`` leaves ``ref``, with the target's top-2 logit gap there (a near-tie or a bug)."""
+def divergence(logits_fn, prompt_ids: list[int], ref: list[int], got: list[int]) -> dict | None:
+    """First index where ``got`` leaves ``ref``, with the reference's top-2 logit gap there (a near-tie or a bug).
+
+    ``logits_fn(ids)`` returns the reference's fp32 next-token logits after ``ids``.
+    """
     n = min(len(ref), len(got))
     i = next((j for j in range(n) if ref[j] != got[j]), None)
     if i is None:
         return None if len(ref) == len(got) else {"index": n, "gap": None, "reason": "length differs"}
-    with torch.inference_mode():
-        logits = hf(torch.tensor([prompt_ids + ref[:i]], device=hf.device)).logits[0, -1].float()
-    top = logits.topk(2)
-    gap = float(top.values[0] - top.values[1])
-    out = {"index": i, "gap": gap, "ref_token": ref[i], "got_token": got[i]}
-    if hf.dtype in (torch.bfloat16, torch.float16):  # logits carry 8 (bf16) / 11 (fp16) significant bits
-        ulp = 2.0 ** (math.floor(math.log2(max(abs(float(top.values[0])), 1e-30))) - {torch.bfloat16: 7, torch.float16: 10}[hf.dtype])
-        out["gap_ulps"] = gap / ulp
-    return out
+    top = logits_fn(prompt_ids + ref[:i]).float().topk(2)
+    return {"index": i, "gap": float(top.values[0] - top.values[1]), "ref_token": ref[i], "got_token": got[i]}
+
+
+def hf_logits_fn(hf):
+    def fn(ids: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            return hf(torch.tensor([ids], device=hf.device)).logits[0, -1].float()
+    return fn
 
 
 def cmd_measure(a) -> int:
     """One configuration over a prompt file: speculative vs plain (and transformers ``generate``), at batch 1
     prompt by prompt (or at ``--batch-size`` over the whole set), greedy checks, time split."""
     engine = build_engine(a)
-    hf = engine.reference_model()
+    hf = engine.reference_model() if a.compare_hf else None
     records = read_jsonl(a.prompts)[: a.num_prompts]
     prompts = [first_turn_prompt(r) for r in records]
     params = SamplingParams(temperature=a.temperature, max_new_tokens=a.max_new_tokens)
@@ -107,7 +109,7 @@ def cmd_measure(a) -> int:
         if a.batch_size == 1:
             row.update(spec_tok_s=len(s.token_ids) / spec_wall[i], plain_tok_s=len(p.token_ids) / plain_wall[i])
             row["speedup"] = row["spec_tok_s"] / row["plain_tok_s"]
-        row["vs_plain"] = divergence(hf, s.prompt_token_ids, p.token_ids, s.token_ids)
+        row["vs_plain"] = divergence(engine.target.next_token_logits, s.prompt_token_ids, p.token_ids, s.token_ids)
         rows.append(row)
     if a.compare_hf:
         hf_walls = []
@@ -120,7 +122,7 @@ def cmd_measure(a) -> int:
             row["hf_tok_s"] = len(gen) / hf_walls[-1]
             if "spec_tok_s" in row:
                 row["speedup_vs_hf"] = row["spec_tok_s"] / row["hf_tok_s"]
-            row["vs_hf"] = divergence(hf, s.prompt_token_ids, gen, s.token_ids)
+            row["vs_hf"] = divergence(hf_logits_fn(hf), s.prompt_token_ids, gen, s.token_ids)
     def mismatches(key):
         bad = [r[key] | {"id": r["id"]} for r in rows if r.get(key)]
         return {"count": len(bad), "near_ties": sum(1 for b in bad if b["gap"] is not None and b["gap"] < tie),

@@ -89,3 +89,5 @@ class EngineConfig(StrictModel):
     draft_vocab_size: int | None = Field(None, ge=0, description="draft proposes only the N most frequent tokens "
                                          "of the head's token_map (None: all of the map, 0: full vocabulary)")
     threads: int | None = Field(None, ge=1, description="torch CPU threads (None = torch default)")
+    fp32_logits: bool = Field(True, description="compute logits in fp32 when the model runs in bf16/fp16 "
+                              "(keeps greedy near-ties stable; costs an fp32 copy of the lm_head)")

@@ -5,7 +5,6 @@ KV-cache slots, and steps the whole running batch together; finished sequences f
 """
 from __future__ import annotations
 
-import collections
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -14,6 +13,7 @@ from pathlib import Path
 import torch
 
 from eagle_ray.config import EngineConfig, SamplingParams, TreeConfig
+from eagle_ray.engine.scheduler import Scheduler
 from eagle_ray.engine.sequence import Sequence
 from eagle_ray.engine.step import StepTimer, decode_step, prefill
 from eagle_ray.errors import InvalidRequestError, PromptTooLongError
@@ -63,6 +63,9 @@ class EagleEngine:
         self.device = target.device
         self.target_dir: Path | None = None
         self._ids = itertools.count()
+        self.scheduler = Scheduler(config.max_batch_size)
+        # lifetime counters: decode passes, sequences they carried (mean verify batch = sequences / passes)
+        self.counters = {"decode_passes": 0, "decode_sequences": 0, "prefill_passes": 0, "prefill_sequences": 0}
         eos = tokenizer.eos_token_id
         gen_eos = getattr(getattr(target.hf, "generation_config", None), "eos_token_id", None)
         self.eos_ids = frozenset(x for x in ([eos] + (gen_eos if isinstance(gen_eos, list) else [gen_eos]))
@@ -102,7 +105,8 @@ class EagleEngine:
         if draft_dir is not None:  # validate the head's config before spending time on the target's weights
             from transformers import AutoConfig
             DraftHead.check_config(draft_dir, AutoConfig.from_pretrained(str(target_dir)))
-        target = TargetModel.load(target_dir, dt, dev, config.max_batch_size, config.max_model_len)
+        target = TargetModel.load(target_dir, dt, dev, config.max_batch_size, config.max_model_len,
+                                  config.fp32_logits)
         draft = None
         if draft_dir is not None:
             draft = DraftHead.load(draft_dir, target.config, target.model.embed_tokens.weight, dt, dev)
@@ -165,9 +169,29 @@ class EagleEngine:
         return Sequence(request_id or str(next(self._ids)), ids, params, frozenset(stop), gen)
 
     # ---- the loop -------------------------------------------------------------------------------------------------
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    speculative: bool = True) -> Sequence:
+        """Validate and queue one request (raises a typed error if it is bad); ``step()`` runs it."""
+        if speculative and self.draft is None:
+            raise InvalidRequestError("this engine has no draft head; use speculative=False")
+        seq = self.make_sequence(prompt, params or SamplingParams(), request_id)
+        seq.speculative = speculative
+        self.scheduler.add(seq)
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Cancel a waiting or running request and free its slot."""
+        seq = self.scheduler.abort(request_id)
+        if seq is not None:
+            self._finalize(seq)
+        return seq
+
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  speculative: bool = True) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order."""
+        """Run every prompt to completion (continuously batched); outputs come back in input order."""
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict))
         if single:
             prompts = [prompts]
@@ -175,31 +199,41 @@ class EagleEngine:
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise InvalidRequestError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        if speculative and self.draft is None:
+            raise InvalidRequestError("this engine has no draft head; use speculative=False")
         seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, plist)]
         self.run(seqs, speculative)
         return [self.output(s) for s in seqs]
 
-    @torch.inference_mode()
     def run(self, seqs: list[Sequence], speculative: bool = True) -> None:
-        if speculative and self.draft is None:
-            raise InvalidRequestError("this engine has no draft head; use speculative=False")
-        waiting = collections.deque(seqs)
-        running: list[Sequence] = []
-        free = list(range(self.config.max_batch_size))
-        while waiting or running:
-            admitted = []
-            while waiting and free:
-                admitted.append(waiting.popleft())
-                admitted[-1].slot = free.pop(0)
-            if admitted:
-                self._admit(admitted, speculative)
-                running += admitted
-            self.step([s for s in running if not s.finished], speculative)
-            for seq in [s for s in running if s.finished]:
-                running.remove(seq)
-                self._retire(seq, free)
+        """Queue ``seqs`` (already validated) and step until the engine is idle."""
+        for seq in seqs:
+            seq.speculative = speculative
+            self.scheduler.add(seq)
+        while self.has_unfinished():
+            self.step()
 
-    def _admit(self, seqs: list[Sequence], speculative: bool) -> None:
+    @torch.inference_mode()
+    def step(self) -> list[Sequence]:
+        """Admit waiting requests into free slots (one batched prefill), advance every running sequence by one
+        draft-verify step (speculative and plain ones in separate passes), retire finished ones.
+
+        Returns the sequences that emitted tokens or finished this step, for streaming.
+        """
+        admitted = self.scheduler.admit()
+        if admitted:
+            self._prefill(admitted)
+        running = [s for s in self.scheduler.running if not s.finished]
+        for speculative in (True, False):
+            group = [s for s in running if s.speculative == speculative]
+            if group:
+                self._decode(group, speculative)
+        touched = list(self.scheduler.running)
+        for seq in self.scheduler.retire_finished():
+            self._finalize(seq)
+        return touched
+
+    def _prefill(self, seqs: list[Sequence]) -> None:
         """Prefill newly admitted sequences together (their slots are already assigned)."""
         start = time.perf_counter()
         for seq in seqs:
@@ -209,24 +243,24 @@ class EagleEngine:
                 self.draft.cache.reset(seq.slot)
         timer = StepTimer(self.device)
         prefill(self.target, seqs, timer)
+        self.counters["prefill_passes"] += 1
+        self.counters["prefill_sequences"] += len(seqs)
         for seq in seqs:
             seq.stats.prefill_s = timer.verify_s
             seq.stats.ttft_s = time.perf_counter() - start
-            if not speculative:
+            if not seq.speculative:
                 seq.draft_tokens, seq.draft_features = [], None
+            if seq.params.stop:
+                self._check_stop_strings(seq)
 
-    def _retire(self, seq: Sequence, free: list[int]) -> None:
-        seq.stats.total_s = time.perf_counter() - seq.start_time
+    def _finalize(self, seq: Sequence) -> None:
+        seq.stats.total_s = time.perf_counter() - seq.start_time if seq.start_time else 0.0
         seq.stats.new_tokens = len(seq.output_ids)
-        free.append(seq.slot)
-        free.sort()
-        seq.slot = -1
+        seq.draft_features = None  # frees the feature tensor
 
-    def step(self, running: list[Sequence], speculative: bool) -> None:
+    def _decode(self, running: list[Sequence], speculative: bool) -> None:
         budget = self.tree_budget(self.config.tree) if speculative else 1
         active = []
-        if not running:
-            return
         for s in running:
             if int(self.target.cache.lengths[s.slot]) + budget > self.target.max_len:
                 s.finish_reason = "length"
@@ -239,14 +273,15 @@ class EagleEngine:
         decode_step(self.target, self.draft if speculative else None, active,
                     self.config.tree if speculative else None, timer)
         total = timer.now() - t0
+        self.counters["decode_passes"] += 1
+        self.counters["decode_sequences"] += len(active)
         for s in active:
             s.stats.draft_s += timer.draft_s
             s.stats.verify_s += timer.verify_s
             s.stats.other_s += total - timer.draft_s - timer.verify_s
         for s in active:
-            if s.finished or not s.params.stop:
-                continue
-            self._check_stop_strings(s)
+            if s.params.stop and s.stop_text is None:
+                self._check_stop_strings(s)
 
     def _check_stop_strings(self, seq: Sequence) -> None:
         text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
@@ -262,8 +297,10 @@ class EagleEngine:
         seq.stop_text = text[:pos]
         seq.finish_reason = "stop"
 
-    def output(self, seq: Sequence) -> RequestOutput:
-        text = seq.stop_text if seq.stop_text is not None else \
+    def output_text(self, seq: Sequence) -> str:
+        return seq.stop_text if seq.stop_text is not None else \
             self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
-        return RequestOutput(seq.request_id, seq.prompt_ids, list(seq.output_ids), text, seq.finish_reason or "length",
-                             seq.stats)
+
+    def output(self, seq: Sequence) -> RequestOutput:
+        return RequestOutput(seq.request_id, seq.prompt_ids, list(seq.output_ids), self.output_text(seq),
+                             seq.finish_reason or "length", seq.stats)

@@ -25,6 +25,7 @@ class Sequence:
     stats: RequestStats = field(default_factory=RequestStats)
     start_time: float = 0.0
     stop_text: str | None = None  # output text cut before a matched stop string
+    speculative: bool = True
 
     @property
     def finished(self) -> bool:

@@ -18,7 +18,7 @@ SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 
 
 class TargetModel:
-    def __init__(self, hf_model, max_slots: int, max_len: int):
+    def __init__(self, hf_model, max_slots: int, max_len: int, fp32_logits: bool = True):
         cfg = hf_model.config
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             raise CheckpointError(f"target model_type '{cfg.model_type}' is not supported; eagle-ray runs "
@@ -33,19 +33,26 @@ class TargetModel:
         param = next(hf_model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.max_len = min(max_len, cfg.max_position_embeddings)
+        # Greedy choices between near-tied tokens flip when logits are rounded to bf16 (8 significant bits): the
+        # verify pass and plain decoding then disagree on ties a bf16 logit cannot even separate. An fp32 copy of
+        # the lm_head (vocab x hidden x 4 bytes) keeps the last product exact; ``fp32_logits=False`` saves it.
+        self._lm_fp32 = None
+        if fp32_logits and self.dtype != torch.float32:
+            self._lm_fp32 = self.lm_head_weight.detach().float().t().contiguous()  # [hidden, vocab], input-major
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.cache = KVCache(len(self.layers), max_slots, cfg.num_key_value_heads, self.max_len, head_dim,
                              self.dtype, self.device)
 
     @classmethod
-    def load(cls, path: str | Path, dtype: torch.dtype, device, max_slots: int, max_len: int) -> "TargetModel":
+    def load(cls, path: str | Path, dtype: torch.dtype, device, max_slots: int, max_len: int,
+             fp32_logits: bool = True) -> "TargetModel":
         from transformers import AutoModelForCausalLM
 
         try:
             hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa")
         except OSError as e:
             raise CheckpointError(f"cannot load target from {path}: {e}") from e
-        return cls(hf.to(device), max_slots, max_len)
+        return cls(hf.to(device), max_slots, max_len, fp32_logits)
 
     @property
     def hidden_size(self) -> int:
@@ -79,7 +86,20 @@ class TargetModel:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of post-norm ``hidden``."""
+        if self._lm_fp32 is not None:
+            return hidden.float() @ self._lm_fp32
         return self.lm_head(hidden).float()
+
+    @torch.inference_mode()
+    def next_token_logits(self, ids: list[int], slot: int = 0) -> torch.Tensor:
+        """fp32 logits after ``ids`` computed on this runtime (clobbers ``slot``'s cache; for diagnostics)."""
+        self.cache.reset(slot)
+        T = len(ids)
+        idx = torch.arange(T, device=self.device)
+        causal = (idx.view(-1, 1) >= idx.view(1, -1)).unsqueeze(0)
+        hidden = self.forward(torch.tensor([ids], device=self.device), [slot], idx.view(1, -1), causal)
+        return self.logits(hidden[0, -1])
 
 
 class InputMajorLinear(torch.nn.Module):

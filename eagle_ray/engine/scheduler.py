@@ -1,0 +1,60 @@
+"""Continuous batching: which sequences hold a KV slot this step.
+
+Waiting requests enter free slots between steps (and are prefilled together); finished or aborted ones leave and
+free their slot at once. Memory is bounded up front: the KV cache has ``num_slots`` rows of ``max_len`` positions,
+and a request that cannot fit one row is refused when it is added, never mid-run.
+"""
+from __future__ import annotations
+
+import collections
+
+from eagle_ray.engine.sequence import Sequence
+
+
+class Scheduler:
+    def __init__(self, num_slots: int):
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self.free = list(range(num_slots))
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def admit(self) -> list[Sequence]:
+        """Move waiting sequences into free slots (lowest slot first, so batches stay contiguous when they can)."""
+        admitted = []
+        while self.waiting and self.free:
+            seq = self.waiting.popleft()
+            seq.slot = self.free.pop(0)
+            admitted.append(seq)
+        self.running += admitted
+        return admitted
+
+    def retire_finished(self) -> list[Sequence]:
+        done = [s for s in self.running if s.finished]
+        for seq in done:
+            self._release(seq)
+        return done
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Drop a request wherever it is; returns it (finish reason ``abort``) or None if unknown."""
+        for seq in list(self.waiting):
+            if seq.request_id == request_id:
+                self.waiting.remove(seq)
+                seq.finish_reason = "abort"
+                return seq
+        for seq in self.running:
+            if seq.request_id == request_id:
+                seq.finish_reason = "abort"
+                self._release(seq)
+                return seq
+        return None
+
+    def _release(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.free.append(seq.slot)
+        self.free.sort()
+        seq.slot = -1
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)

@@ -4,6 +4,7 @@ Constructing any of these with a bad value raises :class:`eagle_ray.errors.Confi
 """
 from __future__ import annotations
 
+import contextvars
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -19,15 +20,25 @@ def format_validation_error(err: ValidationError, prefix: str = "") -> str:
     return "; ".join(parts)
 
 
+_nesting = contextvars.ContextVar("eagle_ray_config_nesting", default=0)
+
+
 class StrictModel(BaseModel):
-    """Forbids unknown keys and turns pydantic's ValidationError into our ConfigError."""
+    """Forbids unknown keys and turns pydantic's ValidationError into our ConfigError (at the outermost model,
+    so a nested mistake is reported with its full dotted path, e.g. ``actors.num_actors``)."""
     model_config = ConfigDict(extra="forbid", frozen=False)
 
     def __init__(self, **data):
+        outer = _nesting.get()
+        token = _nesting.set(outer + 1)
         try:
             super().__init__(**data)
         except ValidationError as e:
+            if outer:
+                raise
             raise ConfigError(f"invalid {type(self).__name__}: {format_validation_error(e)}") from None
+        finally:
+            _nesting.reset(token)
 
 
 class TreeConfig(StrictModel):
@@ -91,3 +102,79 @@ class EngineConfig(StrictModel):
     threads: int | None = Field(None, ge=1, description="torch CPU threads (None = torch default)")
     fp32_logits: bool = Field(True, description="compute logits in fp32 when the model runs in bf16/fp16 "
                               "(keeps greedy near-ties stable; costs an fp32 copy of the lm_head)")
+
+
+# ---- the Ray Data job ---------------------------------------------------------------------------------------------
+class S3Options(StrictModel):
+    """Where s3:// URIs point. Credentials come from the environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY /
+    AWS_SESSION_TOKEN, or an instance role), never from the config file."""
+    endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, moto); default AWS_ENDPOINT_URL")
+    region: str | None = Field(None, description="default AWS_DEFAULT_REGION")
+    anonymous: bool = False
+
+    def storage_options(self) -> dict:
+        """Keyword arguments for ``s3fs.S3FileSystem`` / fsspec."""
+        import os
+        opts: dict = {"anon": self.anonymous}
+        endpoint = self.endpoint_url or os.environ.get("AWS_ENDPOINT_URL")
+        if endpoint:
+            opts["endpoint_url"] = endpoint
+        region = self.region or os.environ.get("AWS_DEFAULT_REGION")
+        if region:
+            opts["client_kwargs"] = {"region_name": region}
+        return opts
+
+
+class InputConfig(StrictModel):
+    uri: str = Field(..., description="a .jsonl/.parquet file, a directory or glob of them; local or s3://")
+    format: Literal["auto", "jsonl", "parquet"] = "auto"
+    limit: int | None = Field(None, ge=1, description="read only the first N rows")
+
+
+class OutputConfig(StrictModel):
+    uri: str = Field(..., description="output directory (local or s3://): part-*.parquet + summary.json")
+    rows_per_file: int = Field(256, ge=1, le=1_000_000)
+
+
+class ActorsConfig(StrictModel):
+    """The actor pool: one engine (target + draft pair) per actor."""
+    num_actors: int = Field(1, ge=1)
+    num_cpus: float = Field(1.0, gt=0, description="CPUs per actor (also its torch thread count on CPU)")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per actor (0 = CPU actors)")
+    batch_size: int = Field(16, ge=1, description="rows per Ray Data batch handed to an actor")
+    max_concurrent_batches: int = Field(4, ge=1, description="batches in flight per actor, all feeding one "
+                                        "continuously batched engine")
+
+
+class JobConfig(StrictModel):
+    """``jobs/generate.py --config job.yaml``: everything the batch generation job needs."""
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    sampling: SamplingParams = Field(default_factory=SamplingParams, description="defaults; rows may override")
+    speculative: bool = True
+    input: InputConfig
+    output: OutputConfig
+    s3: S3Options = Field(default_factory=S3Options)
+    actors: ActorsConfig = Field(default_factory=ActorsConfig)
+    resume: bool = Field(True, description="skip ids already in the output (exactly-once re-runs)")
+    ray_address: str | None = Field(None, description="None: RAY_ADDRESS or a new local Ray on 127.0.0.1")
+
+    @classmethod
+    def from_yaml(cls, path, overrides: dict | None = None) -> "JobConfig":
+        """Load a YAML file; ``overrides`` maps dotted keys (``input.uri``) to values applied on top."""
+        import yaml
+        try:
+            with open(path) as f:
+                data = yaml.safe_load(f) or {}
+        except OSError as e:
+            raise ConfigError(f"cannot read job config {path}: {e}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"job config {path} is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"job config {path} must be a mapping at the top level")
+        for key, value in (overrides or {}).items():
+            node = data
+            *parents, last = key.split(".")
+            for p in parents:
+                node = node.setdefault(p, {})
+            node[last] = value
+        return cls(**data)

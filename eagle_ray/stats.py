@@ -46,6 +46,17 @@ class RequestStats:
         for d in range(accepted_drafts):
             self.accepted_per_depth[d] += 1
 
+    def merge(self, other: "RequestStats") -> None:
+        """Add another request's counts and times (a multi-turn row is one row of stats)."""
+        for name in ("verify_steps", "new_tokens", "step_tokens", "tree_tokens", "prefill_s", "draft_s", "verify_s",
+                     "other_s", "total_s"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        if not self.ttft_s:
+            self.ttft_s = other.ttft_s
+        for name in ("accept_hist", "accepted_per_depth"):
+            a, b = getattr(self, name), getattr(other, name)
+            setattr(self, name, [x + y for x, y in zip(a + [0] * (len(b) - len(a)), b + [0] * (len(a) - len(b)))])
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d.update(tau=self.tau, mean_tree_size=self.mean_tree_size, tokens_per_s=self.tokens_per_s)

@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -30,3 +31,37 @@ def tiny_head(tiny_hf):
     """A head trained for a few seconds on the tiny target's own greedy outputs: it drafts well enough that
     multi-token acceptance, KV compaction and every tree path are exercised."""
     return trained_head(tiny_hf)
+
+
+@pytest.fixture()
+def s3(monkeypatch, tmp_path):
+    """A real S3 API on loopback (moto's server) with a ``models`` bucket; yields (s3fs filesystem, options)."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("EAGLE_RAY_CACHE", str(tmp_path / "cache"))
+    import s3fs
+    opts = {"key": "testing", "secret": "testing", "endpoint_url": f"http://{host}:{port}"}
+    fs = s3fs.S3FileSystem(**opts)
+    fs.mkdir("models")
+    yield fs, opts
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """A real local Ray bound to 127.0.0.1 (started once per test session, shut down at the end). Workers
+    inherit these AWS variables, so actors reach the test S3 server the way they reach a real one."""
+    import ray
+    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                 "AWS_DEFAULT_REGION": "us-east-1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+                 "RAY_USAGE_STATS_ENABLED": "0"}.items():
+        os.environ.setdefault(k, v)
+    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=2, log_to_driver=False)
+    yield ray
+    ray.shutdown()

@@ -1,30 +1,10 @@
 """Weights from s3:// (a real S3 API: moto's server on 127.0.0.1) load into the same engine as local files."""
 import os
 
-import pytest
 import torch
 
 from eagle_ray.config import SamplingParams
 from eagle_ray.engine.engine import EagleEngine
-
-
-@pytest.fixture()
-def s3(monkeypatch, tmp_path):
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
-    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setenv("EAGLE_RAY_CACHE", str(tmp_path / "cache"))
-    import s3fs
-    opts = {"key": "testing", "secret": "testing", "endpoint_url": f"http://{host}:{port}"}
-    fs = s3fs.S3FileSystem(**opts)
-    fs.mkdir("models")
-    yield fs, opts
-    server.stop()
 
 
 def test_target_and_head_from_s3(s3, tiny_dir, tiny_head, tmp_path):

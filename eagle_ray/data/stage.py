@@ -1,0 +1,99 @@
+"""The Ray Data stage: an actor that holds one engine and turns batches of input rows into output rows.
+
+``__call__`` is async and Ray Data runs several batches per actor at once (``max_concurrent_batches``); each
+batch submits its rows to the actor's one :class:`RequestQueue`, so the engine stays full across batch
+boundaries instead of draining at every batch's tail. A bad row becomes an output row with ``error`` set.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+from datetime import datetime, timezone
+
+import pyarrow as pa
+
+from eagle_ray.config import JobConfig
+from eagle_ray.data.rows import Request, empty_row, parse_request, to_table
+from eagle_ray.errors import EagleError
+from eagle_ray.stats import RequestStats
+
+log = logging.getLogger(__name__)
+
+
+def now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class GenerateStage:
+    def __init__(self, config_json: str):
+        from eagle_ray.engine.engine import EagleEngine
+        from eagle_ray.engine.queue import RequestQueue
+
+        self.cfg = JobConfig(**json.loads(config_json))
+        engine_cfg = self.cfg.engine
+        if engine_cfg.threads is None and self.cfg.actors.num_gpus == 0:
+            engine_cfg = engine_cfg.model_copy(update={"threads": max(1, int(self.cfg.actors.num_cpus))})
+        self.engine = EagleEngine.from_config(engine_cfg, self.cfg.s3.storage_options())
+        self.queue = RequestQueue(self.engine)
+        self.target_name = engine_cfg.target or "embedded:SmolLM2-135M-Instruct"
+        self.draft_name = engine_cfg.draft or ("embedded:smollm2-135m-instruct-eagle" if engine_cfg.target is None
+                                               else "none")
+        self.tree_json = engine_cfg.tree.model_dump_json()
+        self.worker_id = f"{socket.gethostname()}:{os.getpid()}"
+        try:
+            import ray
+            self.worker_id = f"{self.worker_id}:{ray.get_runtime_context().get_actor_id()[:8]}"
+        except Exception:  # noqa: BLE001 - outside Ray (tests, direct use)
+            pass
+
+    async def __call__(self, batch: pa.Table) -> pa.Table:
+        rows = await asyncio.gather(*(self.process(item) for item in batch.to_pylist()))
+        return to_table(list(rows))
+
+    async def process(self, item: dict) -> dict:
+        row = empty_row(item)
+        row.update(target_model=self.target_name, draft_model=self.draft_name, speculative=self.cfg.speculative,
+                   tree=self.tree_json, worker_id=self.worker_id, started_at=now())
+        if item.get("error"):
+            row.update(error=item["error"], finished_at=now())
+            return row
+        try:
+            req = parse_request(item["payload"], self.cfg.sampling)
+            p = req.params
+            row.update(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_new_tokens=p.max_new_tokens,
+                       seed=p.seed, sampling_params=p.model_dump_json())
+            await self.run(req, row, item["id"])
+        except EagleError as e:
+            row["error"] = f"{type(e).__name__}: {e}"
+        except Exception as e:  # noqa: BLE001 - an unexpected failure still loses only this row
+            log.exception("row %s failed", item["id"])
+            row["error"] = f"internal error: {type(e).__name__}: {e}"
+        row["finished_at"] = now()
+        return row
+
+    async def run(self, req: Request, row: dict, rid: str) -> None:
+        turns = req.value if req.kind == "turns" else [None]
+        messages: list[dict] = []
+        stats, outputs, prompt_tokens, output_tokens, finish = RequestStats(), [], 0, 0, None
+        for i, turn in enumerate(turns):
+            if req.kind == "turns":
+                messages.append({"role": "user", "content": turn})
+                prompt = list(messages)
+            else:
+                prompt = req.value
+            out = await self.queue.agenerate(prompt, req.params, request_id=f"{rid}/{i}",
+                                             speculative=self.cfg.speculative)
+            if req.kind == "turns":
+                messages.append({"role": "assistant", "content": out.text})
+            outputs.append(out.text)
+            prompt_tokens += len(out.prompt_token_ids)
+            output_tokens += len(out.token_ids)
+            stats.merge(out.stats)
+            finish = out.finish_reason
+        row.update(output=outputs[-1], turn_outputs=outputs, prompt_tokens=prompt_tokens,
+                   output_tokens=output_tokens, finish_reason=finish, **stats.to_dict())
+        row.pop("step_tokens", None)
+        row.pop("tree_tokens", None)

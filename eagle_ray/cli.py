@@ -160,6 +160,18 @@ def cmd_measure(a) -> int:
     return 0
 
 
+def cmd_serve(a) -> int:
+    from eagle_ray.config import ServeConfig
+    from eagle_ray.serve.app import run
+    cfg = ServeConfig.from_yaml(a.config) if a.config else ServeConfig()
+    if a.host:
+        cfg.host = a.host
+    if a.port is not None:
+        cfg.port = a.port
+    run(cfg)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="eagle-ray")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -184,6 +196,11 @@ def main(argv=None) -> int:
     m.add_argument("--tie-gap", type=float, default=None, help="top-2 logit gap that counts as a near-tie")
     m.add_argument("--out", default=None)
     m.set_defaults(func=cmd_measure)
+    sv = sub.add_parser("serve", help="OpenAI-compatible Ray Serve app (see configs/serve-embedded.yaml)")
+    sv.add_argument("--config", default=None, help="ServeConfig YAML (default: the embedded pair on 127.0.0.1:8000)")
+    sv.add_argument("--host", default=None)
+    sv.add_argument("--port", type=int, default=None)
+    sv.set_defaults(func=cmd_serve)
     e = sub.add_parser("extract", help="extract drafter features (see eagle_ray.train.extract)")
     e.set_defaults(func=None)
     a, rest = parser.parse_known_args(argv)

@@ -178,3 +178,32 @@ class JobConfig(StrictModel):
                 node = node.setdefault(p, {})
             node[last] = value
         return cls(**data)
+
+
+# ---- the Serve app ------------------------------------------------------------------------------------------------
+class ServeConfig(StrictModel):
+    """``eagle-ray serve --config serve.yaml`` / ``serve run``: one engine per replica behind an OpenAI API."""
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    model_name: str = Field("eagle-ray/smollm2-135m-instruct", description="the id clients send as `model`")
+    speculative: bool = True
+    host: str = Field("127.0.0.1", description="bind address; 0.0.0.0 exposes the server to the network")
+    port: int = Field(8000, ge=0, le=65535)
+    route_prefix: str = "/"
+    num_replicas: int = Field(1, ge=1)
+    num_cpus: float = Field(1.0, gt=0, description="CPUs per replica (its torch threads on CPU)")
+    num_gpus: float = Field(0.0, ge=0)
+    api_key_env: str | None = Field(None, description="if set, requests need `Authorization: Bearer <value of "
+                                    "this environment variable>`")
+    max_tokens_cap: int = Field(2048, ge=1, description="largest max_tokens a request may ask for")
+    default_max_tokens: int = Field(256, ge=1)
+    s3: S3Options = Field(default_factory=S3Options)
+
+    @classmethod
+    def from_yaml(cls, path) -> "ServeConfig":
+        import yaml
+        try:
+            with open(path) as f:
+                data = yaml.safe_load(f) or {}
+        except OSError as e:
+            raise ConfigError(f"cannot read serve config {path}: {e}") from None
+        return cls(**data)

@@ -60,7 +60,7 @@ def ray_local():
     import ray
     for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                  "AWS_DEFAULT_REGION": "us-east-1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-                 "RAY_USAGE_STATS_ENABLED": "0"}.items():
+                 "RAY_USAGE_STATS_ENABLED": "0", "EAGLE_RAY_TEST_API_KEY": "test-key"}.items():
         os.environ.setdefault(k, v)
     ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=2, log_to_driver=False)
     yield ray

@@ -1,0 +1,192 @@
+"""The Serve app over real HTTP on 127.0.0.1, driven by the official ``openai`` client: completions, chat,
+streaming, stop sequences, greedy output equal to the offline engine's, OpenAI-style 4xx errors, and
+mid-stream disconnects that leave no slot behind."""
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+from tiny import tiny_engine
+
+from eagle_ray.config import SamplingParams, ServeConfig
+
+MODEL = "tiny-eagle"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(ray_local, tiny_dir, tiny_head, tmp_path_factory):
+    from ray import serve
+
+    from eagle_ray.serve.app import build_app
+    head = tmp_path_factory.mktemp("serve-head")
+    tiny_head.save(head)
+    port = free_port()
+    cfg = ServeConfig(engine={"target": str(tiny_dir), "draft": str(head), "dtype": "float32", "max_batch_size": 4,
+                              "max_model_len": 128, "tree": {"total_tokens": 8, "depth": 3, "top_k": 3}},
+                      model_name=MODEL, port=port, max_tokens_cap=64, default_max_tokens=16, num_cpus=1,
+                      api_key_env="EAGLE_RAY_TEST_API_KEY")
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(json.loads(cfg.model_dump_json())), name="eagle-test", route_prefix="/", blocking=False)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    yield base, tiny_engine(tiny_dir, tiny_head, cfg.engine.tree, max_batch_size=4, max_model_len=128)
+    serve.delete("eagle-test")
+    serve.shutdown()
+
+
+@pytest.fixture()
+def client(server):
+    import openai
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="test-key", max_retries=0, timeout=60)
+
+
+AUTH = {"authorization": "Bearer test-key"}
+
+
+PROMPTS = ["w1 w2 w3", "w9 w8", "w20 w21 w22 w23 w24"]
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(server[0] + "/health").json()["status"] == "ok"
+
+
+def test_completion_equals_the_offline_engine(server, client):
+    offline = server[1]
+    for p in PROMPTS:
+        r = client.completions.create(model=MODEL, prompt=p, max_tokens=20, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        want = offline.generate([p], SamplingParams(max_new_tokens=20, ignore_eos=True))[0]
+        assert r.choices[0].text == want.text and r.usage.completion_tokens == 20
+        assert r.choices[0].finish_reason == "length"
+        extra = r.model_extra["eagle"]
+        assert extra["verify_steps"] >= 1 and extra["tau"] >= 1.0
+
+
+def test_chat_equals_the_offline_engine(server, client):
+    offline = server[1]
+    msgs = [{"role": "system", "content": "w5"}, {"role": "user", "content": "w1 w7"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    want = offline.generate(msgs, SamplingParams(max_new_tokens=16, ignore_eos=True))[0]
+    assert r.choices[0].message.content == want.text and r.choices[0].message.role == "assistant"
+
+
+def test_streaming_chat_and_completion(server, client):
+    offline = server[1]
+    want = offline.generate([PROMPTS[0]], SamplingParams(max_new_tokens=24, ignore_eos=True))[0].text
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].usage.completion_tokens == 24
+    chat = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[1]}],
+                                               max_tokens=12, temperature=0, stream=True,
+                                               extra_body={"ignore_eos": True}))
+    assert chat[0].choices[0].delta.role == "assistant" and chat[-1].choices[0].finish_reason == "length"
+    assert len(chat) > 2
+
+
+def test_stop_sequences(server, client):
+    full = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=30, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = " ".join(full.split()[4:6])
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=30, temperature=0, stop=[stop],
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == full[: full.index(stop)] and r.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=PROMPTS[2], max_tokens=30, temperature=0, stop=[stop], stream=True,
+        extra_body={"ignore_eos": True}) if c.choices)
+    assert streamed == r.choices[0].text
+
+
+BAD = {
+    "malformed JSON": (b'{"model": "tiny-eagle", "prompt": ', 400, "not valid JSON"),
+    "not an object": (b'["w1"]', 400, "JSON object"),
+    "unknown model": ({"model": "gpt-5", "prompt": "w1"}, 404, "does not exist"),
+    "missing prompt": ({"model": MODEL}, 400, "prompt"),
+    "negative temperature": ({"model": MODEL, "prompt": "w1", "temperature": -1}, 400, "temperature"),
+    "top_p zero": ({"model": MODEL, "prompt": "w1", "top_p": 0}, 400, "top_p"),
+    "max_tokens over the cap": ({"model": MODEL, "prompt": "w1", "max_tokens": 100000}, 400, "cap"),
+    "max_tokens zero": ({"model": MODEL, "prompt": "w1", "max_tokens": 0}, 400, "max_tokens"),
+    "n > 1": ({"model": MODEL, "prompt": "w1", "n": 3}, 400, "n"),
+    "prompt over the context": ({"model": MODEL, "prompt": " ".join(["w1"] * 300)}, 400, "tokens"),
+    "empty prompt": ({"model": MODEL, "prompt": ""}, 400, "empty"),
+    "bad role (chat)": ({"model": MODEL, "messages": [{"role": "wizard", "content": "w1"}]}, 400, "role"),
+    "no messages (chat)": ({"model": MODEL, "messages": []}, 400, "messages"),
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD))
+def test_bad_requests_get_4xx_with_a_reason(server, kind):
+    body, status, reason = BAD[kind]
+    route = "/v1/chat/completions" if "chat" in kind else "/v1/completions"
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(server[0] + route, content=data, headers={"content-type": "application/json", **AUTH}, timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert reason in err["message"] and err["type"]
+
+
+def test_streaming_prompt_over_the_context_is_a_400(server):
+    body = {"model": MODEL, "prompt": " ".join(["w1"] * 300), "stream": True}
+    r = httpx.post(server[0] + "/v1/completions", json=body, headers=AUTH, timeout=60)
+    assert r.status_code == 400 and "tokens" in r.json()["error"]["message"]
+
+
+def test_disconnects_leak_no_slots(server, client):
+    """100 clients drop mid-stream; then every slot is free and a request is served as fast as before."""
+    base = server[0]
+    body = {"model": MODEL, "prompt": "w3 w4", "max_tokens": 64, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+
+    def timed_request():
+        t0 = time.perf_counter()
+        r = client.completions.create(model=MODEL, prompt="w3 w4", max_tokens=32, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 32
+        return time.perf_counter() - t0
+
+    baseline = min(timed_request() for _ in range(3))
+
+    def drop():
+        with httpx.stream("POST", base + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and '"text": "w' in line:
+                    break  # leave mid-stream: the connection closes here
+
+    threads = [threading.Thread(target=drop) for _ in range(100)]
+    for i in range(0, 100, 10):
+        for t in threads[i:i + 10]:
+            t.start()
+        for t in threads[i:i + 10]:
+            t.join()
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        stats = httpx.get(base + "/stats").json()
+        if stats["free_slots"] == 4 and stats["pending"] == 0:
+            break
+        time.sleep(0.2)
+    assert stats["free_slots"] == 4 and stats["pending"] == 0, stats
+    after = min(timed_request() for _ in range(3))
+    assert after < 3 * baseline + 0.5, (baseline, after)
+
+
+def test_requests_without_the_api_key_get_401(server):
+    for headers in ({}, {"authorization": "Bearer wrong"}):
+        r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": "w1"}, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"

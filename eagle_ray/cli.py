@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import sys
 import time
@@ -27,13 +28,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=1, help="max batch size of the engine")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--max-verify-tokens", type=int, default=None, help="cap on tree nodes per verify pass (batch)")
 
 
 def build_engine(a):
     from eagle_ray.engine.engine import EagleEngine
     tree = TreeConfig(mode=a.tree_mode, total_tokens=a.total_tokens, depth=a.depth, top_k=a.top_k)
     return EagleEngine.from_pretrained(target=a.target, draft=a.draft, dtype=a.dtype, device=a.device, tree=tree,
-                                       max_batch_size=a.batch_size, max_model_len=a.max_model_len, threads=a.threads)
+                                       max_batch_size=a.batch_size, max_model_len=a.max_model_len, threads=a.threads,
+                                       max_verify_tokens=a.max_verify_tokens)
 
 
 def cmd_generate(a) -> int:
@@ -97,7 +100,10 @@ def cmd_measure(a) -> int:
             walls.append(time.perf_counter() - t0)
         return outs, walls
 
+    for k in engine.counters:
+        engine.counters[k] = 0
     spec, spec_wall = timed(True)
+    c = dict(engine.counters)
     plain, plain_wall = timed(False) if not a.skip_plain else (spec, spec_wall)
     rows = []
     for i, (s, p) in enumerate(zip(spec, plain)):
@@ -139,7 +145,14 @@ def cmd_measure(a) -> int:
         "time_split": {k: v / step_total for k, v in tot.items()} if step_total else {},
         "overhead_fraction": tot["other_s"] / step_total if step_total else 0.0,
         "mismatches_vs_plain": mismatches("vs_plain"), "tie_gap": tie,
+        "mean_verify_batch": c["decode_sequences"] / max(c["decode_passes"], 1),
+        "mean_verify_width": c["verify_tokens"] / max(c["decode_sequences"], 1),
+        "mean_tree_nodes_per_pass": c["tree_nodes"] / max(c["decode_passes"], 1),
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "kv_cache_mib": engine.target.cache.nbytes() / 2**20,
     }
+    if engine.device.type == "cuda":
+        summary["peak_cuda_mib"] = torch.cuda.max_memory_allocated() / 2**20
     summary["speedup_total"] = summary["spec_tok_s"] / summary["plain_tok_s"]
     if a.batch_size == 1:
         summary["speedup_median"] = statistics.median(r["speedup"] for r in rows)

@@ -100,6 +100,8 @@ class EngineConfig(StrictModel):
     draft_vocab_size: int | None = Field(None, ge=0, description="draft proposes only the N most frequent tokens "
                                          "of the head's token_map (None: all of the map, 0: full vocabulary)")
     threads: int | None = Field(None, ge=1, description="torch CPU threads (None = torch default)")
+    max_verify_tokens: int | None = Field(None, ge=1, description="cap on tree nodes per verify pass for the whole "
+                                          "batch; the most probable nodes across sequences are kept (None: no cap)")
     fp32_logits: bool = Field(True, description="compute logits in fp32 when the model runs in bf16/fp16 "
                               "(keeps greedy near-ties stable; costs an fp32 copy of the lm_head)")
 

@@ -47,6 +47,19 @@ def test_speculative_greedy_equals_target_greedy(tiny_dir, tiny_hf, tiny_head, t
     assert all(o.stats.verify_steps > 0 and sum(o.stats.accept_hist) == o.stats.verify_steps for o in outs)
 
 
+@pytest.mark.parametrize("cap", [4, 11, 20])
+def test_a_batch_verify_budget_keeps_greedy_exact(tiny_dir, tiny_hf, tiny_head, cap):
+    """Per-sequence tree sizes under a batch-wide cap (4 = roots only for a batch of 4)."""
+    engine = tiny_engine(tiny_dir, tiny_head, TREES["dynamic"], max_batch_size=4)
+    engine.config.max_verify_tokens = cap
+    prompts = mixed_prompts(6, seed=2)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=30, ignore_eos=True))
+    for out, prompt in zip(outs, prompts):
+        assert out.token_ids == reference_greedy(tiny_hf, prompt, 30)
+    c = engine.counters
+    assert c["tree_nodes"] <= cap * c["decode_passes"]
+
+
 def test_plain_decoding_on_the_same_runtime(tiny_dir, tiny_hf, tiny_head):
     engine = tiny_engine(tiny_dir, tiny_head, max_batch_size=4)
     prompts = mixed_prompts(5, seed=9)

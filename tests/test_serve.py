@@ -190,3 +190,20 @@ def test_requests_without_the_api_key_get_401(server):
     for headers in ({}, {"authorization": "Bearer wrong"}):
         r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": "w1"}, headers=headers)
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+
+
+def test_32_concurrent_streams_complete_and_share_verify_passes(server):
+    """A short version of bench/serve_load.py (README has the 60 s run on the embedded pair)."""
+    import asyncio
+
+    import httpx as hx
+
+    from eagle_ray.serve.load import run_load
+    base = server[0]
+    before = hx.get(base + "/stats").json()
+    result = asyncio.run(run_load(base + "/v1", MODEL, PROMPTS, clients=32, duration_s=8, max_tokens=16,
+                                  api_key="test-key"))
+    after = hx.get(base + "/stats").json()
+    assert result["errors"] == 0 and result["malformed"] == 0 and result["completed"] >= 32, result
+    batch = (after["decode_sequences"] - before["decode_sequences"]) / (after["decode_passes"] - before["decode_passes"])
+    assert batch > 1.5 and after["free_slots"] == 4

@@ -139,3 +139,50 @@ def test_every_static_default_node_has_its_parent():
     assert all(tuple(p[:-1]) in paths for p in shape if len(p) > 1)
     assert len(paths) == len(shape)
     assert all(a != b for a, b in itertools.combinations(shape, 2))
+
+
+def _random_batch_tree(seed=0, B=4, cfg=None):
+    from eagle_ray.spec.tree import grow_dynamic
+    g = torch.Generator().manual_seed(seed)
+    d, V = 8, 50
+    emb = torch.randn(V, d, generator=g)
+    proj = torch.randn(d, V, generator=g)
+
+    def topk_fn(h, k):
+        lp = torch.log_softmax(h @ proj * 2, -1)
+        return lp.topk(k, -1)
+
+    def draft_fn(tok, feat, level, block_mask, offset):
+        return torch.tanh(feat + emb[tok])
+
+    cfg = cfg or TreeConfig(total_tokens=10, depth=3, top_k=3)
+    return grow_dynamic(draft_fn, topk_fn, torch.randn(B, d, generator=g), torch.arange(B), cfg)
+
+
+def test_batch_budget_keeps_the_most_probable_nodes_across_sequences_and_stays_connected():
+    from eagle_ray.spec.tree import fit_batch_budget
+    tree = _random_batch_tree()
+    cut = fit_batch_budget(tree, 20)
+    assert int(cut.valid.sum()) == 20 and bool(cut.valid[:, 0].all())
+    kept = cut.scores[cut.valid & (torch.arange(10) > 0)]
+    dropped = tree.scores[tree.valid & ~cut.valid]
+    assert kept.min() >= dropped.max()                      # a global top by cumulative draft probability
+    assert bool(cut.valid.gather(1, cut.parents).logical_or(~cut.valid).all())   # parents kept
+    assert bool(cut.ancestors.sum(-1)[cut.valid].eq(cut.depth[cut.valid] + 1).all())
+    assert fit_batch_budget(tree, 40) is tree               # under budget: untouched
+
+
+def test_pack_moves_valid_nodes_first_and_trims_width_without_changing_the_trees():
+    from eagle_ray.spec.tree import fit_batch_budget, pack
+    tree = fit_batch_budget(_random_batch_tree(seed=3), 18)
+    packed = pack(tree)
+    assert packed.tokens.shape[1] == int(tree.valid.sum(1).max())
+    for b in range(tree.tokens.shape[0]):
+        old = tree.valid[b].nonzero().flatten()
+        n = len(old)
+        assert bool(packed.valid[b, :n].all()) and not bool(packed.valid[b, n:].any())
+        assert packed.tokens[b, :n].tolist() == tree.tokens[b, old].tolist()
+        assert packed.depth[b, :n].tolist() == tree.depth[b, old].tolist()
+        assert torch.equal(packed.ancestors[b, :n, :n], tree.ancestors[b][old][:, old])
+        remap = {int(o): i for i, o in enumerate(old)}
+        assert packed.parents[b, :n].tolist() == [remap[int(p)] for p in tree.parents[b, old]]

@@ -65,7 +65,8 @@ class EagleEngine:
         self._ids = itertools.count()
         self.scheduler = Scheduler(config.max_batch_size)
         # lifetime counters: decode passes, sequences they carried (mean verify batch = sequences / passes)
-        self.counters = {"decode_passes": 0, "decode_sequences": 0, "prefill_passes": 0, "prefill_sequences": 0}
+        self.counters = {"decode_passes": 0, "decode_sequences": 0, "verify_tokens": 0, "tree_nodes": 0,
+                         "prefill_passes": 0, "prefill_sequences": 0}
         eos = tokenizer.eos_token_id
         gen_eos = getattr(getattr(target.hf, "generation_config", None), "eos_token_id", None)
         self.eos_ids = frozenset(x for x in ([eos] + (gen_eos if isinstance(gen_eos, list) else [gen_eos]))
@@ -82,14 +83,14 @@ class EagleEngine:
     def from_pretrained(cls, target: str | None = None, draft: str | None = None, dtype: str = "auto",
                         device: str = "auto", tree: TreeConfig | None = None, max_batch_size: int = 8,
                         max_model_len: int = 2048, threads: int | None = None, draft_vocab_size: int | None = None,
-                        storage_options: dict | None = None) -> "EagleEngine":
+                        max_verify_tokens: int | None = None, storage_options: dict | None = None) -> "EagleEngine":
         """Load a target and its EAGLE head. With neither given: the embedded SmolLM2-135M-Instruct pair.
 
         ``draft="none"`` loads only the target (plain decoding only); ``draft="random"`` an untrained head.
         """
         config = EngineConfig(target=target, draft=draft, dtype=dtype, device=device, tree=tree or TreeConfig(),
                               max_batch_size=max_batch_size, max_model_len=max_model_len, threads=threads,
-                              draft_vocab_size=draft_vocab_size)
+                              draft_vocab_size=draft_vocab_size, max_verify_tokens=max_verify_tokens)
         return cls.from_config(config, storage_options)
 
     @classmethod
@@ -271,10 +272,12 @@ class EagleEngine:
         timer = StepTimer(self.device)
         t0 = timer.now()
         decode_step(self.target, self.draft if speculative else None, active,
-                    self.config.tree if speculative else None, timer)
+                    self.config.tree if speculative else None, timer, self.config.max_verify_tokens)
         total = timer.now() - t0
         self.counters["decode_passes"] += 1
         self.counters["decode_sequences"] += len(active)
+        self.counters["verify_tokens"] += len(active) * timer.verify_width
+        self.counters["tree_nodes"] += timer.tree_nodes
         for s in active:
             s.stats.draft_s += timer.draft_s
             s.stats.verify_s += timer.verify_s

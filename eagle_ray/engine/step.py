@@ -16,7 +16,7 @@ from eagle_ray.model.draft_head import DraftHead
 from eagle_ray.model.target import TargetModel
 from eagle_ray.spec.accept import accept
 from eagle_ray.spec.sampling import SamplingBatch, choose_tokens
-from eagle_ray.spec.tree import Tree, grow_tree
+from eagle_ray.spec.tree import Tree, fit_batch_budget, grow_tree, pack
 
 
 class StepTimer:
@@ -26,6 +26,8 @@ class StepTimer:
         self.cuda = device.type == "cuda"
         self.draft_s = 0.0
         self.verify_s = 0.0
+        self.verify_width = 0    # columns of the padded verify pass (B x width target tokens)
+        self.tree_nodes = 0      # real (non-padding) tree nodes in it
 
     def now(self) -> float:
         if self.cuda:
@@ -115,15 +117,24 @@ def root_only_tree(seqs: list[Sequence], device) -> Tree:
 
 
 def decode_step(target: TargetModel, draft: DraftHead | None, seqs: list[Sequence], tree_cfg: TreeConfig | None,
-                timer: StepTimer) -> list[list[int]]:
+                timer: StepTimer, max_verify_tokens: int | None = None) -> list[list[int]]:
     """One step for ``seqs``; returns the tokens each sequence emits (accepted drafts + bonus).
 
-    With ``draft is None`` this is plain autoregressive decoding on the same runtime.
+    With ``draft is None`` this is plain autoregressive decoding on the same runtime. ``max_verify_tokens`` caps
+    the tree nodes of the whole batch (see :func:`fit_batch_budget`); trees are then packed to the widest one.
     """
     device = target.device
     slots = [s.slot for s in seqs]
     speculative = draft is not None
-    tree = draft_tree(target, draft, seqs, slots, tree_cfg, timer) if speculative else root_only_tree(seqs, device)
+    if speculative:
+        tree = draft_tree(target, draft, seqs, slots, tree_cfg, timer)
+        if max_verify_tokens:
+            tree = fit_batch_budget(tree, max_verify_tokens)
+        tree = pack(tree)
+    else:
+        tree = root_only_tree(seqs, device)
+    timer.verify_width = tree.tokens.shape[1]
+    timer.tree_nodes = int(tree.valid.sum())
 
     t0 = timer.now()
     hidden = target.forward(tree.tokens, slots, tree.depth, tree.ancestors)

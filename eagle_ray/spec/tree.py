@@ -207,3 +207,51 @@ def grow_tree(draft_fn, topk_fn, root_hidden, root_tokens, cfg: TreeConfig) -> T
     if cfg.mode == "dynamic":
         return grow_dynamic(draft_fn, topk_fn, root_hidden, root_tokens, cfg)
     return grow_static(draft_fn, topk_fn, root_hidden, root_tokens, cfg)
+
+
+def fit_batch_budget(tree: Tree, max_tokens: int) -> Tree:
+    """Keep at most ``max_tokens`` nodes over the whole batch: every root, then the draft nodes with the highest
+    cumulative draft probability across all sequences. Cumulative probability estimates a node's chance of being
+    accepted, so this spends the verify pass where acceptance is likeliest: a confident sequence keeps a big tree,
+    an unsure one shrinks to its root. Parents outrank their children, so every tree stays connected."""
+    B, T = tree.tokens.shape
+    budget = max_tokens - B
+    if int(tree.valid.sum()) <= max_tokens:
+        return tree
+    idx = torch.arange(T, device=tree.tokens.device)
+    key = torch.where(tree.valid, tree.scores.double(), float("-inf")) - idx.double() * 1e-9
+    key[:, 0] = float("-inf")                                       # roots are always kept, outside the budget
+    keep = torch.zeros(B * T, dtype=torch.bool, device=key.device)
+    if budget > 0:
+        keep[key.flatten().topk(budget).indices] = True
+    valid = (keep.view(B, T) & tree.valid)
+    valid[:, 0] = True
+    return _with_valid(tree, valid)
+
+
+def _with_valid(tree: Tree, valid: torch.Tensor) -> Tree:
+    T = tree.tokens.shape[1]
+    eye = torch.eye(T, dtype=torch.bool, device=valid.device)
+    idx = torch.arange(T, device=valid.device).expand_as(tree.parents)
+    return Tree(tree.tokens, torch.where(valid, tree.parents, idx), torch.where(valid, tree.depth, 0), valid,
+                torch.where(valid.unsqueeze(-1), tree.ancestors, eye), torch.where(valid, tree.scores, float("-inf")))
+
+
+def pack(tree: Tree) -> Tree:
+    """Move each tree's valid nodes to the front (keeping their order, so parents still precede children) and
+    drop the all-padding columns: the verify pass is as wide as the largest tree, not the widest budget."""
+    B, T = tree.tokens.shape
+    if bool(tree.valid.all()):
+        return tree
+    idx = torch.arange(T, device=tree.tokens.device).expand(B, T)
+    order = torch.where(tree.valid, idx, idx + T).argsort(dim=1)        # valid first, stable
+    W = int(tree.valid.sum(1).max())
+    order = order[:, :W]
+    new_of_old = torch.empty_like(idx)
+    new_of_old.scatter_(1, order, torch.arange(W, device=idx.device).expand(B, W))
+    valid = tree.valid.gather(1, order)
+    parents = new_of_old.gather(1, tree.parents.gather(1, order))
+    parents = torch.where(valid, parents, torch.arange(W, device=idx.device).expand(B, W))
+    anc = tree.ancestors.gather(1, order.unsqueeze(-1).expand(B, W, T)).gather(2, order.unsqueeze(1).expand(B, W, W))
+    return Tree(tree.tokens.gather(1, order), parents, tree.depth.gather(1, order), valid, anc,
+                tree.scores.gather(1, order))

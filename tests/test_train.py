@@ -63,3 +63,26 @@ def test_extraction_killed_and_restarted_writes_each_conversation_once(tiny_dir,
     extract.run_local(**args)
     seen = [c["conv_index"] for s in sorted(out.glob("shard-*.safetensors")) for c in extract.read_shard(s)]
     assert sorted(seen) == [i for i in range(23) if i != 7]
+
+
+def test_self_distilled_conversations_come_from_a_job_output(tmp_path):
+    """jobs/generate.py output -> (prompt messages + the target's answer) in input order; error rows skipped."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    from eagle_ray.data.rows import empty_row, to_table
+    from eagle_ray.train.extract import iter_conversations
+
+    rows = []
+    for i, (inp, out, err) in enumerate([({"messages": [{"role": "user", "content": "hi"}]}, "hello", None),
+                                         ({"prompt": "bad"}, None, "InvalidRequestError: x"),
+                                         ({"prompt": "2+2?"}, "4", None)]):
+        r = empty_row({"id": f"r{i}", "row_index": i, "payload": json.dumps(inp)})
+        r.update(output=out, error=err)
+        rows.append(r)
+    pq.write_table(to_table(rows[1:]), tmp_path / "part-b-00000.parquet")
+    pq.write_table(to_table(rows[:1]), tmp_path / "part-a-00000.parquet")
+    convs = list(iter_conversations(str(tmp_path)))
+    assert convs == [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}], None,
+                     [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]]

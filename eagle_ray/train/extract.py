@@ -66,8 +66,31 @@ def write_shard(out_dir: Path, index: int, tensors: dict) -> Path:
     return final
 
 
+def iter_job_output(source: str) -> Iterable[list[dict] | None]:
+    """Conversations from a ``jobs/generate.py`` output (self-distillation): the row's messages (or prompt) plus
+    the target's own answer, in input order; error rows yield None."""
+    import json
+
+    import pyarrow.parquet as pq
+    path = Path(source)
+    files = sorted(path.glob("part-*.parquet")) if path.is_dir() else [path]
+    rows = sorted((r for f in files for r in pq.read_table(f, columns=["row_index", "input", "output", "error"])
+                   .to_pylist()), key=lambda r: r["row_index"])
+    for r in rows:
+        if r["error"] or not r["output"]:
+            yield None
+            continue
+        rec = json.loads(r["input"])
+        msgs = rec.get("messages") or [{"role": "user", "content": rec.get("prompt", "")}]
+        yield to_messages({"messages": msgs + [{"role": "assistant", "content": r["output"]}]})
+
+
 def iter_conversations(source: str | None) -> Iterable[list[dict] | None]:
-    """Messages per record of ``source`` (None = the ShareGPT wheel), None for records without an assistant turn."""
+    """Messages per record of ``source`` (None = the ShareGPT wheel; a ShareGPT .json; JSONL of messages; or a
+    batch-job output directory / .parquet file), None for records without an assistant turn."""
+    if source is not None and (Path(source).is_dir() or source.endswith(".parquet")):
+        yield from iter_job_output(source)
+        return
     if source is None or source.endswith(".json"):
         for rec in iter_json_array(source or sharegpt_path()):
             yield to_messages(rec)

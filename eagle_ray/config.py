@@ -65,12 +65,12 @@ class SamplingParams(StrictModel):
     """Per-request sampling, as in vLLM. ``temperature == 0`` is greedy."""
     temperature: float = Field(0.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, description="0 = off")
+    top_k: int = Field(0, ge=0, le=2**31 - 1, description="0 = off")
     max_new_tokens: int = Field(128, ge=1)
     stop: list[str] = Field(default_factory=list, description="stop strings; not included in the output")
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
 
     @model_validator(mode="before")
     @classmethod

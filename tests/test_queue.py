@@ -123,3 +123,35 @@ def test_memory_is_flat_over_1000_sequential_requests(engine):
     q.shutdown()
     assert growth < 8 * 2**20, f"RSS grew {growth / 2**20:.1f} MiB over 1,000 requests"
     assert engine.scheduler.free == [0, 1, 2, 3]
+
+
+def test_requests_that_break_the_tokenizer_or_sampling_limits_fail_alone(engine):
+    """A lone surrogate, an absurd seed or top_k: typed errors for those requests; the engine thread survives."""
+    from eagle_ray.errors import ConfigError
+    q = RequestQueue(engine)
+    bad = q.submit("w1 \ud800 w2", GREEDY)
+    with pytest.raises(InvalidRequestError, match="surrogate"):
+        bad.result(timeout=60)
+    with pytest.raises(ConfigError, match="seed"):
+        SamplingParams(temperature=1.0, seed=2**64)
+    with pytest.raises(ConfigError, match="top_k"):
+        SamplingParams(top_k=10**19)
+    assert len(q.submit(mixed_prompts(1)[0], GREEDY).result(timeout=60).token_ids) == 30
+    q.shutdown()
+
+
+def test_abandoning_agenerate_cancels_the_request(engine):
+    q = RequestQueue(engine)
+
+    async def main():
+        task = asyncio.ensure_future(q.agenerate(mixed_prompts(1)[0], SamplingParams(max_new_tokens=200,
+                                                                                    ignore_eos=True)))
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.3)
+
+    asyncio.run(main())
+    q.shutdown()
+    assert engine.scheduler.free == [0, 1, 2, 3] and q.num_pending == 0

@@ -86,9 +86,10 @@ class PartWriter:
             with self.fs.open(tmp, "wb") as f:
                 pq.write_table(table, f)
             os.replace(tmp, path)
-        else:  # object stores: the object becomes visible only once the upload completes
-            with self.fs.open(path, "wb") as f:
-                pq.write_table(table, f)
+        else:  # object stores: serialise first, then one PUT, so an interrupted write leaves no object at all
+            buf = pa.BufferOutputStream()
+            pq.write_table(table, buf)
+            self.fs.pipe_file(path, buf.getvalue().to_pybytes())
         self.parts += 1
         self.written += len(rows)
 

@@ -128,6 +128,9 @@ def parse_request(payload: str, defaults: SamplingParams) -> Request:
     if overrides is not None:
         if not isinstance(overrides, dict):
             raise InvalidRequestError("sampling_params must be an object")
+        overrides = dict(overrides)
+        if "max_tokens" in overrides:  # the OpenAI / vLLM name
+            overrides.setdefault("max_new_tokens", overrides.pop("max_tokens"))
         try:
             params = SamplingParams(**(defaults.model_dump() | overrides))
         except ConfigError as e:

@@ -57,6 +57,13 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return getattr(torch, dtype)
 
 
+def _check_text(text: str, field: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequestError(f"{field} is not valid Unicode (lone surrogate)") from None
+
+
 class EagleEngine:
     def __init__(self, target: TargetModel, draft: DraftHead | None, tokenizer, config: EngineConfig):
         self.target, self.draft, self.tokenizer, self.config = target, draft, tokenizer, config
@@ -137,7 +144,8 @@ class EagleEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty")
-            return self.tokenizer(prompt)["input_ids"]
+            _check_text(prompt, "prompt")
+            return self._tokenize(lambda: self.tokenizer(prompt)["input_ids"])
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             bad = [t for t in prompt if not 0 <= t < self.target.vocab_size]
             if bad:
@@ -150,10 +158,20 @@ class EagleEngine:
                                               f"got {m.get('role')!r}")
                 if not isinstance(m.get("content"), str):
                     raise InvalidRequestError(f"messages[{i}].content must be a string")
-            return self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
-                                                      return_dict=True)["input_ids"]
+                _check_text(m["content"], f"messages[{i}].content")
+            return self._tokenize(lambda: self.tokenizer.apply_chat_template(
+                prompt, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
         raise InvalidRequestError("a prompt must be a non-empty string, a list of chat messages "
                                   "({'role', 'content'}) or a list of token ids; got " + type(prompt).__name__)
+
+    @staticmethod
+    def _tokenize(fn) -> list[int]:
+        """Tokenizer and chat-template failures (e.g. a template that requires alternating roles) are the
+        request's fault: report them as such instead of failing the batch."""
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001
+            raise InvalidRequestError(f"cannot tokenize the prompt: {type(e).__name__}: {e}") from None
 
     def make_sequence(self, prompt, params: SamplingParams, request_id: str | None = None) -> Sequence:
         ids = self.encode(prompt)

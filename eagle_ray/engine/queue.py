@@ -51,17 +51,31 @@ class _Listener:
             while end > self.sent and text[end - 1] == "\ufffd":
                 end -= 1
         if self.on_delta and (end > self.sent or final):
-            self.on_delta(StreamDelta(self.request_id, text[self.sent:end], len(seq.output_ids), final,
-                                      engine.output(seq) if final else None))
+            self._call(StreamDelta(self.request_id, text[self.sent:end], len(seq.output_ids), final,
+                                   engine.output(seq) if final else None))
         self.sent = end
-        if final and not self.future.done():
-            self.future.set_result(engine.output(seq))
+        if final:
+            self._resolve(engine.output(seq), None)
 
     def fail(self, err: BaseException) -> None:
         if self.on_delta:
-            self.on_delta(StreamDelta(self.request_id, "", 0, True, None, err))
-        if not self.future.done():
-            self.future.set_exception(err)
+            self._call(StreamDelta(self.request_id, "", 0, True, None, err))
+        self._resolve(None, err)
+
+    def _call(self, delta: StreamDelta) -> None:
+        try:
+            self.on_delta(delta)
+        except Exception:  # noqa: BLE001 - a consumer that went away (closed event loop) must not stop the engine
+            pass
+
+    def _resolve(self, result, err) -> None:
+        try:  # the future is RUNNING (see submit), so a caller's cancel() cannot race with this
+            if err is None:
+                self.future.set_result(result)
+            else:
+                self.future.set_exception(err)
+        except concurrent.futures.InvalidStateError:
+            pass
 
 
 class RequestQueue:
@@ -71,6 +85,7 @@ class RequestQueue:
         self._listeners: dict[str, _Listener] = {}
         self._stopping = False
         self._drain = True
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="eagle-ray-engine", daemon=True)
         self._thread.start()
 
@@ -79,11 +94,14 @@ class RequestQueue:
                speculative: bool = True, on_delta: Callable[[StreamDelta], None] | None = None
                ) -> concurrent.futures.Future:
         """Queue a request; the future resolves to its RequestOutput (or raises its typed error)."""
-        if self._stopping:
-            raise InvalidRequestError("the engine is shutting down")
         future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_running_or_notify_cancel()  # not cancellable: callers cancel the request with cancel(id)
         rid = request_id or uuid.uuid4().hex
-        self._inbox.put(("add", rid, prompt, params or SamplingParams(), speculative, _Listener(rid, on_delta, future)))
+        with self._lock:
+            if self._stopping:
+                raise InvalidRequestError("the engine is shutting down")
+            self._inbox.put(("add", rid, prompt, params or SamplingParams(), speculative,
+                             _Listener(rid, on_delta, future)))
         return future
 
     def generate(self, prompt, params: SamplingParams | None = None, **kw) -> RequestOutput:
@@ -91,17 +109,32 @@ class RequestQueue:
 
     def stream(self, prompt, params: SamplingParams | None = None, **kw) -> Iterator[StreamDelta]:
         deltas: queue.SimpleQueue = queue.SimpleQueue()
-        self.submit(prompt, params, on_delta=deltas.put, **kw)
-        while True:
-            d = deltas.get()
-            if d.error is not None:
-                raise d.error
-            yield d
-            if d.finished:
-                return
+        rid = kw.pop("request_id", None) or uuid.uuid4().hex
+        self.submit(prompt, params, request_id=rid, on_delta=deltas.put, **kw)
+        finished = False
+        try:
+            while True:
+                d = deltas.get()
+                finished = d.finished
+                if d.error is not None:
+                    raise d.error
+                yield d
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.cancel(rid)
 
-    async def agenerate(self, prompt, params: SamplingParams | None = None, **kw) -> RequestOutput:
-        return await asyncio.wrap_future(self.submit(prompt, params, **kw))
+    async def agenerate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                        **kw) -> RequestOutput:
+        """Await the output; if the awaiting task is cancelled (client gone), the request is cancelled too."""
+        rid = request_id or uuid.uuid4().hex
+        future = self.submit(prompt, params, request_id=rid, **kw)
+        try:
+            return await asyncio.shield(asyncio.wrap_future(future))
+        except asyncio.CancelledError:
+            self.cancel(rid)
+            raise
 
     async def astream(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                       **kw) -> AsyncIterator[StreamDelta]:
@@ -131,8 +164,9 @@ class RequestQueue:
 
     def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
         """Stop accepting requests; with ``drain`` finish the ones in flight, else cancel them."""
-        self._stopping = True
-        self._inbox.put(("stop", drain))
+        with self._lock:
+            self._stopping = True
+            self._inbox.put(("stop", drain))
         self._thread.join(timeout)
 
     @property
@@ -143,20 +177,27 @@ class RequestQueue:
     def _loop(self) -> None:
         while True:
             idle = not self.engine.has_unfinished()
-            if idle and self._stopping:
-                return
             try:
                 cmd = self._inbox.get(timeout=0.5) if idle else self._inbox.get_nowait()
             except queue.Empty:
                 cmd = None
             while cmd is not None:
-                self._handle(cmd)
+                self._handle_safely(cmd)
                 try:
                     cmd = self._inbox.get_nowait()
                 except queue.Empty:
                     cmd = None
             if self.engine.has_unfinished():
                 self._step()
+            elif self._stopping and self._inbox.empty():
+                return  # submit() refuses new work once _stopping is set, so nothing can arrive after this
+
+    def _handle_safely(self, cmd) -> None:
+        try:
+            self._handle(cmd)
+        except Exception as e:  # noqa: BLE001 - a bad request fails alone; the engine thread must survive
+            if cmd[0] == "add":
+                cmd[-1].fail(InvalidRequestError(f"request rejected: {type(e).__name__}: {e}"))
 
     def _handle(self, cmd) -> None:
         kind = cmd[0]
@@ -172,6 +213,9 @@ class RequestQueue:
                 listener.seq = self.engine.add_request(prompt, params, rid, speculative)
             except EagleError as e:
                 listener.fail(e)
+                return
+            except Exception as e:  # noqa: BLE001 - e.g. a tokenizer or chat template that raises on this input
+                listener.fail(InvalidRequestError(f"request rejected: {type(e).__name__}: {e}"))
                 return
             self._listeners[rid] = listener
         elif kind == "cancel":
@@ -199,6 +243,12 @@ class RequestQueue:
             listener = self._listeners.get(seq.request_id)
             if listener is None:
                 continue
-            listener.update(self.engine, seq)
+            try:
+                listener.update(self.engine, seq)
+            except Exception as e:  # noqa: BLE001 - e.g. a detokenizer error: fail this request, keep the rest
+                self.engine.abort(seq.request_id)
+                listener.fail(e)
+                self._listeners.pop(seq.request_id, None)
+                continue
             if seq.finished:
                 del self._listeners[seq.request_id]

@@ -5,6 +5,7 @@ that disconnects mid-stream has its request cancelled (its slot is free before t
 what is in flight.
 """
 
+import hmac
 import json
 import os
 import time
@@ -63,7 +64,12 @@ class EagleServer:
             engine_cfg = engine_cfg.model_copy(update={"threads": max(1, int(self.cfg.num_cpus))})
         self.engine = EagleEngine.from_config(engine_cfg, self.cfg.s3.storage_options())
         self.queue = RequestQueue(self.engine)
-        self.api_key = os.environ.get(self.cfg.api_key_env) if self.cfg.api_key_env else None
+        self.api_key = None
+        if self.cfg.api_key_env:  # fail closed: a missing secret must not silently turn auth off
+            self.api_key = os.environ.get(self.cfg.api_key_env)
+            if not self.api_key:
+                raise RuntimeError(f"api_key_env={self.cfg.api_key_env!r} is set but that environment variable is "
+                                   "empty or missing on this replica")
         self.metrics = _Metrics()
 
     # ---- plumbing ---------------------------------------------------------------------------------------------
@@ -71,7 +77,7 @@ class EagleServer:
         """Auth, JSON, schema, model name and limits; returns (parsed request, None) or (None, error response)."""
         if self.api_key is not None:
             auth = request.headers.get("authorization", "")
-            if auth != f"Bearer {self.api_key}":
+            if not hmac.compare_digest(auth.encode(), f"Bearer {self.api_key}".encode()):
                 return None, _err(401, "missing or wrong API key (Authorization: Bearer <key>)",
                                   "authentication_error", code="invalid_api_key")
         try:
@@ -109,6 +115,8 @@ class EagleServer:
             out = await self.queue.agenerate(prompt, params, request_id=rid, speculative=self.cfg.speculative)
         except EagleError as e:
             return _err(400, str(e), code="context_length_exceeded" if isinstance(e, PromptTooLongError) else None)
+        except Exception as e:  # noqa: BLE001 - an engine failure: OpenAI-shaped 500, the server stays up
+            return _err(500, f"{type(e).__name__}: {e}", "server_error")
         self.metrics.record(out)
         usage = {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(out.token_ids),
                  "total_tokens": len(out.prompt_token_ids) + len(out.token_ids)}
@@ -125,7 +133,7 @@ class EagleServer:
 
     def _precheck(self, prompt) -> None:
         """Tokenize and size-check without queueing (the engine thread re-does it; cheap next to generation)."""
-        self.engine.make_sequence(prompt, SamplingParams())
+        self.engine.make_sequence(prompt, SamplingParams())  # raises typed errors (tokenizer failures included)
 
     async def _sse(self, req, prompt, params, rid: str, kind: str):
         created = now()
@@ -160,6 +168,8 @@ class EagleServer:
                     yield f"data: {json.dumps(last)}\n\n"
         except EagleError as e:
             yield f"data: {json.dumps(error_body(str(e)))}\n\n"
+        except Exception as e:  # noqa: BLE001 - the stream still ends well-formed, with the reason
+            yield f"data: {json.dumps(error_body(f'{type(e).__name__}: {e}', 'server_error'))}\n\n"
         yield "data: [DONE]\n\n"
 
     # ---- routes ------------------------------------------------------------------------------------------------
@@ -179,7 +189,8 @@ class EagleServer:
 
     @api.get("/v1/models")
     async def models(self, request: Request):
-        if self.api_key is not None and request.headers.get("authorization", "") != f"Bearer {self.api_key}":
+        if self.api_key is not None and not hmac.compare_digest(
+                request.headers.get("authorization", "").encode(), f"Bearer {self.api_key}".encode()):
             return _err(401, "missing or wrong API key", "authentication_error", code="invalid_api_key")
         return {"object": "list", "data": [{"id": self.cfg.model_name, "object": "model", "created": now(),
                                             "owned_by": "eagle-ray"}]}

@@ -48,7 +48,8 @@ def s3(monkeypatch, tmp_path):
     import s3fs
     opts = {"key": "testing", "secret": "testing", "endpoint_url": f"http://{host}:{port}"}
     fs = s3fs.S3FileSystem(**opts)
-    fs.mkdir("models")
+    if not fs.exists("models"):  # moto's backend is per process: buckets outlive a server
+        fs.mkdir("models")
     yield fs, opts
     server.stop()
 

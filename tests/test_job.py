@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -74,13 +75,14 @@ def ids_of(out_fs_path_table):
 
 def test_end_to_end_on_s3_with_two_actors(ray_local, pair, s3, tmp_path):
     fs, opts = s3
-    fs.mkdir("data")
+    bucket = f"data-{uuid.uuid4().hex[:8]}"  # moto's state lives as long as the process: a fresh bucket
+    fs.mkdir(bucket)
     rows = prompts(210)
     write_jsonl(tmp_path / "in.jsonl", rows)
-    fs.put(str(tmp_path / "in.jsonl"), "data/in/prompts.jsonl")
-    cfg = config(pair, "s3://data/in/", "s3://data/out/", s3={"endpoint_url": opts["endpoint_url"]})
+    fs.put(str(tmp_path / "in.jsonl"), f"{bucket}/in/prompts.jsonl")
+    cfg = config(pair, f"s3://{bucket}/in/", f"s3://{bucket}/out/", s3={"endpoint_url": opts["endpoint_url"]})
     summary = run_job(cfg, print_fn=lambda *_: None)
-    table = read_output(fs, "data/out")
+    table = read_output(fs, f"{bucket}/out")
     ids = table.column("id").to_pylist()
     assert sorted(ids) == sorted(r["id"] for r in rows) and len(ids) == len(set(ids)) == 210
     df = table.to_pylist()
@@ -89,10 +91,10 @@ def test_end_to_end_on_s3_with_two_actors(ray_local, pair, s3, tmp_path):
     assert all(len(r["turn_outputs"]) == 2 for r in df if r["id"] in {x["id"] for x in rows if "turns" in x})
     assert len({r["worker_id"] for r in df}) == 2  # both actors worked
     assert summary["rows"] == 210 and summary["errors"] == 0 and len(summary["per_actor"]) == 2
-    assert json.loads(fs.cat("data/out/summary.json"))["rows"] == 210
+    assert json.loads(fs.cat(f"{bucket}/out/summary.json"))["rows"] == 210
     # a re-run finds everything done and writes nothing
     again = run_job(cfg, print_fn=lambda *_: None)
-    assert again["written_this_run"] == 0 and read_output(fs, "data/out").num_rows == 210
+    assert again["written_this_run"] == 0 and read_output(fs, f"{bucket}/out").num_rows == 210
 
 
 BAD_ROWS = {

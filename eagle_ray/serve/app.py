@@ -9,6 +9,7 @@ import hmac
 import json
 import os
 import time
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -220,7 +221,10 @@ class EagleServer:
 def build_app(args: dict):
     """``serve run eagle_ray.serve.app:build_app config=configs/serve.yaml`` (or ``args`` in a Serve config)."""
     if "config" in args:
-        cfg = ServeConfig.from_yaml(args["config"])
+        path = Path(args["config"])
+        if not path.is_absolute() and not path.exists():  # Serve may build the app outside the repository root
+            path = Path(__file__).resolve().parents[2] / path
+        cfg = ServeConfig.from_yaml(path)
     else:
         cfg = ServeConfig(**args)
     return EagleServer.options(

@@ -102,8 +102,29 @@ class EngineConfig(StrictModel):
     threads: int | None = Field(None, ge=1, description="torch CPU threads (None = torch default)")
     max_verify_tokens: int | None = Field(None, ge=1, description="cap on tree nodes per verify pass for the whole "
                                           "batch; the most probable nodes across sequences are kept (None: no cap)")
+    def for_ray_worker(self, num_cpus: float, num_gpus: float) -> "EngineConfig":
+        """A CPU actor/replica runs torch on the CPUs Ray reserved for it (unless ``threads`` says otherwise)."""
+        if self.threads is None and num_gpus == 0:
+            return self.model_copy(update={"threads": max(1, int(num_cpus))})
+        return self
+
     fp32_logits: bool = Field(True, description="compute logits in fp32 when the model runs in bf16/fp16 "
                               "(keeps greedy near-ties stable; costs an fp32 copy of the lm_head)")
+
+
+def read_yaml_mapping(path, what: str) -> dict:
+    """A YAML file's top-level mapping, or a ConfigError that says which file and what is wrong with it."""
+    import yaml
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise ConfigError(f"cannot read {what} {path}: {e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{what} {path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what} {path} must be a mapping at the top level")
+    return data
 
 
 # ---- the Ray Data job ---------------------------------------------------------------------------------------------
@@ -163,16 +184,7 @@ class JobConfig(StrictModel):
     @classmethod
     def from_yaml(cls, path, overrides: dict | None = None) -> "JobConfig":
         """Load a YAML file; ``overrides`` maps dotted keys (``input.uri``) to values applied on top."""
-        import yaml
-        try:
-            with open(path) as f:
-                data = yaml.safe_load(f) or {}
-        except OSError as e:
-            raise ConfigError(f"cannot read job config {path}: {e}") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"job config {path} is not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"job config {path} must be a mapping at the top level")
+        data = read_yaml_mapping(path, "job config")
         for key, value in (overrides or {}).items():
             node = data
             *parents, last = key.split(".")
@@ -202,10 +214,4 @@ class ServeConfig(StrictModel):
 
     @classmethod
     def from_yaml(cls, path) -> "ServeConfig":
-        import yaml
-        try:
-            with open(path) as f:
-                data = yaml.safe_load(f) or {}
-        except OSError as e:
-            raise ConfigError(f"cannot read serve config {path}: {e}") from None
-        return cls(**data)
+        return cls(**read_yaml_mapping(path, "serve config"))

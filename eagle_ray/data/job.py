@@ -94,19 +94,19 @@ class PartWriter:
         self.written += len(rows)
 
 
-def ensure_ray(cfg: JobConfig) -> None:
-    """Connect to RAY_ADDRESS / ``ray_address`` if given, else start a local Ray bound to 127.0.0.1."""
+def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
+    """Connect to ``address`` / RAY_ADDRESS if given, else start a local Ray bound to 127.0.0.1 (the job and the
+    Serve CLI both start Ray this way)."""
     import ray
     if ray.is_initialized():
         return
-    address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
+    address = address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address)
         return
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False,
-             num_cpus=max(os.cpu_count() or 1, int(cfg.actors.num_actors * cfg.actors.num_cpus)))
+    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=num_cpus)
 
 
 def run_job(cfg: JobConfig, print_fn=print) -> dict:
@@ -133,7 +133,7 @@ def run_job(cfg: JobConfig, print_fn=print) -> dict:
                     for r in pre_failed])
     runnable = [r.as_item() for r in todo if not r.error]
     if runnable:
-        ensure_ray(cfg)
+        ensure_ray(cfg.ray_address, max(os.cpu_count() or 1, int(cfg.actors.num_actors * cfg.actors.num_cpus)))
         from eagle_ray.data.stage import GenerateStage
         a = cfg.actors
         ds = ray.data.from_items(runnable, override_num_blocks=max(1, min(len(runnable) // a.batch_size, 1000)))

@@ -33,9 +33,7 @@ class GenerateStage:
         from eagle_ray.engine.queue import RequestQueue
 
         self.cfg = JobConfig(**json.loads(config_json))
-        engine_cfg = self.cfg.engine
-        if engine_cfg.threads is None and self.cfg.actors.num_gpus == 0:
-            engine_cfg = engine_cfg.model_copy(update={"threads": max(1, int(self.cfg.actors.num_cpus))})
+        engine_cfg = self.cfg.engine.for_ray_worker(self.cfg.actors.num_cpus, self.cfg.actors.num_gpus)
         self.engine = EagleEngine.from_config(engine_cfg, self.cfg.s3.storage_options())
         self.queue = RequestQueue(self.engine)
         self.target_name = engine_cfg.target or "embedded:SmolLM2-135M-Instruct"

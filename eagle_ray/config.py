@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextvars
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from eagle_ray.errors import ConfigError
 
@@ -97,19 +97,37 @@ class EngineConfig(StrictModel):
     max_batch_size: int = Field(8, ge=1, le=1024)
     max_model_len: int = Field(2048, ge=16)
     tree: TreeConfig = Field(default_factory=TreeConfig)
+    tree_policy: Literal["fixed", "auto"] = Field("fixed", description="auto: measure this device at load and pick "
+                                                  "the tree per batch size (eagle_ray.tuning; cached on disk)")
+    trees_by_batch: dict[int, TreeConfig] | None = Field(None, description="tree per batch size: a step with n "
+                                                         "sequences uses the entry of the largest key <= n")
     draft_vocab_size: int | None = Field(None, ge=0, description="draft proposes only the N most frequent tokens "
                                          "of the head's token_map (None: all of the map, 0: full vocabulary)")
     threads: int | None = Field(None, ge=1, description="torch CPU threads (None = torch default)")
     max_verify_tokens: int | None = Field(None, ge=1, description="cap on tree nodes per verify pass for the whole "
                                           "batch; the most probable nodes across sequences are kept (None: no cap)")
+    fp32_logits: bool = Field(True, description="compute logits in fp32 when the model runs in bf16/fp16 "
+                              "(keeps greedy near-ties stable; costs an fp32 copy of the lm_head)")
+    fp32_activations: bool = Field(True, description="keep the residual stream, norms and attention in "
+                                   "fp32 when the weights are bf16/fp16 (the projections stay low precision), so a "
+                                   "tree verify and plain decoding round alike")
+
+    @field_validator("trees_by_batch")
+    @classmethod
+    def _batch_keys(cls, v):
+        if v is not None and (not v or min(v) < 1):
+            raise ValueError("trees_by_batch needs at least one entry and batch sizes >= 1")
+        return v
+
+    def trees(self) -> list[TreeConfig]:
+        """Every tree this engine may verify."""
+        return [self.tree] + list((self.trees_by_batch or {}).values())
+
     def for_ray_worker(self, num_cpus: float, num_gpus: float) -> "EngineConfig":
         """A CPU actor/replica runs torch on the CPUs Ray reserved for it (unless ``threads`` says otherwise)."""
         if self.threads is None and num_gpus == 0:
             return self.model_copy(update={"threads": max(1, int(num_cpus))})
         return self
-
-    fp32_logits: bool = Field(True, description="compute logits in fp32 when the model runs in bf16/fp16 "
-                              "(keeps greedy near-ties stable; costs an fp32 copy of the lm_head)")
 
 
 def read_yaml_mapping(path, what: str) -> dict:
@@ -169,9 +187,22 @@ class ActorsConfig(StrictModel):
                                         "continuously batched engine")
 
 
+def _auto_tree_by_default(data):
+    """The job and the Serve app tune their tree to the device unless the config names a tree."""
+    if isinstance(data, dict):
+        engine = data.get("engine")
+        if engine is None:
+            data = {**data, "engine": {"tree_policy": "auto"}}
+        elif isinstance(engine, dict) and not {"tree", "tree_policy", "trees_by_batch"} & set(engine):
+            data = {**data, "engine": {**engine, "tree_policy": "auto"}}
+    return data
+
+
 class JobConfig(StrictModel):
     """``jobs/generate.py --config job.yaml``: everything the batch generation job needs."""
-    engine: EngineConfig = Field(default_factory=EngineConfig)
+    engine: EngineConfig = Field(default_factory=lambda: EngineConfig(tree_policy="auto"))
+
+    _default_tree = model_validator(mode="before")(_auto_tree_by_default)
     sampling: SamplingParams = Field(default_factory=SamplingParams, description="defaults; rows may override")
     speculative: bool = True
     input: InputConfig
@@ -197,7 +228,9 @@ class JobConfig(StrictModel):
 # ---- the Serve app ------------------------------------------------------------------------------------------------
 class ServeConfig(StrictModel):
     """``eagle-ray serve --config serve.yaml`` / ``serve run``: one engine per replica behind an OpenAI API."""
-    engine: EngineConfig = Field(default_factory=EngineConfig)
+    engine: EngineConfig = Field(default_factory=lambda: EngineConfig(tree_policy="auto"))
+
+    _default_tree = model_validator(mode="before")(_auto_tree_by_default)
     model_name: str = Field("eagle-ray/smollm2-135m-instruct", description="the id clients send as `model`")
     speculative: bool = True
     host: str = Field("127.0.0.1", description="bind address; 0.0.0.0 exposes the server to the network")

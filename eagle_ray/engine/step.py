@@ -117,11 +117,12 @@ def root_only_tree(seqs: list[Sequence], device) -> Tree:
 
 
 def decode_step(target: TargetModel, draft: DraftHead | None, seqs: list[Sequence], tree_cfg: TreeConfig | None,
-                timer: StepTimer, max_verify_tokens: int | None = None) -> list[list[int]]:
+                timer: StepTimer, max_verify_tokens: int | None = None, trace=None) -> list[list[int]]:
     """One step for ``seqs``; returns the tokens each sequence emits (accepted drafts + bonus).
 
     With ``draft is None`` this is plain autoregressive decoding on the same runtime. ``max_verify_tokens`` caps
     the tree nodes of the whole batch (see :func:`fit_batch_budget`); trees are then packed to the widest one.
+    ``trace`` (a :class:`~eagle_ray.spec.trace.TreeTrace`) records each verified tree and its accepted path.
     """
     device = target.device
     slots = [s.slot for s in seqs]
@@ -143,6 +144,8 @@ def decode_step(target: TargetModel, draft: DraftHead | None, seqs: list[Sequenc
 
     choice = choose_tokens(logits, sampling_batch(seqs, device))
     acc = accept(tree, choice)
+    if trace is not None and speculative:
+        trace.record(tree, acc.nodes)
 
     lengths = target.cache.lengths[slots]
     A = acc.nodes.shape[1]

@@ -51,11 +51,16 @@ def make_block_meta(cache: KVCache, slots: list[int], block_mask: torch.Tensor, 
 
 def decoder_layer(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer_idx: int,
                   meta: BlockMeta) -> torch.Tensor:
-    """One pre-norm decoder layer (Llama/Mistral/Qwen2/Qwen3 modules) with our cache and mask."""
+    """One pre-norm decoder layer (Llama/Mistral/Qwen2/Qwen3 modules) with our cache and mask.
+
+    ``hidden`` may be fp32 while the weights are bf16/fp16 (fp32 activations): the residual stream, the norms and
+    the attention then run in fp32 and only the projections' inputs are cast to the cache's dtype.
+    """
     attn = layer.self_attn
     B, T, _ = hidden.shape
     head_dim = attn.head_dim
-    x = layer.input_layernorm(hidden)
+    dt = cache.k.dtype
+    x = layer.input_layernorm(hidden).to(dt)
     q = attn.q_proj(x).view(B, T, -1, head_dim)
     k = attn.k_proj(x).view(B, T, -1, head_dim)
     v = attn.v_proj(x).view(B, T, -1, head_dim).transpose(1, 2)
@@ -64,7 +69,9 @@ def decoder_layer(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
     cache.write(layer_idx, meta.slot_index, meta.write_pos, k, v)
     keys, values = cache.read(layer_idx, meta.slots, meta.kv_len)
+    if hidden.dtype != dt:  # fp32 activations: bf16 SDPA rounds a 1-row and an 8-row block differently
+        q, keys, values = q.float(), keys.float(), values.float()
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.key_mask, scale=attn.scaling,
                                          enable_gqa=keys.shape[1] != q.shape[1])
-    hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))
-    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    hidden = hidden + attn.o_proj(out.to(dt).transpose(1, 2).reshape(B, T, -1))
+    return hidden + layer.mlp(layer.post_attention_layernorm(hidden).to(dt))

@@ -18,7 +18,8 @@ SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 
 
 class TargetModel:
-    def __init__(self, hf_model, max_slots: int, max_len: int, fp32_logits: bool = True):
+    def __init__(self, hf_model, max_slots: int, max_len: int, fp32_logits: bool = True,
+                 fp32_activations: bool = True):
         cfg = hf_model.config
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             raise CheckpointError(f"target model_type '{cfg.model_type}' is not supported; eagle-ray runs "
@@ -39,20 +40,25 @@ class TargetModel:
         self._lm_fp32 = None
         if fp32_logits and self.dtype != torch.float32:
             self._lm_fp32 = self.lm_head_weight.detach().float().t().contiguous()  # [hidden, vocab], input-major
+        # bf16 SDPA rounds a 1-row decode and an 8-row tree block differently (a few of 576 outputs per layer
+        # differ in the last bit), and a bf16 residual stream carries every such flip on; over 30 layers greedy
+        # choices with logit gaps up to ~0.15 flip. fp32 activations (residual, norms, attention; the projections
+        # stay bf16) make verify and plain decoding agree. See decoder_layer.
+        self.fp32_activations = fp32_activations and self.dtype != torch.float32
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.cache = KVCache(len(self.layers), max_slots, cfg.num_key_value_heads, self.max_len, head_dim,
                              self.dtype, self.device)
 
     @classmethod
     def load(cls, path: str | Path, dtype: torch.dtype, device, max_slots: int, max_len: int,
-             fp32_logits: bool = True) -> "TargetModel":
+             fp32_logits: bool = True, fp32_activations: bool = True) -> "TargetModel":
         from transformers import AutoModelForCausalLM
 
         try:
             hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa")
         except OSError as e:
             raise CheckpointError(f"cannot load target from {path}: {e}") from e
-        return cls(hf.to(device), max_slots, max_len, fp32_logits)
+        return cls(hf.to(device), max_slots, max_len, fp32_logits, fp32_activations)
 
     @property
     def hidden_size(self) -> int:
@@ -79,7 +85,9 @@ class TargetModel:
         meta = make_block_meta(self.cache, slots, block_mask)
         positions = self.cache.lengths[slots].to(self.device).view(-1, 1) + depth.to(self.device)
         hidden = self.model.embed_tokens(tokens.to(self.device))
-        cos, sin = self.model.rotary_emb(hidden, positions)
+        cos, sin = self.model.rotary_emb(hidden, positions)  # in the model dtype, like q and k
+        if self.fp32_activations:
+            hidden = hidden.float()
         for i, layer in enumerate(self.layers):
             hidden = decoder_layer(layer, hidden, cos, sin, self.cache, i, meta)
         return self.model.norm(hidden)

@@ -193,6 +193,7 @@ class EagleServer:
         c["mean_verify_batch"] = c["decode_sequences"] / c["decode_passes"] if c["decode_passes"] else 0.0
         c["free_slots"] = len(self.engine.scheduler.free)
         c["pending"] = self.queue.num_pending
+        c["tree"] = self.engine.tree_summary()
         return c
 
     @api.get("/v1/models")

@@ -145,6 +145,114 @@ def run_local(out_dir: str, target: str | None, source: str | None, max_conversa
         flush(batch[0][0] // shard_size)
 
 
+def _shard_bytes(tensors: dict) -> bytes:
+    from safetensors.torch import save
+    return save({k: v.contiguous() for k, v in tensors.items()})
+
+
+class ExtractStage:
+    """Ray Data actor for :func:`run_ray`: one target per actor; each input row is one whole shard, written
+    atomically (a local rename, or a single S3 PUT) before the row is returned."""
+
+    def __init__(self, target: str | None, dtype: str, threads: int | None, max_len: int, out: str,
+                 storage_options: dict):
+        import fsspec
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from eagle_ray.model.loading import resolve_target
+        if threads:
+            torch.set_num_threads(threads)
+        path = resolve_target(target, storage_options)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.max_len = max_len
+        self.fs, self.root = fsspec.core.url_to_fs(out, **storage_options)
+        self.local = "file" in self.fs.protocol
+
+    def __call__(self, batch: dict) -> dict:
+        import json
+        shards, tokens = [], []
+        for shard, convs in zip(batch["shard"], batch["conversations"]):
+            tensors = extract_features(self.model, self.tokenizer, [tuple(c) for c in json.loads(convs)],
+                                       self.max_len)
+            if self.local:
+                write_shard(Path(self.root), int(shard), tensors)
+            else:
+                self.fs.pipe_file(f"{self.root}/{shard_name(int(shard))}", _shard_bytes(tensors))
+            shards.append(int(shard))
+            tokens.append(len(tensors["input_ids"]))
+        return {"shard": shards, "tokens": tokens}
+
+
+def pending_shards(source: str | None, max_conversations: int, shard_size: int, done: set[int]):
+    """(shard index, [(conversation index, messages)]) for every shard not in ``done``: whole shards of
+    ``shard_size`` conversations, plus the source's last, short one when the source ends before the limit."""
+    limit = max_conversations - max_conversations % shard_size
+    shards: dict[int, list] = {}
+    for i, msgs in enumerate(iter_conversations(source)):
+        if i >= limit:
+            break
+        convs = shards.setdefault(i // shard_size, [])
+        if msgs is not None:
+            convs.append((i, msgs))
+    for k, convs in shards.items():
+        if k not in done:
+            yield k, convs
+
+
+def local_source(source: str | None, storage_options: dict, tmp: str) -> str | None:
+    """A local copy of a remote (s3://) source file or job-output directory."""
+    if source is None or "://" not in source:
+        return source
+    import fsspec
+    fs, path = fsspec.core.url_to_fs(source, **storage_options)
+    dest = Path(tmp) / Path(path.rstrip("/")).name
+    fs.get(path, str(dest), recursive=fs.isdir(path))
+    return str(dest)
+
+
+def run_ray(out: str, target: str | None, source: str | None, max_conversations: int, shard_size: int,
+            max_len: int, dtype: str, num_actors: int, num_cpus: float, num_gpus: float,
+            storage_options: dict | None = None, ray_address: str | None = None, log=print) -> dict:
+    """Extraction as a Ray Data job: the driver lists the shards not yet in ``out`` (local or s3://) and streams
+    them to an actor pool; restarted with the same arguments it writes only the missing shards, so every
+    conversation lands exactly once."""
+    import json
+
+    import fsspec
+    import ray
+
+    from eagle_ray.data.job import ensure_ray
+
+    storage_options = storage_options or {}
+    fs, root = fsspec.core.url_to_fs(out, **storage_options)
+    fs.makedirs(root, exist_ok=True)  # a no-op on S3, where a prefix exists once a shard is in it
+    fs.invalidate_cache(root)         # fsspec instances are shared: a cached listing would miss new shards
+    names = {p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)} if fs.exists(root) else set()
+    done = {int(n[6:11]) for n in names if n.startswith("shard-") and n.endswith(".safetensors")}
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        items = [{"shard": k, "conversations": json.dumps(c)} for k, c in
+                 pending_shards(local_source(source, storage_options, tmp), max_conversations, shard_size, done)]
+    log(f"{len(done)} shards already written, {len(items)} to extract")
+    if not items:
+        return {"written": 0, "tokens": 0, "skipped": len(done)}
+    ensure_ray(ray_address)
+    ds = ray.data.from_items(items).map_batches(
+        ExtractStage, batch_size=1, compute=ray.data.ActorPoolStrategy(size=num_actors), num_cpus=num_cpus,
+        num_gpus=num_gpus, fn_constructor_kwargs=dict(target=target, dtype=dtype, max_len=max_len, out=out,
+                                                      threads=max(1, int(num_cpus)) if not num_gpus else None,
+                                                      storage_options=storage_options))
+    written = tokens = 0
+    t0 = time.time()
+    for row in ds.iter_rows():
+        written += 1
+        tokens += row["tokens"]
+        log(f"shard {row['shard']}: {row['tokens']} tokens ({tokens / (time.time() - t0):.0f} tok/s)")
+    return {"written": written, "tokens": tokens, "skipped": len(done)}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description="Extract target features for drafter training (local, resumable).")
     p.add_argument("--out", required=True)

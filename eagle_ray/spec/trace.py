@@ -1,0 +1,101 @@
+"""What the verifier did with each draft tree: the data behind the calibration curve and the tree tuner.
+
+Recording is off unless a :class:`TreeTrace` is attached to the engine. Each verify step adds, per sequence, the
+verified tree's nodes (cumulative draft log-prob, parent, depth) and which of them the target accepted, as a
+few small CPU tensors; nothing is looped over in Python.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from eagle_ray.spec.tree import Tree
+
+CALIBRATION_BINS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+
+@dataclass
+class TreeTrace:
+    """Verified trees of every step, padded to a common width when read back."""
+    max_steps: int = 100_000
+    scores: list[torch.Tensor] = field(default_factory=list)    # [B, T] cumulative draft log-prob (root 0)
+    parents: list[torch.Tensor] = field(default_factory=list)   # [B, T]
+    depth: list[torch.Tensor] = field(default_factory=list)     # [B, T]
+    valid: list[torch.Tensor] = field(default_factory=list)     # [B, T]
+    accepted: list[torch.Tensor] = field(default_factory=list)  # [B, T] on the accepted path (root included)
+    _stacked: dict | None = field(default=None, repr=False)
+
+    def record(self, tree: Tree, accepted_nodes: torch.Tensor) -> None:
+        if len(self.scores) >= self.max_steps:
+            return
+        self._stacked = None
+        on_path = torch.zeros_like(tree.valid).scatter_(1, accepted_nodes, True)
+        self.scores.append(tree.scores.float().cpu())
+        self.parents.append(tree.parents.cpu())
+        self.depth.append(tree.depth.cpu())
+        self.valid.append(tree.valid.cpu())
+        self.accepted.append(on_path.cpu())
+
+    def __len__(self) -> int:
+        return sum(s.shape[0] for s in self.scores)
+
+    def stacked(self) -> dict[str, torch.Tensor]:
+        """All recorded trees as ``[N, W]`` tensors (N = sequence-steps), padding marked invalid."""
+        if self._stacked is not None:
+            return self._stacked
+        W = max(s.shape[1] for s in self.scores)
+
+        def pad(xs, value):
+            return torch.cat([torch.nn.functional.pad(x, (0, W - x.shape[1]), value=value) for x in xs])
+        out = {"scores": pad(self.scores, float("-inf")), "parents": pad(self.parents, 0), "depth": pad(self.depth, 0),
+               "valid": pad(self.valid, False), "accepted": pad(self.accepted, False)}
+        out["reached"] = out["valid"] & out["accepted"].gather(1, out["parents"])  # the parent was accepted
+        out["reached"][:, 0] = False
+        out["confidence"] = (out["scores"] - out["scores"].gather(1, out["parents"])).exp().nan_to_num(0.0)
+        self._stacked = out
+        return out
+
+    def calibration(self, bins=CALIBRATION_BINS) -> list[dict]:
+        """Draft confidence (the head's probability of a node's token given its parent) against how often the target
+        accepted the node when it got to judge it (its parent was accepted): EAGLE-2's Figure 6."""
+        t = self.stacked()
+        conf, acc = t["confidence"][t["reached"]], t["accepted"][t["reached"]].float()
+        edges = torch.tensor(bins)
+        which = torch.bucketize(conf, edges[1:-1], right=True)
+        rows = []
+        for i in range(len(bins) - 1):
+            sel = which == i
+            n = int(sel.sum())
+            rows.append({"bin_lo": bins[i], "bin_hi": bins[i + 1], "nodes": n,
+                         "mean_confidence": float(conf[sel].mean()) if n else None,
+                         "acceptance_rate": float(acc[sel].mean()) if n else None})
+        return rows
+
+    def simulated_tau(self, total_tokens: int, depth: int, top_k: int) -> float:
+        """Mean accepted length (bonus included) had the trees been cut to ``(total_tokens, depth, top_k)``.
+
+        A node survives the cut when it is among its parent's ``top_k`` children, at most ``depth + 1`` deep, and
+        among the ``total_tokens - 1`` best-scoring such nodes (the EAGLE-2 rerank). Greedy acceptance walks the
+        target's path, so the cut tree accepts exactly the recorded path's nodes that survive, from the root down.
+        Trees recorded with a larger budget are needed for larger cuts; missing nodes count as absent.
+        """
+        t = self.stacked()
+        scores, parents, valid = t["scores"], t["parents"], t["valid"]
+        N, W = scores.shape
+        same_parent = parents.unsqueeze(2) == parents.unsqueeze(1)                  # [N, W, W]
+        better = scores.unsqueeze(1) > scores.unsqueeze(2)                          # j beats i
+        drafted = valid.clone()
+        drafted[:, 0] = False                                                       # the root is nobody's sibling
+        rank = (same_parent & better & drafted.unsqueeze(1)).sum(2)                 # rank among siblings
+        keep = valid & (rank < top_k) & (t["depth"] <= depth + 1)
+        keep[:, 0] = False
+        for _ in range(depth):  # a node whose parent is cut is cut too: one gather per level
+            keep &= (t["depth"] <= 1) | keep.gather(1, parents)
+        key = torch.where(keep, scores, float("-inf"))
+        n_keep = min(total_tokens - 1, W - 1)
+        chosen = torch.zeros_like(keep)
+        if n_keep > 0:
+            top = key.topk(n_keep, dim=1)
+            chosen.scatter_(1, top.indices, top.values > float("-inf"))
+        return float(((chosen & t["accepted"]).sum(1) + 1).float().mean())

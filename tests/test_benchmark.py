@@ -1,0 +1,127 @@
+"""Tree traces, the tree tuner and the benchmark report: exact numbers on hand-made trees, and the whole benchmark
+on tiny models (locally and as Ray actors)."""
+import json
+import math
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from tiny import tiny_engine
+
+from eagle_ray.benchmark import BenchmarkSpec, run_benchmark, summarize
+from eagle_ray.config import ConfigError, EngineConfig, SamplingParams, TreeConfig
+from eagle_ray.report import write_report, write_results
+from eagle_ray.spec.trace import TreeTrace
+from eagle_ray.spec.tree import Tree, ancestor_mask
+from eagle_ray.tuning import autotune, choose_trees
+
+
+def known_tree() -> Tree:
+    """root -> a (p .65) -> c (.55) -> d (.55), root -> b (.35); the target accepts a and c."""
+    parents = torch.tensor([[0, 0, 0, 1, 3]])
+    depth = torch.tensor([[0, 1, 1, 2, 3]])
+    scores = torch.tensor([[0.0, math.log(.65), math.log(.35), math.log(.65 * .55), math.log(.65 * .55 * .55)]])
+    return Tree(torch.tensor([[5, 6, 7, 8, 9]]), parents, depth, torch.ones(1, 5, dtype=torch.bool),
+                ancestor_mask(parents, 3), scores)
+
+
+def known_trace() -> TreeTrace:
+    trace = TreeTrace()
+    trace.record(known_tree(), torch.tensor([[0, 1, 3]]))
+    return trace
+
+
+def test_calibration_counts_nodes_the_target_judged():
+    rows = {(r["bin_lo"], r["bin_hi"]): r for r in known_trace().calibration()}
+    assert rows[(0.3, 0.4)]["nodes"] == 1 and rows[(0.3, 0.4)]["acceptance_rate"] == 0.0       # b
+    assert rows[(0.5, 0.6)]["nodes"] == 2 and rows[(0.5, 0.6)]["acceptance_rate"] == 0.5       # c yes, d no
+    assert rows[(0.6, 0.7)]["nodes"] == 1 and rows[(0.6, 0.7)]["acceptance_rate"] == 1.0       # a
+    assert sum(r["nodes"] for r in rows.values()) == 4
+
+
+@pytest.mark.parametrize("shape,tau", [((5, 2, 2), 3.0), ((2, 0, 1), 2.0), ((3, 2, 1), 3.0), ((3, 0, 2), 2.0),
+                                       ((5, 1, 2), 3.0), ((2, 0, 2), 2.0)])
+def test_simulated_tau_cuts_the_recorded_tree(shape, tau):
+    assert known_trace().simulated_tau(*shape) == tau
+
+
+def test_tuner_trades_acceptance_against_cost():
+    trace = known_trace()
+    draft = {b: {f"{d},{k}": 0.0 for d in range(6) for k in (1, 2, 3, 4, 6, 8)} for b in (1,)}
+    flat = {1: {n: 1.0 for n in range(1, 49)}}
+    linear = {1: {n: 1.0 + n for n in range(1, 49)}}
+    assert choose_trees(trace, flat, draft)[0][1].expected_tau == 3.0
+    best = choose_trees(trace, linear, draft)[0][1]
+    assert (best.tree["total_tokens"], best.expected_tau) == (3, 3.0)   # 3/(1+3) beats 2/(1+2) and 3/(1+5)
+    assert best.plain_tok_s == 0.5
+
+
+def test_tree_for_uses_the_largest_batch_entry_at_or_below(tiny_dir, tiny_head):
+    small, big = TreeConfig(total_tokens=4, depth=1, top_k=2), TreeConfig(total_tokens=12, depth=3, top_k=3)
+    engine = tiny_engine(tiny_dir, tiny_head)
+    engine.set_trees(trees_by_batch={2: small, 4: big})
+    assert [engine.tree_for(n) for n in (1, 2, 3, 4, 9)] == [small, small, small, big, big]
+    assert engine.max_tree_budget() == 12
+    for bad in ({}, {0: small}):
+        with pytest.raises(ConfigError):
+            EngineConfig(trees_by_batch=bad)
+
+
+def test_autotune_picks_trees_that_stay_lossless_and_caches_them(tiny_dir, tiny_head, monkeypatch, tmp_path):
+    monkeypatch.setenv("EAGLE_RAY_CACHE", str(tmp_path))
+    engine = tiny_engine(tiny_dir, tiny_head, max_batch_size=2)
+    prompts = [[5, 9, 13, 20], [7, 3, 40], [11, 12]]
+    result = autotune(engine, batch_sizes=[1, 2], prompts=prompts, max_new_tokens=12)
+    assert sorted(result.batches) == [1, 2] and result.trace_steps > 0
+    assert all(c.expected_tau >= 1.0 and c.step_s > 0 for c in result.batches.values())
+    assert len(list((tmp_path / "tuning").glob("*.json"))) == 1
+    assert autotune(engine, batch_sizes=[1, 2], prompts=prompts).to_dict() == result.to_dict()  # from the cache
+    engine.set_trees(trees_by_batch=result.trees_by_batch())
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    assert [o.token_ids for o in engine.generate(prompts, params)] == \
+        [o.token_ids for o in engine.generate(prompts, params, speculative=False)]
+
+
+def write_questions(path, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    with open(path, "w") as f:
+        for i in range(n):
+            words = " ".join(f"w{int(x)}" for x in torch.randint(0, 50, (5,), generator=g))
+            f.write(json.dumps({"question_id": i, "turns": [words]}) + "\n")
+    return path
+
+
+def test_benchmark_writes_table1_report_and_greedy_outputs_agree(tiny_dir, tiny_head, tmp_path):
+    engine = tiny_engine(tiny_dir, tiny_head, max_batch_size=2)
+    engine.target_dir = tiny_dir
+    tasks = [f"alpha={write_questions(tmp_path / 'a.jsonl', 3, 0)}", f"beta={write_questions(tmp_path / 'b.jsonl', 3, 1)}"]
+    spec = BenchmarkSpec(tasks=tasks, temperatures=[0.0, 1.0], batch_sizes=[1, 2], num_prompts=2, max_new_tokens=10)
+    rows, extras = run_benchmark(engine, spec, log=lambda m: None)
+    assert len(rows) == 2 * 2 * 2 * 6 + 2 * 2 * 2 * 5      # batch 1: six methods; batch 2: no transformers
+    assert extras["greedy_mismatches"] == []
+    assert sum(r["nodes"] for r in extras["calibration"]) > 0 and extras["tau_vs_budget"]
+    cells = summarize(rows)
+    assert {(c["method"], c["speedup_vs_hf"]) for c in cells if c["method"] == "hf"} == {("hf", 1.0)}
+    assert all(c["speedup_vs_plain"] == 1.0 for c in cells if c["method"] == "plain")
+    out = tmp_path / "report"
+    write_results(out, rows, extras)
+    report = write_report(out, "pytest").read_text()
+    assert "Table 1 layout" in report and "| 0 | EAGLE-1 static tree (25) |" in report
+    assert "identical across all methods and batch sizes: yes" in report
+    for png in ("speedup_tau_by_task", "speedup_vs_batch", "tau_vs_budget", "calibration", "acceptance_by_depth"):
+        assert (out / f"{png}.png").stat().st_size > 1000
+    assert pq.read_table(out / "results.parquet").num_rows == len(rows)
+
+
+def test_benchmark_runs_one_ray_actor_per_method(ray_local, tiny_dir, tiny_head, tmp_path):
+    from eagle_ray.cli import main
+    head_dir = tmp_path / "head"
+    tiny_head.save(head_dir)
+    out = tmp_path / "out"
+    assert main(["benchmark", "--target", str(tiny_dir), "--draft", str(head_dir), "--dtype", "float32",
+                 "--max-model-len", "256", "--ray", "--methods", "plain", "eagle2", "chain",
+                 "--tasks", f"alpha={write_questions(tmp_path / 'a.jsonl', 2, 0)}", "--temperatures", "0",
+                 "--num-prompts", "2", "--max-new-tokens", "8", "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ray_actors"] == 3 and summary["greedy_mismatches"] == []
+    assert sorted(c["method"] for c in summary["cells"]) == ["chain", "eagle2", "plain"]

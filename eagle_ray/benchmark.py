@@ -92,6 +92,7 @@ def run_cell(engine, method: str, task: str, records: list[dict], temperature: f
     tree_desc = "" if not speculative else json.dumps(
         {str(b): engine.tree_for(b).model_dump(exclude={"static_tree", "min_cum_prob"})
          for b in sorted({1, batch})})
+    engine.scheduler.max_running = batch  # the engine may hold more slots than this cell's batch size
     try:
         groups = [list(range(len(prompts)))] if batch > 1 else [[i] for i in range(len(prompts))]
         for g in groups:
@@ -106,6 +107,7 @@ def run_cell(engine, method: str, task: str, records: list[dict], temperature: f
                                         accept_hist=s.accept_hist, accepted_per_depth=s.accepted_per_depth,
                                         mean_tree_size=s.mean_tree_size, tree=tree_desc))
     finally:
+        engine.scheduler.max_running = None
         engine.trace = None
         engine.set_trees(*saved)
     return rows

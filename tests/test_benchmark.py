@@ -125,3 +125,16 @@ def test_benchmark_runs_one_ray_actor_per_method(ray_local, tiny_dir, tiny_head,
     summary = json.loads((out / "summary.json").read_text())
     assert summary["ray_actors"] == 3 and summary["greedy_mismatches"] == []
     assert sorted(c["method"] for c in summary["cells"]) == ["chain", "eagle2", "plain"]
+
+
+def test_a_benchmark_cell_runs_at_its_batch_size(tiny_dir, tiny_head, tmp_path):
+    """The engine holds 4 slots, but a batch-2 cell never verifies more than 2 sequences per pass."""
+    from eagle_ray.benchmark import run_cell
+    engine = tiny_engine(tiny_dir, tiny_head, max_batch_size=4)
+    records = [{"question_id": i, "turns": [f"w{i} w2 w3"]} for i in range(6)]
+    for k in engine.counters:
+        engine.counters[k] = 0
+    rows = run_cell(engine, "eagle2", "t", records, 0.0, 2, BenchmarkSpec(max_new_tokens=6))
+    assert len(rows) == 6 and engine.scheduler.max_running is None
+    assert engine.counters["decode_sequences"] <= 2 * engine.counters["decode_passes"]
+    assert engine.counters["prefill_sequences"] == 6

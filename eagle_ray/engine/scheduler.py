@@ -16,6 +16,7 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.free = list(range(num_slots))
+        self.max_running: int | None = None  # run fewer sequences than there are slots (benchmarks of batch size)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -23,7 +24,8 @@ class Scheduler:
     def admit(self) -> list[Sequence]:
         """Move waiting sequences into free slots (lowest slot first, so batches stay contiguous when they can)."""
         admitted = []
-        while self.waiting and self.free:
+        while self.waiting and self.free and (self.max_running is None or len(self.running) + len(admitted)
+                                              < self.max_running):
             seq = self.waiting.popleft()
             seq.slot = self.free.pop(0)
             admitted.append(seq)

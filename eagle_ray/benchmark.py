@@ -151,11 +151,10 @@ def run_benchmark(engine, spec: BenchmarkSpec, log=print) -> tuple[list[dict], d
 
 def budget_curve(trace: TreeTrace) -> list[dict]:
     """tau against total_tokens for the best (depth, top_k) at each budget, read off the traced trees."""
-    from eagle_ray.tuning import GRID_DEPTH, GRID_TOPK
+    from eagle_ray.tuning import shapes_for
     out = []
     for t in BUDGET_CURVE:
-        best = max(((trace.simulated_tau(t, d, k), -d, -k) for d in GRID_DEPTH for k in GRID_TOPK
-                    if t - 1 <= k + d * k * k and d + 1 <= max(t - 1, 1)), default=None)  # ties: the smaller tree
+        best = max(((trace.simulated_tau(t, d, k), -d, -k) for d, k in shapes_for(t)), default=None)  # ties: smaller
         if best:
             out.append({"total_tokens": t, "tau": best[0], "depth": -best[1], "top_k": -best[2]})
     return out

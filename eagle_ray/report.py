@@ -67,11 +67,27 @@ def tau_order_check(cells: list[dict]) -> list[str]:
     return bad
 
 
-def plots(summary: dict, rows: list[dict], out: Path) -> list[str]:
+def _pyplot():
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return plt
 
+
+def _finish(fig, ax, path: Path, xlabel: str | None = None, ylabel: str | None = None, legend_size: int = 7) -> str:
+    """Label, save and close one figure; returns the file name for the report."""
+    if ax is not None:
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=legend_size)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _pyplot().close(fig)
+    return path.name
+
+
+def plots(summary: dict, rows: list[dict], out: Path) -> list[str]:
+    plt = _pyplot()
     made = []
     cells = summary["cells"]
     # speedup and tau per task and method (T=0, batch 1)
@@ -91,10 +107,7 @@ def plots(summary: dict, rows: list[dict], out: Path) -> list[str]:
             ax.set_title(title)
         axes[0].axhline(1.0, color="gray", lw=0.8)
         axes[1].legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / "speedup_tau_by_task.png", dpi=110)
-        plt.close(fig)
-        made.append("speedup_tau_by_task.png")
+        made.append(_finish(fig, None, out / "speedup_tau_by_task.png"))
     batches = sorted({c["batch_size"] for c in cells})
     if len(batches) > 1:
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -109,13 +122,8 @@ def plots(summary: dict, rows: list[dict], out: Path) -> list[str]:
                 ax.plot(*zip(*pts), marker="o", label=METHOD_LABELS[m])
         ax.set_xscale("log", base=2)
         ax.axhline(1.0, color="gray", lw=0.8)
-        ax.set_xlabel("max batch size")
-        ax.set_ylabel("throughput / plain batched decoding")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / "speedup_vs_batch.png", dpi=110)
-        plt.close(fig)
-        made.append("speedup_vs_batch.png")
+        made.append(_finish(fig, ax, out / "speedup_vs_batch.png", "max batch size",
+                            "throughput / plain batched decoding"))
     if summary.get("tau_vs_budget"):
         fig, ax = plt.subplots(figsize=(6, 4))
         pts = summary["tau_vs_budget"]
@@ -125,13 +133,7 @@ def plots(summary: dict, rows: list[dict], out: Path) -> list[str]:
             if rs:
                 ax.scatter([statistics.mean(r["mean_tree_size"] for r in rs)], [statistics.mean(r["tau"] for r in rs)],
                            label=f"{METHOD_LABELS[m]} (measured)", zorder=3)
-        ax.set_xlabel("tree budget (verified tokens per sequence)")
-        ax.set_ylabel("tau")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / "tau_vs_budget.png", dpi=110)
-        plt.close(fig)
-        made.append("tau_vs_budget.png")
+        made.append(_finish(fig, ax, out / "tau_vs_budget.png", "tree budget (verified tokens per sequence)", "tau"))
     if summary.get("calibration"):
         made.append(calibration_plot(summary["calibration"], out / "calibration.png"))
     depth_rows = [r for r in rows if r["method"] not in ("hf", "plain") and r["temperature"] == 0]
@@ -143,31 +145,18 @@ def plots(summary: dict, rows: list[dict], out: Path) -> list[str]:
             n = max((len(r["accepted_per_depth"]) for r in rs), default=0)
             per = [sum((r["accepted_per_depth"] + [0] * n)[d] for r in rs) / max(steps, 1) for d in range(n)]
             ax.plot(range(1, n + 1), per, marker="o", label=METHOD_LABELS[m])
-        ax.set_xlabel("tree depth")
-        ax.set_ylabel("accepted tokens per step at this depth")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / "acceptance_by_depth.png", dpi=110)
-        plt.close(fig)
-        made.append("acceptance_by_depth.png")
+        made.append(_finish(fig, ax, out / "acceptance_by_depth.png", "tree depth",
+                            "accepted tokens per step at this depth"))
     return made
 
 
 def calibration_plot(rows: list[dict], path: Path) -> str:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     pts = [r for r in rows if r["nodes"]]
-    fig, ax = plt.subplots(figsize=(5, 4))
+    fig, ax = _pyplot().subplots(figsize=(5, 4))
     ax.plot([0, 1], [0, 1], color="gray", lw=0.8, ls="--", label="perfect calibration")
     ax.plot([r["mean_confidence"] for r in pts], [r["acceptance_rate"] for r in pts], marker="o", label="draft head")
-    ax.set_xlabel("draft confidence (probability of the drafted token)")
-    ax.set_ylabel("acceptance rate")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path.name
+    return _finish(fig, ax, path, "draft confidence (probability of the drafted token)", "acceptance rate",
+                   legend_size=8)
 
 
 def calibration_table(rows: list[dict]) -> str:

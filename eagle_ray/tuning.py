@@ -84,6 +84,7 @@ def _median_time(fn, device: torch.device, repeats: int) -> float:
 @torch.inference_mode()
 def verify_seconds(engine, batch: int, width: int, context: int = CONTEXT, repeats: int | None = None) -> float:
     """One target pass of ``batch x width`` tree tokens over a ``context``-token prefix, logits included."""
+    from eagle_ray.engine.step import causal_block
     target, dev = engine.target, engine.device
     slots = list(range(batch))
     context = max(0, min(context, target.max_len - width))
@@ -91,8 +92,7 @@ def verify_seconds(engine, batch: int, width: int, context: int = CONTEXT, repea
     target.cache.lengths[slots] = context
     tokens = torch.randint(0, target.vocab_size, (batch, width), device=dev)
     depth = torch.arange(width, device=dev).expand(batch, width)
-    idx = torch.arange(width, device=dev)
-    mask = (idx.view(-1, 1) >= idx.view(1, -1)).expand(batch, width, width)
+    mask = causal_block([width] * batch, width, dev)
     repeats = repeats or (3 if batch * width <= 64 else 1)  # big passes vary little and cost much
     try:
         return _median_time(lambda: target.logits(target.forward(tokens, slots, depth, mask)), dev, repeats)
@@ -147,13 +147,20 @@ def collect_trace(engine, prompts: list, max_new_tokens: int, tree: TreeConfig =
         engine.set_trees(*saved)
 
 
-def candidate_trees(max_total: int = TRACE_TREE.total_tokens):
+def shapes_for(total_tokens: int):
+    """(depth, top_k) of the grid that can fill ``total_tokens`` (the pool has ``k + d * k^2`` nodes) without a
+    level the budget cannot reach."""
     for k in GRID_TOPK:
         for d in GRID_DEPTH:
-            pool = k + d * k * k
-            for t in GRID_TOTAL:
-                if t <= max_total and t - 1 <= pool and d + 1 <= t - 1:
-                    yield t, d, k
+            if total_tokens - 1 <= k + d * k * k and d + 1 <= total_tokens - 1:
+                yield d, k
+
+
+def candidate_trees(max_total: int = TRACE_TREE.total_tokens):
+    for t in GRID_TOTAL:
+        if t <= max_total:
+            for d, k in shapes_for(t):
+                yield t, d, k
 
 
 def choose_trees(trace: TreeTrace, verify_s: dict[int, dict[int, float]], draft_s: dict[int, dict[str, float]],

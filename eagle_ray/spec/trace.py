@@ -53,6 +53,11 @@ class TreeTrace:
         out["reached"] = out["valid"] & out["accepted"].gather(1, out["parents"])  # the parent was accepted
         out["reached"][:, 0] = False
         out["confidence"] = (out["scores"] - out["scores"].gather(1, out["parents"])).exp().nan_to_num(0.0)
+        drafted = out["valid"].clone()
+        drafted[:, 0] = False                                                       # the root is nobody's sibling
+        same_parent = out["parents"].unsqueeze(2) == out["parents"].unsqueeze(1)    # [N, W, W]
+        better = out["scores"].unsqueeze(1) > out["scores"].unsqueeze(2)            # j beats i
+        out["sibling_rank"] = (same_parent & better & drafted.unsqueeze(1)).sum(2)
         self._stacked = out
         return out
 
@@ -82,13 +87,8 @@ class TreeTrace:
         """
         t = self.stacked()
         scores, parents, valid = t["scores"], t["parents"], t["valid"]
-        N, W = scores.shape
-        same_parent = parents.unsqueeze(2) == parents.unsqueeze(1)                  # [N, W, W]
-        better = scores.unsqueeze(1) > scores.unsqueeze(2)                          # j beats i
-        drafted = valid.clone()
-        drafted[:, 0] = False                                                       # the root is nobody's sibling
-        rank = (same_parent & better & drafted.unsqueeze(1)).sum(2)                 # rank among siblings
-        keep = valid & (rank < top_k) & (t["depth"] <= depth + 1)
+        W = scores.shape[1]
+        keep = valid & (t["sibling_rank"] < top_k) & (t["depth"] <= depth + 1)
         keep[:, 0] = False
         for _ in range(depth):  # a node whose parent is cut is cut too: one gather per level
             keep &= (t["depth"] <= 1) | keep.gather(1, parents)

@@ -102,47 +102,56 @@ def iter_conversations(source: str | None) -> Iterable[list[dict] | None]:
                     yield to_messages(json.loads(line))
 
 
-def run_local(out_dir: str, target: str | None, source: str | None, max_conversations: int, shard_size: int,
-              max_len: int, dtype: str, threads: int, worker: int = 0, num_workers: int = 1) -> None:
-    """Single-process extraction; ``workers`` processes split the shards by index. A shard covers conversations
-    ``[k * shard_size, (k + 1) * shard_size)`` and is written atomically, so a killed run restarted with the same
-    arguments writes every conversation exactly once. ``max_conversations`` is rounded down to whole shards."""
+def load_target(target: str | None, dtype: str, threads: int | None, storage_options: dict | None = None):
+    """(model, tokenizer) of the target for extraction, on CUDA when there is one."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from eagle_ray.model.loading import resolve_target
+    if threads:
+        torch.set_num_threads(threads)
+    path = resolve_target(target, storage_options)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+    return model, AutoTokenizer.from_pretrained(path)
 
-    torch.set_num_threads(threads)
-    path = resolve_target(target)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
-    tok = AutoTokenizer.from_pretrained(path)
+
+def pending_shards(source: str | None, max_conversations: int, shard_size: int, skip=lambda shard: False):
+    """Stream (shard index, [(conversation index, messages)]) for every shard ``skip`` does not reject.
+
+    A shard covers conversations ``[k * shard_size, (k + 1) * shard_size)``; ``max_conversations`` is rounded down
+    to whole shards, so shard ranges never change between runs. The source's last, short shard comes too when it
+    holds a conversation to learn from."""
+    limit = max_conversations - max_conversations % shard_size
+    current, convs, seen = None, [], 0
+    for i, msgs in enumerate(iter_conversations(source)):
+        if i >= limit:
+            break
+        seen = i + 1
+        shard = i // shard_size
+        if shard != current:
+            if current is not None and not skip(current):
+                yield current, convs
+            current, convs = shard, []
+        if msgs is not None:
+            convs.append((i, msgs))
+    if current is not None and not skip(current) and (convs or seen == (current + 1) * shard_size):
+        yield current, convs
+
+
+def run_local(out_dir: str, target: str | None, source: str | None, max_conversations: int, shard_size: int,
+              max_len: int, dtype: str, threads: int, worker: int = 0, num_workers: int = 1) -> None:
+    """Single-process extraction; ``workers`` processes split the shards by index. Each shard is written
+    atomically, so a killed run restarted with the same arguments writes every conversation exactly once."""
+    model, tok = load_target(target, dtype, threads)
     out = Path(out_dir)
-    batch: list[tuple[int, list[dict]]] = []
     t0, done_tokens = time.time(), 0
-    limit = max_conversations - max_conversations % shard_size  # whole shards only: their ranges never change
-
-    def flush(shard: int) -> None:
-        nonlocal done_tokens, batch
+    skip = lambda k: k % num_workers != worker or (out / shard_name(k)).exists()  # noqa: E731
+    for shard, batch in pending_shards(source, max_conversations, shard_size, skip):
         tensors = extract_features(model, tok, batch, max_len)
         write_shard(out, shard, tensors)
         done_tokens += len(tensors["input_ids"])
         print(f"shard {shard}: {len(batch)} convs, {len(tensors['input_ids'])} tokens, "
               f"{done_tokens / (time.time() - t0):.0f} tok/s", flush=True)
-        batch = []
-
-    exhausted = True
-    for i, msgs in enumerate(iter_conversations(source)):
-        if i >= limit:
-            exhausted = False
-            break
-        shard = i // shard_size
-        if shard % num_workers != worker or (out / shard_name(shard)).exists():
-            continue
-        if msgs is not None:
-            batch.append((i, msgs))
-        if (i + 1) % shard_size == 0:
-            flush(shard)
-    if exhausted and batch:  # the source's last, short shard
-        flush(batch[0][0] // shard_size)
 
 
 def _shard_bytes(tensors: dict) -> bytes:
@@ -157,15 +166,7 @@ class ExtractStage:
     def __init__(self, target: str | None, dtype: str, threads: int | None, max_len: int, out: str,
                  storage_options: dict):
         import fsspec
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from eagle_ray.model.loading import resolve_target
-        if threads:
-            torch.set_num_threads(threads)
-        path = resolve_target(target, storage_options)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.model, self.tokenizer = load_target(target, dtype, threads, storage_options)
         self.max_len = max_len
         self.fs, self.root = fsspec.core.url_to_fs(out, **storage_options)
         self.local = "file" in self.fs.protocol
@@ -183,22 +184,6 @@ class ExtractStage:
             shards.append(int(shard))
             tokens.append(len(tensors["input_ids"]))
         return {"shard": shards, "tokens": tokens}
-
-
-def pending_shards(source: str | None, max_conversations: int, shard_size: int, done: set[int]):
-    """(shard index, [(conversation index, messages)]) for every shard not in ``done``: whole shards of
-    ``shard_size`` conversations, plus the source's last, short one when the source ends before the limit."""
-    limit = max_conversations - max_conversations % shard_size
-    shards: dict[int, list] = {}
-    for i, msgs in enumerate(iter_conversations(source)):
-        if i >= limit:
-            break
-        convs = shards.setdefault(i // shard_size, [])
-        if msgs is not None:
-            convs.append((i, msgs))
-    for k, convs in shards.items():
-        if k not in done:
-            yield k, convs
 
 
 def local_source(source: str | None, storage_options: dict, tmp: str) -> str | None:
@@ -234,7 +219,8 @@ def run_ray(out: str, target: str | None, source: str | None, max_conversations:
     import tempfile
     with tempfile.TemporaryDirectory() as tmp:
         items = [{"shard": k, "conversations": json.dumps(c)} for k, c in
-                 pending_shards(local_source(source, storage_options, tmp), max_conversations, shard_size, done)]
+                 pending_shards(local_source(source, storage_options, tmp), max_conversations, shard_size,
+                                done.__contains__)]
     log(f"{len(done)} shards already written, {len(items)} to extract")
     if not items:
         return {"written": 0, "tokens": 0, "skipped": len(done)}

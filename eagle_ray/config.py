@@ -106,11 +106,18 @@ class EngineConfig(StrictModel):
     threads: int | None = Field(None, ge=1, description="torch CPU threads (None = torch default)")
     max_verify_tokens: int | None = Field(None, ge=1, description="cap on tree nodes per verify pass for the whole "
                                           "batch; the most probable nodes across sequences are kept (None: no cap)")
+    max_prefill_tokens: int = Field(4096, ge=1, description="padded prompt tokens per prefill pass: admitted "
+                                    "prompts are sorted by length and prefilled in chunks of at most this many "
+                                    "padded tokens (a longer prompt runs alone)")
     fp32_logits: bool = Field(True, description="compute logits in fp32 when the model runs in bf16/fp16 "
                               "(keeps greedy near-ties stable; costs an fp32 copy of the lm_head)")
     fp32_activations: bool = Field(True, description="keep the residual stream, norms and attention in "
                                    "fp32 when the weights are bf16/fp16 (the projections stay low precision), so a "
                                    "tree verify and plain decoding round alike")
+    batch_invariant: bool = Field(True, description="with fp32 activations on CPU, compute every token "
+                                  "the same way whatever else is in its forward pass (GEMM rows padded to a "
+                                  "multiple of 4, chunked attention), so bf16 speculative and plain output differ "
+                                  "only on near-ties; costs a 1-row bf16 decode up to ~2x")
 
     @field_validator("trees_by_batch")
     @classmethod

@@ -24,22 +24,30 @@ from eagle_ray.train.token_map import coverage, frequent_tokens
 from eagle_ray.train.trainer import TrainConfig, config_dict, train
 
 
-def load_features(features_dir: str, limit_tokens: int | None = None) -> list[dict]:
+def load_features(features_dirs: list[str], limit_tokens: int | None = None) -> list[dict]:
+    """Every conversation of the shard directories, in a fixed order (so the held-out split never moves)."""
     convs = []
-    for shard in sorted(Path(features_dir).glob("shard-*.safetensors")):
-        convs += read_shard(shard)
+    for i, features_dir in enumerate(features_dirs):
+        part = []
+        for shard in sorted(Path(features_dir).glob("shard-*.safetensors")):
+            part += read_shard(shard)
+            if limit_tokens and sum(len(c["input_ids"]) for c in convs + part) >= limit_tokens:
+                break
+        part.sort(key=lambda c: c["conv_index"])
+        convs += part
         if limit_tokens and sum(len(c["input_ids"]) for c in convs) >= limit_tokens:
             break
-    convs.sort(key=lambda c: c["conv_index"])  # stable order: the held-out split never moves
     return convs
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--features", required=True)
+    p.add_argument("--features", required=True, nargs="+", help="one or more feature shard directories")
     p.add_argument("--out", required=True)
     p.add_argument("--target", default=None, help="target checkpoint (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--init", default=None, help="start from this head's weights, e.g. fine-tune a ShareGPT head on "
+                   "self-distilled features (a resumed run continues from its checkpoint instead)")
     p.add_argument("--limit-tokens", type=int, default=None)
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (resume later)")
     p.add_argument("--token-map-size", type=int, default=8192,
@@ -59,6 +67,8 @@ def main(argv=None) -> int:
     lm_weight = target.lm_head.weight.detach()
     head = DraftHead.for_target(target.config)
     head.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight)
+    if a.init:
+        head.load_state_dict(DraftHead.load(a.init, target.config, target.model.embed_tokens.weight).state_dict())
     eos_id = target.config.eos_token_id
     del target
     convs = load_features(a.features, a.limit_tokens)
@@ -78,7 +88,7 @@ def main(argv=None) -> int:
             "conversations": len(convs), "tokens": n_tokens, "assistant_tokens": n_target,
             "steps": state["step"], "epochs_completed": state["epoch"], "finished": done,
             "history": state["history"], "wall_s_this_run": time.time() - t0,
-            "token_map_size": a.token_map_size,
+            "token_map_size": a.token_map_size, "init": a.init, "features": a.features,
             "token_map_coverage": coverage(convs, head.token_map, lm_weight.shape[0]) if a.token_map_size else 1.0}
     (out / "head" / "training.json").write_text(json.dumps(card, indent=2))
     print(json.dumps(card["history"][-1:] or card, indent=1))

@@ -2,7 +2,7 @@
 tree mode, batch size and Llama-family variant; stop rules cut where they should."""
 import pytest
 import torch
-from tiny import make_tokenizer, save_target, tiny_engine, trained_head
+from tiny import make_target, make_tokenizer, save_target, tiny_engine, trained_head
 
 from eagle_ray.config import SamplingParams, TreeConfig
 
@@ -58,6 +58,70 @@ def test_a_batch_verify_budget_keeps_greedy_exact(tiny_dir, tiny_hf, tiny_head, 
         assert out.token_ids == reference_greedy(tiny_hf, prompt, 30)
     c = engine.counters
     assert c["tree_nodes"] <= cap * c["decode_passes"]
+
+
+def test_prefill_runs_length_sorted_chunks_within_its_token_budget(tiny_dir, tiny_hf, tiny_head):
+    """Prompts of very different lengths are not padded to the longest one; output is unchanged."""
+    from types import SimpleNamespace
+
+    from eagle_ray.engine.engine import prefill_chunks
+    seqs = [SimpleNamespace(prompt_ids=[0] * n) for n in (30, 2, 600, 5, 40, 3)]
+    chunks = [[len(s.prompt_ids) for s in c] for c in prefill_chunks(seqs, 100)]
+    assert chunks == [[2, 3, 5], [30, 40], [600]]
+    engine = tiny_engine(tiny_dir, tiny_head, TREES["dynamic"], max_batch_size=6)
+    engine.config.max_prefill_tokens = 40
+    prompts = mixed_prompts(6, seed=3)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [reference_greedy(tiny_hf, p, 12) for p in prompts]
+    assert engine.counters["prefill_passes"] > 1 and engine.counters["prefill_sequences"] == 6
+
+
+@pytest.mark.parametrize("prefix", [9, 250, 300])
+def test_bf16_on_cpu_computes_a_token_alone_as_inside_a_verify_block(prefix):
+    """bf16 weights, fp32 activations: a token's hidden state is bit-identical whether it is decoded alone (one
+    row) or verified inside a 13-token block next to another sequence, so speculative and plain decoding agree."""
+    from eagle_ray.model.target import TargetModel
+    hf = make_target(vocab_size=512, hidden=128, layers=2).to(torch.bfloat16)
+    target = TargetModel(hf, 3, 512)
+    g = torch.Generator().manual_seed(prefix)
+    ids = torch.randint(3, 512, (prefix + 13,), generator=g)
+
+    def run(tokens, slots, width):
+        idx = torch.arange(width)
+        causal = (idx.view(-1, 1) >= idx.view(1, -1)).expand(len(slots), width, width)
+        hidden = target.forward(tokens, slots, idx.expand(len(slots), width), causal)
+        target.cache.lengths[slots] += width
+        return hidden
+
+    for slot in range(3):
+        target.cache.reset(slot)
+        run(ids[:prefix].view(1, -1), [slot], prefix)
+    alone = torch.cat([run(ids[prefix + i].view(1, 1), [0], 1)[0] for i in range(13)])
+    other = torch.randint(3, 512, (13,), generator=g)
+    block = run(torch.stack([other, ids[prefix:]]), [2, 1], 13)[1]
+    assert torch.equal(alone, block)
+    assert torch.equal(target.logits(alone), target.logits(block))
+
+
+@pytest.mark.parametrize("speculative", [True, False])
+def test_finished_sequences_leave_no_holes_in_the_kv_slots(tiny_dir, tiny_hf, tiny_head, speculative):
+    """Sequences that outlive their neighbours move down into freed slots (KV and draft cache with them), so
+    every decode pass reads slots 0..n-1 as one slice; outputs are unchanged."""
+    engine = tiny_engine(tiny_dir, tiny_head, TREES["dynamic"], max_batch_size=4)
+    decode, seen = engine._decode, []
+
+    def checked_decode(running, spec):
+        seen.append([s.slot for s in running])
+        assert [s.slot for s in running] == list(range(len(running)))
+        return decode(running, spec)
+    engine._decode = checked_decode
+    prompts = mixed_prompts(7, seed=4)
+    lengths = [5, 30, 8, 30, 12, 20, 3]
+    outs = engine.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths],
+                           speculative=speculative)
+    assert [o.token_ids for o in outs] == [reference_greedy(tiny_hf, p, n) for p, n in zip(prompts, lengths)]
+    assert [0, 1] in seen or [0] in seen  # the batch shrank and was packed
+    assert sorted(engine.scheduler.free) == [0, 1, 2, 3]
 
 
 def test_plain_decoding_on_the_same_runtime(tiny_dir, tiny_hf, tiny_head):

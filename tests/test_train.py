@@ -115,3 +115,32 @@ def test_ray_extraction_resumes_on_s3_and_matches_local(ray_local, s3, tiny_dir,
         assert remote.keys() == local.keys() and all(torch.equal(remote[n], local[n]) for n in local)
         seen += remote["conv_index"].tolist()
     assert seen == list(range(13))
+
+
+def test_train_job_fine_tunes_an_existing_head_over_several_feature_dirs(tiny_dir, tiny_hf, tmp_path):
+    """jobs/train_drafter.py --init HEAD --features A B: starts from HEAD's weights and reads both directories."""
+    import runpy
+    from pathlib import Path
+
+    dirs = []
+    for part in range(2):
+        src = tmp_path / f"convs{part}.jsonl"
+        src.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"w{i} w{part}"},
+                                                        {"role": "assistant", "content": f"w{i + 2} w3"}]}) + "\n"
+                               for i in range(3 + part)))
+        dirs.append(str(tmp_path / f"features{part}"))
+        extract.run_local(out_dir=dirs[-1], target=str(tiny_dir), source=str(src), max_conversations=100,
+                          shard_size=4, max_len=64, dtype="float32", threads=1)
+    init = fresh_head(tiny_hf)
+    torch.nn.init.normal_(init.fc.weight, std=0.5)
+    init.save(tmp_path / "init", dtype=torch.bfloat16, include_embedding=False)
+    main = runpy.run_path(str(Path(__file__).parents[1] / "jobs" / "train_drafter.py"))["main"]
+    out = tmp_path / "run"
+    assert main(["--features", *dirs, "--out", str(out), "--target", str(tiny_dir), "--init", str(tmp_path / "init"),
+                 "--max-steps", "0", "--token-map-size", "0"]) == 0
+    card = json.loads((out / "head" / "training.json").read_text())
+    assert card["conversations"] == 3 + 4 and card["init"] == str(tmp_path / "init") and card["steps"] == 0
+    embed = tiny_hf.model.embed_tokens.weight
+    started = DraftHead.load(out / "head", tiny_hf.config, embed).state_dict()
+    for k, v in DraftHead.load(tmp_path / "init", tiny_hf.config, embed).state_dict().items():
+        assert torch.equal(started[k], v), k

@@ -57,6 +57,20 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return getattr(torch, dtype)
 
 
+def prefill_chunks(seqs: list[Sequence], max_tokens: int) -> list[list[Sequence]]:
+    """Group prompts by length so each padded prefill pass holds at most ``max_tokens`` (rows x longest prompt).
+
+    One pass over prompts of 30 and 600 tokens pads every row to 600; sorted chunks waste little.
+    """
+    chunks: list[list[Sequence]] = []
+    for seq in sorted(seqs, key=lambda s: len(s.prompt_ids)):
+        if chunks and (len(chunks[-1]) + 1) * len(seq.prompt_ids) <= max_tokens:
+            chunks[-1].append(seq)
+        else:
+            chunks.append([seq])
+    return chunks
+
+
 def _check_text(text: str, field: str) -> None:
     try:
         text.encode("utf-8")
@@ -114,7 +128,7 @@ class EagleEngine:
             from transformers import AutoConfig
             DraftHead.check_config(draft_dir, AutoConfig.from_pretrained(str(target_dir)))
         target = TargetModel.load(target_dir, dt, dev, config.max_batch_size, config.max_model_len,
-                                  config.fp32_logits, config.fp32_activations)
+                                  config.fp32_logits, config.fp32_activations, config.batch_invariant)
         draft = None
         if draft_dir is not None:
             draft = DraftHead.load(draft_dir, target.config, target.model.embed_tokens.weight, dt, dev)
@@ -285,6 +299,10 @@ class EagleEngine:
         admitted = self.scheduler.admit()
         if admitted:
             self._prefill(admitted)
+        for src, dst in self.scheduler.pack():  # keep running slots contiguous: KV reads stay slices
+            self.target.cache.move(src, dst)
+            if self.draft is not None and self.draft.cache is not None:
+                self.draft.cache.move(src, dst)
         running = [s for s in self.scheduler.running if not s.finished]
         for speculative in (True, False):
             group = [s for s in running if s.speculative == speculative]
@@ -303,13 +321,15 @@ class EagleEngine:
             self.target.cache.reset(seq.slot)
             if self.draft is not None:
                 self.draft.cache.reset(seq.slot)
-        timer = StepTimer(self.device)
-        prefill(self.target, seqs, timer)
-        self.counters["prefill_passes"] += 1
-        self.counters["prefill_sequences"] += len(seqs)
+        for chunk in prefill_chunks(seqs, self.config.max_prefill_tokens):
+            timer = StepTimer(self.device)
+            prefill(self.target, chunk, timer)
+            self.counters["prefill_passes"] += 1
+            self.counters["prefill_sequences"] += len(chunk)
+            for seq in chunk:
+                seq.stats.prefill_s = timer.verify_s
+                seq.stats.ttft_s = time.perf_counter() - start
         for seq in seqs:
-            seq.stats.prefill_s = timer.verify_s
-            seq.stats.ttft_s = time.perf_counter() - start
             if not seq.speculative:
                 seq.draft_tokens, seq.draft_features = [], None
             if seq.params.stop:

@@ -32,6 +32,24 @@ class Scheduler:
         self.running += admitted
         return admitted
 
+    def pack(self) -> list[tuple[int, int]]:
+        """Move running sequences from the highest slots into free lower ones; returns the ``(src, dst)`` moves.
+
+        With the running sequences in slots ``0..n-1`` (and listed in slot order) a forward reads the KV cache as
+        one slice instead of gathering every slot's keys and values each layer, each step.
+        """
+        moves = []
+        self.running.sort(key=lambda s: s.slot)
+        while self.free and self.running and self.free[0] < self.running[-1].slot:
+            seq, dst = self.running.pop(), self.free.pop(0)
+            moves.append((seq.slot, dst))
+            self.free.append(seq.slot)
+            self.free.sort()
+            seq.slot = dst
+            self.running.insert(0, seq)
+            self.running.sort(key=lambda s: s.slot)
+        return moves
+
     def retire_finished(self) -> list[Sequence]:
         done = [s for s in self.running if s.finished]
         for seq in done:

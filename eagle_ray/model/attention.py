@@ -23,6 +23,7 @@ class BlockMeta:
     write_pos: torch.Tensor       # [B, T] cache positions written (device)
     key_mask: torch.Tensor        # [B, 1, T, kv_len] bool, True = may attend (device)
     kv_len: int
+    invariant: bool = False       # batch-invariant kernels (fp32 activations on CPU; see gemm_rows)
 
 
 def make_block_meta(cache: KVCache, slots: list[int], block_mask: torch.Tensor, offset: int = 0) -> BlockMeta:
@@ -60,18 +61,77 @@ def decoder_layer(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     B, T, _ = hidden.shape
     head_dim = attn.head_dim
     dt = cache.k.dtype
-    x = layer.input_layernorm(hidden).to(dt)
-    q = attn.q_proj(x).view(B, T, -1, head_dim)
-    k = attn.k_proj(x).view(B, T, -1, head_dim)
-    v = attn.v_proj(x).view(B, T, -1, head_dim).transpose(1, 2)
+    rows = gemm_rows(meta.invariant and hidden.dtype != dt and hidden.device.type == "cpu")
+    x = rows(layer.input_layernorm(hidden).to(dt))
+    q = attn.q_proj(x)[: B * T].view(B, T, -1, head_dim)
+    k = attn.k_proj(x)[: B * T].view(B, T, -1, head_dim)
+    v = attn.v_proj(x)[: B * T].view(B, T, -1, head_dim).transpose(1, 2)
     if getattr(attn, "q_norm", None) is not None:  # Qwen3
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
     cache.write(layer_idx, meta.slot_index, meta.write_pos, k, v)
     keys, values = cache.read(layer_idx, meta.slots, meta.kv_len)
-    if hidden.dtype != dt:  # fp32 activations: bf16 SDPA rounds a 1-row and an 8-row block differently
-        q, keys, values = q.float(), keys.float(), values.float()
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.key_mask, scale=attn.scaling,
-                                         enable_gqa=keys.shape[1] != q.shape[1])
-    hidden = hidden + attn.o_proj(out.to(dt).transpose(1, 2).reshape(B, T, -1))
-    return hidden + layer.mlp(layer.post_attention_layernorm(hidden).to(dt))
+    if rows.invariant:  # fp32 activations on CPU: attention whose rows do not depend on the block's shape
+        out = invariant_attention(q.float(), keys.float(), values.float(), meta.key_mask, attn.scaling)
+    else:
+        if hidden.dtype != dt:  # fp32 activations: bf16 SDPA rounds a 1-row and an 8-row block differently
+            q, keys, values = q.float(), keys.float(), values.float()
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.key_mask, scale=attn.scaling,
+                                             enable_gqa=keys.shape[1] != q.shape[1])
+    hidden = hidden + attn.o_proj(rows(out.to(dt).transpose(1, 2).reshape(B, T, -1)))[: B * T].view(B, T, -1)
+    return hidden + layer.mlp(rows(layer.post_attention_layernorm(hidden).to(dt)))[: B * T].view(B, T, -1)
+
+
+GEMM_ROWS = 4
+
+
+def pad_rows(x: torch.Tensor) -> torch.Tensor:
+    """``[..., D] -> [M, D]`` with ``M`` rounded up to a multiple of :data:`GEMM_ROWS` (zero rows)."""
+    x = x.reshape(-1, x.shape[-1])
+    extra = -x.shape[0] % GEMM_ROWS
+    return torch.cat([x, x.new_zeros(extra, x.shape[1])]) if extra else x
+
+
+def gemm_rows(pad: bool):
+    """``[B, T, D] -> [M, D]`` rows for the projections; for bf16/fp16 weights on CPU, padded to a multiple of 4.
+
+    oneDNN's low-precision GEMM computes a row in a 1-3 row product, or the odd row left over after blocks of
+    rows, along another path than rows inside a block of 4, and rounds a few outputs differently (measured: 3 of
+    1536 gate/up outputs). With a multiple of 4 rows, a row's result depends on nothing but the row (checked up to
+    512 rows, 1 and 2 threads), so a projection computes a token the same way in plain decoding and in a verify.
+    """
+    def rows(x: torch.Tensor) -> torch.Tensor:
+        return pad_rows(x) if pad else x.reshape(-1, x.shape[-1])
+    rows.invariant = pad
+    return rows
+
+
+KV_CHUNK = 256
+
+
+def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """fp32 attention in which a query row's result depends only on its own keys, not on the block around it.
+
+    SDPA's CPU kernel (and a plain ``softmax(q k^T) v``) sums over a key length and a row count that differ
+    between a 1-token decode and a tree verify, so the same token gets last-bit different outputs, which the
+    bf16 projections then round apart. Here query rows are padded to a multiple of 4 (one GEMM path), keys are padded with
+    masked columns to a multiple of ``KV_CHUNK``, and ``p v`` is summed per fixed chunk: masked columns add exact
+    zeros, so extra key columns and extra rows change nothing: a token decoded alone and the same token inside a
+    causal block (prefill, a chain) get bit-identical outputs (tests/test_engine.py). In a tree, a node's
+    ancestors sit at other block columns than the positions they take once accepted, so the sum over a chunk
+    can still round differently in the last bit. ``q [B, H, T, D]``, ``k, v [B, Hkv, L, D]``, ``mask [B, 1, T, L]``.
+    """
+    B, H, T, D = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    rep, Tp = H // Hkv, -(-T // GEMM_ROWS) * GEMM_ROWS
+    n = -(-L // KV_CHUNK)
+    if Tp > T:
+        q = F.pad(q, (0, 0, 0, Tp - T))
+        mask = torch.cat([mask, mask[:, :, :1].expand(B, 1, Tp - T, L)], 2)
+    k, v = F.pad(k, (0, 0, 0, n * KV_CHUNK - L)), F.pad(v, (0, 0, 0, n * KV_CHUNK - L))
+    mask = F.pad(mask, (0, n * KV_CHUNK - L)).repeat(1, 1, rep, 1)           # [B, 1, rep*Tp, Lp]
+    q = q.reshape(B, Hkv, rep * Tp, D)                                        # query heads grouped by kv head
+    p = torch.softmax((q @ k.transpose(-1, -2) * scale).masked_fill_(~mask, float("-inf")), -1)
+    out = (p.view(B, Hkv, rep * Tp, n, KV_CHUNK).transpose(2, 3) @ v.view(B, Hkv, n, KV_CHUNK, D)).sum(2)
+    return out.view(B, H, Tp, D)[:, :, :T]

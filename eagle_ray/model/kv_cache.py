@@ -45,5 +45,12 @@ class KVCache:
         for cache in (self.k, self.v):
             cache[:, bi, :, dst] = cache[:, bi, :, src]
 
+    def move(self, src: int, dst: int) -> None:
+        """Copy slot ``src``'s committed positions (and length) to slot ``dst``; ``src`` becomes empty."""
+        n = int(self.lengths[src])
+        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+        self.lengths[dst], self.lengths[src] = n, 0
+
     def reset(self, slot: int) -> None:
         self.lengths[slot] = 0

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from eagle_ray.errors import CheckpointError
-from eagle_ray.model.attention import decoder_layer, make_block_meta
+from eagle_ray.model.attention import decoder_layer, make_block_meta, pad_rows
 from eagle_ray.model.kv_cache import KVCache
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
@@ -19,7 +19,7 @@ SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 
 class TargetModel:
     def __init__(self, hf_model, max_slots: int, max_len: int, fp32_logits: bool = True,
-                 fp32_activations: bool = True):
+                 fp32_activations: bool = True, batch_invariant: bool = True):
         cfg = hf_model.config
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             raise CheckpointError(f"target model_type '{cfg.model_type}' is not supported; eagle-ray runs "
@@ -45,20 +45,24 @@ class TargetModel:
         # choices with logit gaps up to ~0.15 flip. fp32 activations (residual, norms, attention; the projections
         # stay bf16) make verify and plain decoding agree. See decoder_layer.
         self.fp32_activations = fp32_activations and self.dtype != torch.float32
+        # Tokens computed the same whatever shares the pass (CPU kernels; see attention.gemm_rows and
+        # invariant_attention): bf16 verify and plain decoding then differ only on last-bit near-ties.
+        self.batch_invariant = batch_invariant and self.fp32_activations and self.device.type == "cpu"
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.cache = KVCache(len(self.layers), max_slots, cfg.num_key_value_heads, self.max_len, head_dim,
                              self.dtype, self.device)
 
     @classmethod
     def load(cls, path: str | Path, dtype: torch.dtype, device, max_slots: int, max_len: int,
-             fp32_logits: bool = True, fp32_activations: bool = True) -> "TargetModel":
+             fp32_logits: bool = True, fp32_activations: bool = True,
+             batch_invariant: bool = True) -> "TargetModel":
         from transformers import AutoModelForCausalLM
 
         try:
             hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa")
         except OSError as e:
             raise CheckpointError(f"cannot load target from {path}: {e}") from e
-        return cls(hf.to(device), max_slots, max_len, fp32_logits, fp32_activations)
+        return cls(hf.to(device), max_slots, max_len, fp32_logits, fp32_activations, batch_invariant)
 
     @property
     def hidden_size(self) -> int:
@@ -83,6 +87,7 @@ class TargetModel:
         commits them (prefill) or compacts the accepted ones (verify).
         """
         meta = make_block_meta(self.cache, slots, block_mask)
+        meta.invariant = self.batch_invariant
         positions = self.cache.lengths[slots].to(self.device).view(-1, 1) + depth.to(self.device)
         hidden = self.model.embed_tokens(tokens.to(self.device))
         cos, sin = self.model.rotary_emb(hidden, positions)  # in the model dtype, like q and k
@@ -96,6 +101,9 @@ class TargetModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of post-norm ``hidden``."""
         if self._lm_fp32 is not None:
+            if self.batch_invariant:  # row-invariant GEMM (see gemm_rows)
+                return (pad_rows(hidden.float()) @ self._lm_fp32)[: hidden[..., 0].numel()].view(
+                    *hidden.shape[:-1], -1)
             return hidden.float() @ self._lm_fp32
         return self.lm_head(hidden).float()
 

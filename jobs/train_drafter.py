@@ -26,17 +26,16 @@ from eagle_ray.train.trainer import TrainConfig, config_dict, train
 
 def load_features(features_dirs: list[str], limit_tokens: int | None = None) -> list[dict]:
     """Every conversation of the shard directories, in a fixed order (so the held-out split never moves)."""
-    convs = []
-    for i, features_dir in enumerate(features_dirs):
+    convs, tokens = [], 0
+    for features_dir in features_dirs:
         part = []
         for shard in sorted(Path(features_dir).glob("shard-*.safetensors")):
-            part += read_shard(shard)
-            if limit_tokens and sum(len(c["input_ids"]) for c in convs + part) >= limit_tokens:
+            if limit_tokens and tokens >= limit_tokens:
                 break
-        part.sort(key=lambda c: c["conv_index"])
-        convs += part
-        if limit_tokens and sum(len(c["input_ids"]) for c in convs) >= limit_tokens:
-            break
+            new = read_shard(shard)
+            part += new
+            tokens += sum(len(c["input_ids"]) for c in new)
+        convs += sorted(part, key=lambda c: c["conv_index"])
     return convs
 
 

@@ -301,7 +301,7 @@ class EagleEngine:
             self._prefill(admitted)
         for src, dst in self.scheduler.pack():  # keep running slots contiguous: KV reads stay slices
             self.target.cache.move(src, dst)
-            if self.draft is not None and self.draft.cache is not None:
+            if self.draft is not None:
                 self.draft.cache.move(src, dst)
         running = [s for s in self.scheduler.running if not s.finished]
         for speculative in (True, False):

@@ -6,6 +6,7 @@ and a request that cannot fit one row is refused when it is added, never mid-run
 """
 from __future__ import annotations
 
+import bisect
 import collections
 
 from eagle_ray.engine.sequence import Sequence
@@ -43,11 +44,9 @@ class Scheduler:
         while self.free and self.running and self.free[0] < self.running[-1].slot:
             seq, dst = self.running.pop(), self.free.pop(0)
             moves.append((seq.slot, dst))
-            self.free.append(seq.slot)
-            self.free.sort()
+            bisect.insort(self.free, seq.slot)
             seq.slot = dst
-            self.running.insert(0, seq)
-            self.running.sort(key=lambda s: s.slot)
+            bisect.insort(self.running, seq, key=lambda s: s.slot)
         return moves
 
     def retire_finished(self) -> list[Sequence]:

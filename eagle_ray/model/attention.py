@@ -23,10 +23,11 @@ class BlockMeta:
     write_pos: torch.Tensor       # [B, T] cache positions written (device)
     key_mask: torch.Tensor        # [B, 1, T, kv_len] bool, True = may attend (device)
     kv_len: int
-    invariant: bool = False       # batch-invariant kernels (fp32 activations on CPU; see gemm_rows)
+    invariant: bool = False       # batch-invariant kernels (fp32 activations on CPU; see pad_rows)
 
 
-def make_block_meta(cache: KVCache, slots: list[int], block_mask: torch.Tensor, offset: int = 0) -> BlockMeta:
+def make_block_meta(cache: KVCache, slots: list[int], block_mask: torch.Tensor, offset: int = 0,
+                    invariant: bool = False) -> BlockMeta:
     """Meta for a block whose rows attend to their slot's committed prefix plus ``block_mask [B, T, N]``.
 
     The block's columns start at ``lengths[slot]``; the new ``T`` tokens are written at columns
@@ -47,7 +48,7 @@ def make_block_meta(cache: KVCache, slots: list[int], block_mask: torch.Tensor, 
     contiguous = slots == list(range(first, first + B))
     slot_index = torch.tensor(slots, device=device).view(-1, 1)
     return BlockMeta(slice(first, first + B) if contiguous else slot_index.view(-1), slot_index, write_pos,
-                     key_mask.unsqueeze(1), kv_len)
+                     key_mask.unsqueeze(1), kv_len, invariant)
 
 
 def decoder_layer(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer_idx: int,
@@ -61,7 +62,7 @@ def decoder_layer(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     B, T, _ = hidden.shape
     head_dim = attn.head_dim
     dt = cache.k.dtype
-    rows = gemm_rows(meta.invariant and hidden.dtype != dt and hidden.device.type == "cpu")
+    rows = pad_rows if meta.invariant else lambda x: x.reshape(-1, x.shape[-1])  # [B, T, D] -> [M, D]
     x = rows(layer.input_layernorm(hidden).to(dt))
     q = attn.q_proj(x)[: B * T].view(B, T, -1, head_dim)
     k = attn.k_proj(x)[: B * T].view(B, T, -1, head_dim)
@@ -71,7 +72,7 @@ def decoder_layer(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
     cache.write(layer_idx, meta.slot_index, meta.write_pos, k, v)
     keys, values = cache.read(layer_idx, meta.slots, meta.kv_len)
-    if rows.invariant:  # fp32 activations on CPU: attention whose rows do not depend on the block's shape
+    if meta.invariant:  # fp32 activations on CPU: attention whose rows do not depend on the block's shape
         out = invariant_attention(q.float(), keys.float(), values.float(), meta.key_mask, attn.scaling)
     else:
         if hidden.dtype != dt:  # fp32 activations: bf16 SDPA rounds a 1-row and an 8-row block differently
@@ -86,24 +87,16 @@ GEMM_ROWS = 4
 
 
 def pad_rows(x: torch.Tensor) -> torch.Tensor:
-    """``[..., D] -> [M, D]`` with ``M`` rounded up to a multiple of :data:`GEMM_ROWS` (zero rows)."""
-    x = x.reshape(-1, x.shape[-1])
-    extra = -x.shape[0] % GEMM_ROWS
-    return torch.cat([x, x.new_zeros(extra, x.shape[1])]) if extra else x
-
-
-def gemm_rows(pad: bool):
-    """``[B, T, D] -> [M, D]`` rows for the projections; for bf16/fp16 weights on CPU, padded to a multiple of 4.
+    """``[..., D] -> [M, D]`` with ``M`` rounded up to a multiple of :data:`GEMM_ROWS` (zero rows).
 
     oneDNN's low-precision GEMM computes a row in a 1-3 row product, or the odd row left over after blocks of
     rows, along another path than rows inside a block of 4, and rounds a few outputs differently (measured: 3 of
     1536 gate/up outputs). With a multiple of 4 rows, a row's result depends on nothing but the row (checked up to
     512 rows, 1 and 2 threads), so a projection computes a token the same way in plain decoding and in a verify.
     """
-    def rows(x: torch.Tensor) -> torch.Tensor:
-        return pad_rows(x) if pad else x.reshape(-1, x.shape[-1])
-    rows.invariant = pad
-    return rows
+    x = x.reshape(-1, x.shape[-1])
+    extra = -x.shape[0] % GEMM_ROWS
+    return torch.cat([x, x.new_zeros(extra, x.shape[1])]) if extra else x
 
 
 KV_CHUNK = 256
@@ -115,9 +108,10 @@ def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
 
     SDPA's CPU kernel (and a plain ``softmax(q k^T) v``) sums over a key length and a row count that differ
     between a 1-token decode and a tree verify, so the same token gets last-bit different outputs, which the
-    bf16 projections then round apart. Here query rows are padded to a multiple of 4 (one GEMM path), keys are padded with
-    masked columns to a multiple of ``KV_CHUNK``, and ``p v`` is summed per fixed chunk: masked columns add exact
-    zeros, so extra key columns and extra rows change nothing: a token decoded alone and the same token inside a
+    bf16 projections then round apart. Here query rows are padded to a multiple of 4 (one GEMM path), keys are
+    padded with masked columns to a multiple of ``KV_CHUNK``, and ``p v`` is summed per fixed chunk: masked columns
+    add exact zeros, so extra key columns and extra rows change nothing: a token decoded alone and the same token
+    inside a
     causal block (prefill, a chain) get bit-identical outputs (tests/test_engine.py). In a tree, a node's
     ancestors sit at other block columns than the positions they take once accepted, so the sum over a chunk
     can still round differently in the last bit. ``q [B, H, T, D]``, ``k, v [B, Hkv, L, D]``, ``mask [B, 1, T, L]``.

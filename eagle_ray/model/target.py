@@ -45,7 +45,7 @@ class TargetModel:
         # choices with logit gaps up to ~0.15 flip. fp32 activations (residual, norms, attention; the projections
         # stay bf16) make verify and plain decoding agree. See decoder_layer.
         self.fp32_activations = fp32_activations and self.dtype != torch.float32
-        # Tokens computed the same whatever shares the pass (CPU kernels; see attention.gemm_rows and
+        # Tokens computed the same whatever shares the pass (CPU kernels; see attention.pad_rows and
         # invariant_attention): bf16 verify and plain decoding then differ only on last-bit near-ties.
         self.batch_invariant = batch_invariant and self.fp32_activations and self.device.type == "cpu"
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -86,8 +86,7 @@ class TargetModel:
         block columns where ``block_mask[b, t]`` is True. K/V land at ``[lengths, lengths + T)``; the caller
         commits them (prefill) or compacts the accepted ones (verify).
         """
-        meta = make_block_meta(self.cache, slots, block_mask)
-        meta.invariant = self.batch_invariant
+        meta = make_block_meta(self.cache, slots, block_mask, invariant=self.batch_invariant)
         positions = self.cache.lengths[slots].to(self.device).view(-1, 1) + depth.to(self.device)
         hidden = self.model.embed_tokens(tokens.to(self.device))
         cos, sin = self.model.rotary_emb(hidden, positions)  # in the model dtype, like q and k
@@ -101,9 +100,9 @@ class TargetModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of post-norm ``hidden``."""
         if self._lm_fp32 is not None:
-            if self.batch_invariant:  # row-invariant GEMM (see gemm_rows)
-                return (pad_rows(hidden.float()) @ self._lm_fp32)[: hidden[..., 0].numel()].view(
-                    *hidden.shape[:-1], -1)
+            if self.batch_invariant:  # row-invariant GEMM (see pad_rows)
+                rows = hidden.shape[:-1]
+                return (pad_rows(hidden.float()) @ self._lm_fp32)[: rows.numel()].view(*rows, -1)
             return hidden.float() @ self._lm_fp32
         return self.lm_head(hidden).float()
 

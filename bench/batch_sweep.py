@@ -10,7 +10,7 @@ import resource
 import time
 from pathlib import Path
 
-from eagle_ray.config import SamplingParams
+from eagle_ray.config import EngineConfig, SamplingParams
 from eagle_ray.engine.engine import EagleEngine
 from eagle_ray.prompts import first_turn_prompt, read_jsonl
 
@@ -34,13 +34,17 @@ def main() -> None:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16])
     p.add_argument("--plain", action="store_true", help="also run plain batched decoding at each size")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--draft", default=None, help="EAGLE head dir (default: the embedded head)")
+    p.add_argument("--tree-policy", default="fixed", choices=["fixed", "auto"],
+                   help="auto: the tree the engine tunes for this device per batch size (what the job and Serve use)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     prompts = mixed_prompts(a.num_prompts)
     params = SamplingParams(max_new_tokens=a.max_new_tokens)
     runs, reference = [], None
     for bs in a.batch_sizes:
-        engine = EagleEngine.from_pretrained(dtype=a.dtype, max_batch_size=bs, threads=a.threads)
+        engine = EagleEngine.from_config(EngineConfig(draft=a.draft, dtype=a.dtype, max_batch_size=bs,
+                                                      threads=a.threads, tree_policy=a.tree_policy))
         engine.generate(prompts[:1], SamplingParams(max_new_tokens=4))
         for speculative in ([True, False] if a.plain else [True]):
             for k in engine.counters:
@@ -54,6 +58,7 @@ def main() -> None:
             c = engine.counters
             row = {"max_batch": bs, "speculative": speculative, "wall_s": wall,
                    "tokens": sum(map(len, ids)), "tok_s": sum(map(len, ids)) / wall,
+                   "trees": engine.tree_summary() if speculative else None,
                    "tau": sum(o.stats.step_tokens for o in outs) / max(sum(o.stats.verify_steps for o in outs), 1),
                    "mean_verify_batch": c["decode_sequences"] / max(c["decode_passes"], 1),
                    "mean_verify_width": c["verify_tokens"] / max(c["decode_sequences"], 1),

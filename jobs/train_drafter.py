@@ -76,12 +76,12 @@ def main(argv=None) -> int:
     print(f"{len(convs)} conversations, {n_tokens} tokens ({n_target} assistant tokens)", flush=True)
     out = Path(a.out)
     t0 = time.time()
-    state = train(convs, head, lm_weight, out, cfg, max_steps=a.max_steps,
-                  log=lambda m: print(m, flush=True))
-    done = state["epoch"] >= cfg.epochs
-    if a.token_map_size:
+    if a.token_map_size:  # chosen before training: the cross-entropy runs over it (TrainConfig.ce_on_token_map)
         head.token_map = frequent_tokens(convs, lm_weight.shape[0], a.token_map_size,
                                          always=[t for t in (eos_id,) if t is not None])
+    state = train(convs, head, lm_weight, out, cfg, max_steps=a.max_steps,
+                  log=lambda m: print(m, flush=True), vocab=head.token_map if a.token_map_size else None)
+    done = state["epoch"] >= cfg.epochs
     head.save(out / "head", dtype=torch.bfloat16, include_embedding=False)
     card = {"target": str(a.target or "SmolLM2-135M-Instruct (embedded)"), "train_config": config_dict(cfg),
             "conversations": len(convs), "tokens": n_tokens, "assistant_tokens": n_target,

@@ -144,3 +144,25 @@ def test_train_job_fine_tunes_an_existing_head_over_several_feature_dirs(tiny_di
     started = DraftHead.load(out / "head", tiny_hf.config, embed).state_dict()
     for k, v in DraftHead.load(tmp_path / "init", tiny_hf.config, embed).state_dict().items():
         assert torch.equal(started[k], v), k
+
+
+def test_cross_entropy_runs_over_the_draft_vocabulary_the_engine_will_use(tiny_hf):
+    """A map holding the whole vocabulary (any order) changes nothing; a map without the target's choices leaves
+    the head nothing right in evaluation, however it ranks the rest (its top-1 is read through the map)."""
+    from eagle_ray.train.trainer import collate, losses
+
+    convs = self_distilled_convs(tiny_hf, n=4, new_tokens=8)
+    lm = tiny_hf.lm_head.weight.detach()
+    head = fresh_head(tiny_hf).eval()
+    batch = collate(convs, [0, 1, 2, 3], 64)
+    cfg = TrainConfig(noise=0.0)
+    with torch.no_grad():
+        full = losses(head, lm, *batch, cfg, None, False)
+        shuffled = losses(head, lm, *batch, cfg, None, False, vocab=torch.randperm(lm.shape[0]))
+        tokens, feats, target, mask = batch
+        chosen = (target @ lm.T).argmax(-1)[mask.bool()].unique()
+        without = torch.tensor([t for t in range(lm.shape[0]) if t not in set(chosen.tolist())])
+        missing = losses(head, lm, *batch, cfg, None, False, vocab=without)
+    assert full[0] == shuffled[0] and full[2] == shuffled[2] and full[3] == shuffled[3] == int(mask.sum())
+    assert torch.allclose(full[1], shuffled[1], atol=1e-5)
+    assert 0 < full[2] and missing[2] == 0.0

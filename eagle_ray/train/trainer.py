@@ -38,6 +38,7 @@ class TrainConfig:
     eval_fraction: float = 0.02
     checkpoint_every: int = 100
     autocast_bf16: bool = False
+    ce_on_token_map: bool = True   # with a draft vocabulary, the cross-entropy runs over it alone (see losses)
 
 
 def make_batches(lengths: list[int], tokens_per_step: int, seed: int, epoch: int) -> list[list[int]]:
@@ -96,7 +97,13 @@ def head_forward_train(head: DraftHead, tokens: torch.Tensor, feats: torch.Tenso
 
 
 def losses(head: DraftHead, lm_weight: torch.Tensor, tokens, feats, target, mask, cfg: TrainConfig,
-           gen: torch.Generator | None, train: bool):
+           gen: torch.Generator | None, train: bool, vocab: torch.Tensor | None = None):
+    """Feature loss, soft cross-entropy, top-1 accuracy against the target's argmax, and the positions scored.
+
+    With ``vocab`` (the draft vocabulary, as the engine binds it) both distributions are taken over those ids
+    alone, the target's renormalised there, as EAGLE-3 trains its reduced-vocabulary heads: the head learns
+    exactly the choice it makes at inference, for a sixth of the lm_head cost with an 8k map. Accuracy then counts
+    a target argmax outside the map as a miss (exact in evaluation; training logs compare inside the map)."""
     if train and cfg.noise > 0:
         noise = (torch.rand(feats.shape, generator=gen) - 0.5) * cfg.noise * 512 / feats.shape[1]
         feats = feats + noise
@@ -108,13 +115,18 @@ def losses(head: DraftHead, lm_weight: torch.Tensor, tokens, feats, target, mask
     if train and cfg.ce_fraction < 1.0:
         sel = sel & (torch.rand(mask.shape, generator=gen) < cfg.ce_fraction)
     p_sel, t_sel = pred[sel], target[sel]
+    w = lm_weight if vocab is None else lm_weight[vocab]
     with torch.no_grad():
-        t_logits = t_sel @ lm_weight.T
+        t_logits = t_sel @ w.T
         t_prob = t_logits.softmax(-1)
-        t_top = t_logits.argmax(-1)
-    p_logits = p_sel @ lm_weight.T
+        if vocab is None:
+            t_top = t_logits.argmax(-1)
+        else:
+            t_top = vocab[t_logits.argmax(-1)] if train else (t_sel @ lm_weight.T).argmax(-1)
+    p_logits = p_sel @ w.T
     ploss = -(t_prob * p_logits.log_softmax(-1)).sum(-1).mean() if len(t_sel) else pred.sum() * 0
-    acc = (p_logits.argmax(-1) == t_top).float().mean().item() if len(t_sel) else 0.0
+    p_top = p_logits.argmax(-1) if vocab is None else vocab[p_logits.argmax(-1)]
+    acc = (p_top == t_top).float().mean().item() if len(t_sel) else 0.0
     return vloss, ploss, acc, len(t_sel)
 
 
@@ -125,8 +137,10 @@ def save_checkpoint(path: Path, head, opt, state: dict) -> None:
 
 
 def train(convs: list[dict], head: DraftHead, lm_weight: torch.Tensor, out_dir: str | Path, cfg: TrainConfig,
-          max_steps: int | None = None, log=print) -> dict:
-    """Train ``head`` in place; resumes from ``out_dir/checkpoint.pt`` when present. Returns the final metrics."""
+          max_steps: int | None = None, log=print, vocab: torch.Tensor | None = None) -> dict:
+    """Train ``head`` in place; resumes from ``out_dir/checkpoint.pt`` when present. Returns the final metrics.
+    ``vocab``: the draft vocabulary the head will be served with (the cross-entropy's ids, see ``losses``)."""
+    vocab = vocab if cfg.ce_on_token_map else None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     n_eval = max(1, int(len(convs) * cfg.eval_fraction)) if len(convs) > 1 else 0
@@ -157,7 +171,7 @@ def train(convs: list[dict], head: DraftHead, lm_weight: torch.Tensor, out_dir: 
             for g in opt.param_groups:
                 g["lr"] = cfg.lr * sched(state["step"])
             head.train()
-            vloss, ploss, acc, _ = losses(head, lm_weight, tokens, feats, target, mask, cfg, gen, True)
+            vloss, ploss, acc, _ = losses(head, lm_weight, tokens, feats, target, mask, cfg, gen, True, vocab)
             loss = vloss + cfg.ce_weight * ploss
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -171,7 +185,7 @@ def train(convs: list[dict], head: DraftHead, lm_weight: torch.Tensor, out_dir: 
                     f"ploss {ploss.item():.3f} acc {acc:.3f} {seen / (time.time() - t0):.0f} tok/s")
             if state["step"] % cfg.checkpoint_every == 0:
                 save_checkpoint(ckpt, head, opt, state)
-        metrics = evaluate(head, lm_weight, eval_set, cfg) if eval_set else {}
+        metrics = evaluate(head, lm_weight, eval_set, cfg, vocab=vocab) if eval_set else {}
         metrics.update(epoch=state["epoch"], step=state["step"])
         state["history"].append(metrics)
         log(f"epoch {state['epoch']} done: {json.dumps(metrics)}")
@@ -182,14 +196,15 @@ def train(convs: list[dict], head: DraftHead, lm_weight: torch.Tensor, out_dir: 
 
 
 @torch.no_grad()
-def evaluate(head: DraftHead, lm_weight: torch.Tensor, convs: list[dict], cfg: TrainConfig, depth: int = 5) -> dict:
+def evaluate(head: DraftHead, lm_weight: torch.Tensor, convs: list[dict], cfg: TrainConfig, depth: int = 5,
+             vocab: torch.Tensor | None = None) -> dict:
     """Held-out top-1 accuracy against the target's argmax, and the chain acceptance length it implies
     (``sum_j acc^j`` for j = 0..depth: a simulation that assumes deeper steps are as accurate as the first)."""
     head.eval()
     tot_v, tot_acc, n = 0.0, 0.0, 0
     for i in range(len(convs)):
         tokens, feats, target, mask = collate(convs, [i], cfg.max_len)
-        vloss, _, acc, cnt = losses(head, lm_weight, tokens, feats, target, mask, cfg, None, False)
+        vloss, _, acc, cnt = losses(head, lm_weight, tokens, feats, target, mask, cfg, None, False, vocab)
         tot_v += vloss.item() * cnt
         tot_acc += acc * cnt
         n += cnt

@@ -29,6 +29,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--max-verify-tokens", type=int, default=None, help="cap on tree nodes per verify pass (batch)")
+    p.add_argument("--no-fp32-activations", dest="fp32_activations", action="store_false",
+                   help="bf16/fp16 residual stream and attention (faster on CPU; greedy ties may then flip)")
+    p.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
+                   help="plain CPU kernels instead of row-invariant ones (faster; see EngineConfig.batch_invariant)")
+    p.add_argument("--no-fp32-logits", dest="fp32_logits", action="store_false",
+                   help="logits in the model dtype (no fp32 copy of the lm_head)")
+
+
+def precision_kwargs(a) -> dict:
+    return {"fp32_activations": a.fp32_activations, "batch_invariant": a.batch_invariant,
+            "fp32_logits": a.fp32_logits}
 
 
 def build_engine(a):
@@ -36,7 +47,7 @@ def build_engine(a):
     tree = TreeConfig(mode=a.tree_mode, total_tokens=a.total_tokens, depth=a.depth, top_k=a.top_k)
     return EagleEngine.from_pretrained(target=a.target, draft=a.draft, dtype=a.dtype, device=a.device, tree=tree,
                                        max_batch_size=a.batch_size, max_model_len=a.max_model_len, threads=a.threads,
-                                       max_verify_tokens=a.max_verify_tokens)
+                                       max_verify_tokens=a.max_verify_tokens, **precision_kwargs(a))
 
 
 def cmd_generate(a) -> int:
@@ -186,7 +197,8 @@ def _benchmark_engine(a):
     tree = TreeConfig(mode=a.tree_mode, total_tokens=a.total_tokens, depth=a.depth, top_k=a.top_k)
     cfg = EngineConfig(target=a.target, draft=a.draft, dtype=a.dtype, device=a.device, tree=tree,
                        tree_policy=a.tree_policy, max_batch_size=max(max(a.batch_sizes), a.batch_size),
-                       max_model_len=a.max_model_len, threads=a.threads, max_verify_tokens=a.max_verify_tokens)
+                       max_model_len=a.max_model_len, threads=a.threads, max_verify_tokens=a.max_verify_tokens,
+                       **precision_kwargs(a))
     return EagleEngine.from_config(cfg)
 
 

@@ -195,8 +195,9 @@ class ActorsConfig(StrictModel):
 
 
 def _auto_tree_by_default(data):
-    """The job and the Serve app tune their tree to the device unless the config names a tree."""
-    if isinstance(data, dict):
+    """The job and the Serve app tune their tree to the device unless the config names a tree (or never drafts:
+    ``speculative: false`` has no tree to tune)."""
+    if isinstance(data, dict) and data.get("speculative", True) is not False:
         engine = data.get("engine")
         if engine is None:
             data = {**data, "engine": {"tree_policy": "auto"}}
@@ -207,7 +208,7 @@ def _auto_tree_by_default(data):
 
 class JobConfig(StrictModel):
     """``jobs/generate.py --config job.yaml``: everything the batch generation job needs."""
-    engine: EngineConfig = Field(default_factory=lambda: EngineConfig(tree_policy="auto"))
+    engine: EngineConfig = Field(default_factory=EngineConfig)
 
     _default_tree = model_validator(mode="before")(_auto_tree_by_default)
     sampling: SamplingParams = Field(default_factory=SamplingParams, description="defaults; rows may override")
@@ -235,7 +236,7 @@ class JobConfig(StrictModel):
 # ---- the Serve app ------------------------------------------------------------------------------------------------
 class ServeConfig(StrictModel):
     """``eagle-ray serve --config serve.yaml`` / ``serve run``: one engine per replica behind an OpenAI API."""
-    engine: EngineConfig = Field(default_factory=lambda: EngineConfig(tree_policy="auto"))
+    engine: EngineConfig = Field(default_factory=EngineConfig)
 
     _default_tree = model_validator(mode="before")(_auto_tree_by_default)
     model_name: str = Field("eagle-ray/smollm2-135m-instruct", description="the id clients send as `model`")

@@ -155,6 +155,14 @@ def test_shipped_configs_validate():
         JobConfig.from_yaml(path)
 
 
+def test_the_job_tunes_its_tree_unless_told_or_not_drafting():
+    io = {"input": {"uri": "x.jsonl"}, "output": {"uri": "out"}}
+    assert JobConfig(**io).engine.tree_policy == "auto"
+    assert JobConfig(**io, engine={"max_batch_size": 4}).engine.tree_policy == "auto"
+    assert JobConfig(**io, engine={"tree": {"total_tokens": 4}}).engine.tree_policy == "fixed"
+    assert JobConfig(**io, speculative=False).engine.tree_policy == "fixed"  # plain decoding: nothing to tune
+
+
 def _kill_one_actor_when(out_dir: Path, killed: list):
     """Once a part is committed, SIGKILL the actor that produced its first row (worker_id = host:pid:actor)."""
     deadline = time.time() + 300

@@ -166,3 +166,44 @@ def test_cross_entropy_runs_over_the_draft_vocabulary_the_engine_will_use(tiny_h
     assert full[0] == shuffled[0] and full[2] == shuffled[2] and full[3] == shuffled[3] == int(mask.sum())
     assert torch.allclose(full[1], shuffled[1], atol=1e-5)
     assert 0 < full[2] and missing[2] == 0.0
+
+
+@pytest.mark.parametrize("steps", [2, 3])
+def test_unrolled_steps_are_the_head_run_along_its_own_draft_chain(tiny_hf, steps):
+    """Step s at position i is what the draft computes s levels below a root at i - s: true features up to the
+    root, then the head's own predictions (recomputed here one chain at a time with the plain causal forward)."""
+    from eagle_ray.train.trainer import head_forward_train, head_forward_unrolled
+
+    torch.manual_seed(0)
+    head = fresh_head(tiny_hf).eval()
+    T, d = 9, tiny_hf.config.hidden_size
+    tokens, feats = torch.randint(0, tiny_hf.config.vocab_size, (2, T)), torch.randn(2, T, d)
+    with torch.no_grad():
+        preds = head_forward_unrolled(head, tokens, feats, steps)
+        assert torch.equal(preds[0], head_forward_train(head, tokens, feats))
+        for s in range(1, steps):
+            for i in range(s, T):
+                root = i - s
+                chain = [feats[:, : root + 1]] + [preds[r][:, root + r: root + r + 1] for r in range(s)]
+                want = head_forward_train(head, tokens[:, : i + 1], torch.cat(chain, 1))[:, -1]
+                assert torch.allclose(preds[s][:, i], want, atol=1e-5), (s, i)
+
+
+def test_unrolled_training_reports_every_step_and_keeps_step_zero_exact(tiny_hf):
+    """With one step the loss is the EAGLE-1/2 loss; more steps add theirs, and evaluation reports each step."""
+    from eagle_ray.train.trainer import collate, evaluate, losses
+
+    convs = self_distilled_convs(tiny_hf, n=4, new_tokens=8)
+    lm = tiny_hf.lm_head.weight.detach()
+    head = fresh_head(tiny_hf).eval()
+    batch = collate(convs, [0, 1, 2, 3], 64)
+    with torch.no_grad():
+        one = losses(head, lm, *batch, TrainConfig(noise=0.0), None, False)
+        three = losses(head, lm, *batch, TrainConfig(noise=0.0, unroll_steps=3, unroll_weight=0.5), None, False)
+    assert len(one[4]) == 1 and len(three[4]) == 3
+    assert one[2] == three[2] and one[3] == three[3] and one[4][0] == three[4][0]
+    steps = three[4]
+    assert torch.allclose(three[0], torch.tensor(sum(0.5 ** s * st["vloss"] for s, st in enumerate(steps))))
+    assert steps[0]["scored"] >= steps[2]["scored"] > 0
+    metrics = evaluate(head, lm, convs, TrainConfig(eval_steps=2))
+    assert len(metrics["eval_top1_by_step"]) == 2 and metrics["eval_top1_by_step"][0] == metrics["eval_top1"]

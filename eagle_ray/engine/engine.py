@@ -104,14 +104,16 @@ class EagleEngine:
     def from_pretrained(cls, target: str | None = None, draft: str | None = None, dtype: str = "auto",
                         device: str = "auto", tree: TreeConfig | None = None, max_batch_size: int = 8,
                         max_model_len: int = 2048, threads: int | None = None, draft_vocab_size: int | None = None,
-                        max_verify_tokens: int | None = None, storage_options: dict | None = None) -> "EagleEngine":
+                        max_verify_tokens: int | None = None, storage_options: dict | None = None,
+                        **options) -> "EagleEngine":
         """Load a target and its EAGLE head. With neither given: the embedded SmolLM2-135M-Instruct pair.
 
         ``draft="none"`` loads only the target (plain decoding only); ``draft="random"`` an untrained head.
+        ``options`` are any other :class:`EngineConfig` fields (``fp32_activations=False``...).
         """
         config = EngineConfig(target=target, draft=draft, dtype=dtype, device=device, tree=tree or TreeConfig(),
                               max_batch_size=max_batch_size, max_model_len=max_model_len, threads=threads,
-                              draft_vocab_size=draft_vocab_size, max_verify_tokens=max_verify_tokens)
+                              draft_vocab_size=draft_vocab_size, max_verify_tokens=max_verify_tokens, **options)
         return cls.from_config(config, storage_options)
 
     @classmethod

@@ -3,8 +3,10 @@
 Recipe (Li et al.; SafeAILab e2): the head sees (feature f_i, token x_{i+1}) and regresses f_{i+1} with SmoothL1,
 plus 0.1 x soft cross-entropy between lm_head(prediction) and the target's distribution lm_head(f_{i+1}) (the
 target's lm_head, frozen); uniform noise on the input features; AdamW(0.9, 0.95), linear warmup, gradient clipping.
-Only assistant positions count. Resumable: the checkpoint holds head, optimizer, step and the data position, and
-every random draw is seeded from (seed, step), so a resumed run equals an uninterrupted one.
+Only assistant positions count. ``unroll_steps > 1`` adds the losses of the head run on its own predicted
+features, as the deeper levels of a draft tree run it (HASS / EAGLE-3's training-time test). Resumable: the
+checkpoint holds head, optimizer, step and the data position, and every random draw is seeded from (seed, step),
+so a resumed run equals an uninterrupted one.
 """
 from __future__ import annotations
 
@@ -39,6 +41,9 @@ class TrainConfig:
     checkpoint_every: int = 100
     autocast_bf16: bool = False
     ce_on_token_map: bool = True   # with a draft vocabulary, the cross-entropy runs over it alone (see losses)
+    unroll_steps: int = 1          # >1: also train on the head's own predicted features (see head_forward_unrolled)
+    unroll_weight: float = 1.0     # loss weight of each unrolled step relative to the one before it
+    eval_steps: int = 3            # held-out top-1 is reported for this many unrolled steps
 
 
 def make_batches(lengths: list[int], tokens_per_step: int, seed: int, epoch: int) -> list[list[int]]:
@@ -77,57 +82,103 @@ def collate(convs: list[dict], idx: list[int], max_len: int):
     return tokens, feats, target, mask
 
 
-def head_forward_train(head: DraftHead, tokens: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
-    """Full-sequence causal forward of the head (training path, plain HF attention, no cache)."""
-    x = head.fc(torch.cat([head.embed_tokens(tokens), feats], dim=-1))
-    T = x.shape[1]
-    pos = torch.arange(T).unsqueeze(0).expand(x.shape[0], T)
-    cos, sin = head.rotary_emb(x, pos)
+def head_forward_unrolled(head: DraftHead, tokens: torch.Tensor, feats: torch.Tensor, steps: int) -> list:
+    """The head as its draft tree runs it, ``steps`` levels deep, for every position at once.
+
+    Step 0 is :func:`head_forward_train` (true features). Beyond the root, the draft feeds the head its *own*
+    prediction: step ``s`` at position ``i`` takes the feature step ``s-1`` predicted at ``i-1`` and attends to the
+    true-feature keys up to ``i-s`` plus the keys its own chain made at ``i-s+1 .. i`` (the draft cache's view).
+    Training on these steps too (HASS; EAGLE-3's "training-time test") teaches the deeper tree levels to work
+    from predicted features. Predictions fed forward are detached. Returns the predictions of each step.
+    """
+    B, T = tokens.shape
+    emb = head.embed_tokens(tokens)
+    pos = torch.arange(T).unsqueeze(0).expand(B, T)
     layer = head.layers[0]
     attn = layer.self_attn
-    B = x.shape[0]
     hd = attn.head_dim
-    q = attn.q_proj(x).view(B, T, -1, hd).transpose(1, 2)
-    k = attn.k_proj(x).view(B, T, -1, hd).transpose(1, 2)
-    v = attn.v_proj(x).view(B, T, -1, hd).transpose(1, 2)
-    q, k = apply_rotary_pos_emb(q, k, cos, sin)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=k.shape[1] != q.shape[1])
-    h = x + attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))
-    return h + layer.mlp(layer.post_attention_layernorm(h))
+    idx = torch.arange(T)
+    keys, values, preds, inp = [], [], [], feats
+    for s in range(steps):
+        x = head.fc(torch.cat([emb, inp.to(emb.dtype)], dim=-1))
+        if s == 0:
+            cos, sin = head.rotary_emb(x, pos)  # in x's dtype (bf16 under autocast), like q and k
+        q = attn.q_proj(x).view(B, T, -1, hd).transpose(1, 2)
+        k = attn.k_proj(x).view(B, T, -1, hd).transpose(1, 2)
+        v = attn.v_proj(x).view(B, T, -1, hd).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        keys.append(k)
+        values.append(v)
+        gqa = k.shape[1] != q.shape[1]
+        if s == 0:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=gqa)
+        else:
+            mask = torch.cat([idx.view(-1, 1) - s >= idx.view(1, -1)]
+                             + [idx.view(-1, 1) - (s - r) == idx.view(1, -1) for r in range(1, s + 1)], dim=1)
+            out = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask,
+                                                 scale=attn.scaling, enable_gqa=gqa)
+        h = x + attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        preds.append(h)
+        inp = torch.cat([feats[:, :1], h[:, :-1].detach().to(feats.dtype)], dim=1)
+    return preds
+
+
+def head_forward_train(head: DraftHead, tokens: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+    """Full-sequence causal forward of the head on true features (training path, plain attention, no cache)."""
+    return head_forward_unrolled(head, tokens, feats, 1)[0]
 
 
 def losses(head: DraftHead, lm_weight: torch.Tensor, tokens, feats, target, mask, cfg: TrainConfig,
-           gen: torch.Generator | None, train: bool, vocab: torch.Tensor | None = None):
-    """Feature loss, soft cross-entropy, top-1 accuracy against the target's argmax, and the positions scored.
+           gen: torch.Generator | None, train: bool, vocab: torch.Tensor | None = None, steps: int | None = None):
+    """Feature loss, soft cross-entropy, top-1 accuracy against the target's argmax, the positions scored, and per
+    unrolled step (``steps``, default ``cfg.unroll_steps``; see :func:`head_forward_unrolled`) its top-1, feature
+    loss and count.
 
-    With ``vocab`` (the draft vocabulary, as the engine binds it) both distributions are taken over those ids
-    alone, the target's renormalised there, as EAGLE-3 trains its reduced-vocabulary heads: the head learns
+    The losses are the steps' losses weighted ``1, w, w^2, ...`` (``cfg.unroll_weight``); accuracy and count are
+    step 0's. With ``vocab`` (the draft vocabulary, as the engine binds it) both distributions are taken over those
+    ids alone, the target's renormalised there, as EAGLE-3 trains its reduced-vocabulary heads: the head learns
     exactly the choice it makes at inference, for a sixth of the lm_head cost with an 8k map. Accuracy then counts
     a target argmax outside the map as a miss (exact in evaluation; training logs compare inside the map)."""
+    steps = steps or cfg.unroll_steps
     if train and cfg.noise > 0:
         noise = (torch.rand(feats.shape, generator=gen) - 0.5) * cfg.noise * 512 / feats.shape[1]
         feats = feats + noise
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
-        pred = head_forward_train(head, tokens, feats).float()
-    denom = mask.sum().clamp(min=1)
-    vloss = (F.smooth_l1_loss(pred, target, reduction="none").mean(-1) * mask).sum() / denom
+        preds = head_forward_unrolled(head, tokens, feats, steps)
     sel = mask.bool()
     if train and cfg.ce_fraction < 1.0:
         sel = sel & (torch.rand(mask.shape, generator=gen) < cfg.ce_fraction)
-    p_sel, t_sel = pred[sel], target[sel]
     w = lm_weight if vocab is None else lm_weight[vocab]
     with torch.no_grad():
-        t_logits = t_sel @ w.T
+        t_all = target[sel]
+        if vocab is None or train:
+            t_logits = t_all @ w.T
+            t_top = t_logits.argmax(-1) if vocab is None else vocab[t_logits.argmax(-1)]
+        else:  # evaluation scores the target's true argmax: one full product, the map's columns taken from it
+            full = t_all @ lm_weight.T
+            t_logits, t_top = full[:, vocab], full.argmax(-1)
         t_prob = t_logits.softmax(-1)
-        if vocab is None:
-            t_top = t_logits.argmax(-1)
-        else:
-            t_top = vocab[t_logits.argmax(-1)] if train else (t_sel @ lm_weight.T).argmax(-1)
-    p_logits = p_sel @ w.T
-    ploss = -(t_prob * p_logits.log_softmax(-1)).sum(-1).mean() if len(t_sel) else pred.sum() * 0
-    p_top = p_logits.argmax(-1) if vocab is None else vocab[p_logits.argmax(-1)]
-    acc = (p_top == t_top).float().mean().item() if len(t_sel) else 0.0
-    return vloss, ploss, acc, len(t_sel)
+    vloss, ploss, steps_out = 0.0, 0.0, []
+    for s, pred in enumerate(preds):
+        pred = pred.float()
+        m = mask.clone()
+        m[:, :s] = 0  # step s needs s predicted features before it
+        denom = m.sum().clamp(min=1)
+        keep = m[sel].bool()  # the scored positions this step still has
+        p_logits = pred[sel][keep] @ w.T
+        weight = cfg.unroll_weight ** s
+        if keep.any():
+            ploss = ploss - weight * (t_prob[keep] * p_logits.log_softmax(-1)).sum(-1).mean()
+        p_top = p_logits.argmax(-1) if vocab is None else vocab[p_logits.argmax(-1)]
+        step_v = (F.smooth_l1_loss(pred, target, reduction="none").mean(-1) * m).sum() / denom
+        vloss = vloss + weight * step_v
+        top1 = (p_top == t_top[keep]).float().mean().item() if keep.any() else 0.0
+        steps_out.append({"top1": top1, "vloss": step_v.item(), "scored": int(keep.sum())})
+    acc, n0 = steps_out[0]["top1"], steps_out[0]["scored"]
+    if not torch.is_tensor(ploss):
+        ploss = preds[0].sum() * 0
+    return vloss, ploss, acc, n0, steps_out
 
 
 def save_checkpoint(path: Path, head, opt, state: dict) -> None:
@@ -171,7 +222,7 @@ def train(convs: list[dict], head: DraftHead, lm_weight: torch.Tensor, out_dir: 
             for g in opt.param_groups:
                 g["lr"] = cfg.lr * sched(state["step"])
             head.train()
-            vloss, ploss, acc, _ = losses(head, lm_weight, tokens, feats, target, mask, cfg, gen, True, vocab)
+            vloss, ploss, acc, _, _ = losses(head, lm_weight, tokens, feats, target, mask, cfg, gen, True, vocab)
             loss = vloss + cfg.ce_weight * ploss
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -198,19 +249,23 @@ def train(convs: list[dict], head: DraftHead, lm_weight: torch.Tensor, out_dir: 
 @torch.no_grad()
 def evaluate(head: DraftHead, lm_weight: torch.Tensor, convs: list[dict], cfg: TrainConfig, depth: int = 5,
              vocab: torch.Tensor | None = None) -> dict:
-    """Held-out top-1 accuracy against the target's argmax, and the chain acceptance length it implies
+    """Held-out top-1 accuracy against the target's argmax (per unrolled step in ``eval_top1_by_step``: step s
+    drafts from s predicted features, as tree level s does), and the chain acceptance length step 0 implies
     (``sum_j acc^j`` for j = 0..depth: a simulation that assumes deeper steps are as accurate as the first)."""
     head.eval()
-    tot_v, tot_acc, n = 0.0, 0.0, 0
+    steps = max(cfg.eval_steps, 1)
+    tot_v, tot_acc, n = 0.0, [0.0] * steps, [0] * steps
     for i in range(len(convs)):
         tokens, feats, target, mask = collate(convs, [i], cfg.max_len)
-        vloss, _, acc, cnt = losses(head, lm_weight, tokens, feats, target, mask, cfg, None, False, vocab)
-        tot_v += vloss.item() * cnt
-        tot_acc += acc * cnt
-        n += cnt
-    acc = tot_acc / max(n, 1)
-    return {"eval_vloss": tot_v / max(n, 1), "eval_top1": acc, "sim_tau_chain": sum(acc ** j for j in range(depth + 1)),
-            "eval_tokens": n}
+        per_step = losses(head, lm_weight, tokens, feats, target, mask, cfg, None, False, vocab, steps=steps)[4]
+        tot_v += per_step[0]["vloss"] * per_step[0]["scored"]
+        for s, st in enumerate(per_step):
+            tot_acc[s] += st["top1"] * st["scored"]
+            n[s] += st["scored"]
+    by_step = [a / max(c, 1) for a, c in zip(tot_acc, n)]
+    acc = by_step[0]
+    return {"eval_vloss": tot_v / max(n[0], 1), "eval_top1": acc, "eval_top1_by_step": by_step,
+            "sim_tau_chain": sum(acc ** j for j in range(depth + 1)), "eval_tokens": n[0]}
 
 
 def config_dict(cfg: TrainConfig) -> dict:

@@ -116,6 +116,7 @@ def run_cell(engine, method: str, task: str, records: list[dict], temperature: f
 def run_benchmark(engine, spec: BenchmarkSpec, log=print) -> tuple[list[dict], dict]:
     """All cells of ``spec`` on ``engine``. Returns (rows, extras) where extras hold the calibration table, the
     tau-vs-budget curve (simulated from the traced EAGLE-2 trees) and the engine's tree choice."""
+    from eagle_ray.engine.engine import cpu_model
     datasets = [load_dataset(t) for t in spec.tasks]
     hf = engine.reference_model() if "hf" in spec.methods else None
     trace = TreeTrace()
@@ -141,7 +142,7 @@ def run_benchmark(engine, spec: BenchmarkSpec, log=print) -> tuple[list[dict], d
               "calibration": trace.calibration() if len(trace) else [],
               "tau_vs_budget": budget_curve(trace) if len(trace) else [],
               "engine": {"dtype": str(engine.target.dtype).replace("torch.", ""), "device": str(engine.device),
-                         "threads": torch.get_num_threads(), "tree": engine.config.tree.model_dump(),
+                         "cpu": cpu_model(), "threads": torch.get_num_threads(), "tree": engine.config.tree.model_dump(),
                          "trees_by_batch": {str(b): t.model_dump() for b, t in
                                             (engine.config.trees_by_batch or {}).items()}},
               "tuning": engine.tuning.to_dict() if getattr(engine, "tuning", None) else None,

@@ -34,7 +34,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
                    help="plain CPU kernels instead of row-invariant ones (faster; see EngineConfig.batch_invariant)")
     p.add_argument("--no-fp32-logits", dest="fp32_logits", action="store_false",
-                   help="logits in the model dtype (no fp32 copy of the lm_head)")
+                   help="logits in the model dtype (no fp32 refinement of the top candidates)")
 
 
 def precision_kwargs(a) -> dict:
@@ -90,6 +90,7 @@ def hf_logits_fn(hf):
 def cmd_measure(a) -> int:
     """One configuration over a prompt file: speculative vs plain (and transformers ``generate``), at batch 1
     prompt by prompt (or at ``--batch-size`` over the whole set), greedy checks, time split."""
+    from eagle_ray.engine.engine import cpu_model
     engine = build_engine(a)
     hf = engine.reference_model() if a.compare_hf else None
     records = read_jsonl(a.prompts)[: a.num_prompts]
@@ -149,7 +150,7 @@ def cmd_measure(a) -> int:
     gen_tokens = sum(r["tokens"] for r in rows)
     summary = {
         "config": {k: v for k, v in vars(a).items() if k not in ("func",)},
-        "device": str(engine.device), "dtype": str(engine.target.dtype).replace("torch.", ""),
+        "device": str(engine.device), "cpu": cpu_model(), "dtype": str(engine.target.dtype).replace("torch.", ""),
         "threads": torch.get_num_threads(), "prompts": len(rows), "generated_tokens": gen_tokens,
         "tau_mean": statistics.mean(r["tau"] for r in rows),
         "spec_tok_s": gen_tokens / sum(spec_wall), "plain_tok_s": sum(len(p.token_ids) for p in plain) / sum(plain_wall),

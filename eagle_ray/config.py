@@ -109,8 +109,10 @@ class EngineConfig(StrictModel):
     max_prefill_tokens: int = Field(4096, ge=1, description="padded prompt tokens per prefill pass: admitted "
                                     "prompts are sorted by length and prefilled in chunks of at most this many "
                                     "padded tokens (a longer prompt runs alone)")
-    fp32_logits: bool = Field(True, description="compute logits in fp32 when the model runs in bf16/fp16 "
-                              "(keeps greedy near-ties stable; costs an fp32 copy of the lm_head)")
+    fp32_logits: bool = Field(True, description="when the model runs in bf16/fp16, make every logit that can "
+                              "decide a token exact fp32 (bf16 product, then the top candidates recomputed in fp32 "
+                              "with a proof that no other token can win; model/logits.py): greedy near-ties stay "
+                              "stable; costs an fp32 copy of the lm_head")
     fp32_activations: bool = Field(True, description="keep the residual stream, norms and attention in "
                                    "fp32 when the weights are bf16/fp16 (the projections stay low precision), so a "
                                    "tree verify and plain decoding round alike")

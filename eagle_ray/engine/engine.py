@@ -51,6 +51,21 @@ def cpu_has_fast_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def cpu_model() -> str:
+    """The CPU's model name and whether it has native bf16 (recorded with every measurement: the same code
+    runs ~2x apart on the machines this project is measured on)."""
+    import platform
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{name}{' (native bf16)' if cpu_has_fast_bf16() else ''}"
+
+
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" or cpu_has_fast_bf16() else torch.float32

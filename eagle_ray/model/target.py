@@ -13,6 +13,7 @@ import torch
 from eagle_ray.errors import CheckpointError
 from eagle_ray.model.attention import decoder_layer, make_block_meta, pad_rows
 from eagle_ray.model.kv_cache import KVCache
+from eagle_ray.model.logits import RefinedLogits
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 
@@ -34,12 +35,12 @@ class TargetModel:
         param = next(hf_model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.max_len = min(max_len, cfg.max_position_embeddings)
-        # Greedy choices between near-tied tokens flip when logits are rounded to bf16 (8 significant bits): the
-        # verify pass and plain decoding then disagree on ties a bf16 logit cannot even separate. An fp32 copy of
-        # the lm_head (vocab x hidden x 4 bytes) keeps the last product exact; ``fp32_logits=False`` saves it.
-        self._lm_fp32 = None
+        # bf16 logits tie often (8 significant bits): a last-bit difference in a hidden state then flips a
+        # greedy choice between verify and plain decoding. ``fp32_logits`` makes every logit that can decide the
+        # choice exact fp32 (see logits.RefinedLogits); ``False`` keeps the model dtype's logits.
+        self._refined = None
         if fp32_logits and self.dtype != torch.float32:
-            self._lm_fp32 = self.lm_head_weight.detach().float().t().contiguous()  # [hidden, vocab], input-major
+            self._refined = RefinedLogits(self.lm_head_weight, pad=self.device.type == "cpu")
         # bf16 SDPA rounds a 1-row decode and an 8-row tree block differently (a few of 576 outputs per layer
         # differ in the last bit), and a bf16 residual stream carries every such flip on; over 30 layers greedy
         # choices with logit gaps up to ~0.15 flip. fp32 activations (residual, norms, attention; the projections
@@ -99,12 +100,12 @@ class TargetModel:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of post-norm ``hidden``."""
-        if self._lm_fp32 is not None:
-            if self.batch_invariant:  # row-invariant GEMM (see pad_rows)
-                rows = hidden.shape[:-1]
-                return (pad_rows(hidden.float()) @ self._lm_fp32)[: rows.numel()].view(*rows, -1)
-            return hidden.float() @ self._lm_fp32
-        return self.lm_head(hidden).float()
+        if self._refined is not None:
+            return self._refined(hidden)
+        rows = hidden.shape[:-1]
+        if self.batch_invariant:  # a token's logits must not depend on what else is in the pass (see pad_rows)
+            return self.lm_head(pad_rows(hidden.to(self.dtype)))[: rows.numel()].float().view(*rows, -1)
+        return self.lm_head(hidden.to(self.dtype)).float()
 
     @torch.inference_mode()
     def next_token_logits(self, ids: list[int], slot: int = 0) -> torch.Tensor:

@@ -73,7 +73,7 @@ def decoder_layer(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     cache.write(layer_idx, meta.slot_index, meta.write_pos, k, v)
     keys, values = cache.read(layer_idx, meta.slots, meta.kv_len)
     if meta.invariant:  # fp32 activations on CPU: attention whose rows do not depend on the block's shape
-        out = invariant_attention(q.float(), keys.float(), values.float(), meta.key_mask, attn.scaling)
+        out = invariant_attention(q, keys, values, meta.key_mask, attn.scaling)
     else:
         if hidden.dtype != dt:  # fp32 activations: bf16 SDPA rounds a 1-row and an 8-row block differently
             q, keys, values = q.float(), keys.float(), values.float()
@@ -120,12 +120,17 @@ def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     Hkv, L = k.shape[1], k.shape[2]
     rep, Tp = H // Hkv, -(-T // GEMM_ROWS) * GEMM_ROWS
     n = -(-L // KV_CHUNK)
+    Lp = n * KV_CHUNK
+    q = q.float()
     if Tp > T:
         q = F.pad(q, (0, 0, 0, Tp - T))
         mask = torch.cat([mask, mask[:, :, :1].expand(B, 1, Tp - T, L)], 2)
-    k, v = F.pad(k, (0, 0, 0, n * KV_CHUNK - L)), F.pad(v, (0, 0, 0, n * KV_CHUNK - L))
-    mask = F.pad(mask, (0, n * KV_CHUNK - L)).repeat(1, 1, rep, 1)           # [B, 1, rep*Tp, Lp]
+    kf = q.new_zeros(B, Hkv, Lp, D)                  # keys and values cast to fp32 and padded in one copy each
+    vf = q.new_zeros(B, Hkv, Lp, D)                  # (at batch 64 the copies are much of the layer time)
+    kf[:, :, :L], vf[:, :, :L] = k, v
+    mask = F.pad(mask, (0, Lp - L)).unsqueeze(2)                              # [B, 1, 1, Tp, Lp]
     q = q.reshape(B, Hkv, rep * Tp, D)                                        # query heads grouped by kv head
-    p = torch.softmax((q @ k.transpose(-1, -2) * scale).masked_fill_(~mask, float("-inf")), -1)
-    out = (p.view(B, Hkv, rep * Tp, n, KV_CHUNK).transpose(2, 3) @ v.view(B, Hkv, n, KV_CHUNK, D)).sum(2)
+    scores = (q @ kf.transpose(-1, -2)).mul_(scale).view(B, Hkv, rep, Tp, Lp).masked_fill_(~mask, float("-inf"))
+    p = torch.softmax(scores.view(B, Hkv, rep * Tp, Lp), -1)
+    out = (p.view(B, Hkv, rep * Tp, n, KV_CHUNK).transpose(2, 3) @ vf.view(B, Hkv, n, KV_CHUNK, D)).sum(2)
     return out.view(B, H, Tp, D)[:, :, :T]

@@ -10,6 +10,7 @@ import resource
 import time
 from pathlib import Path
 
+from eagle_ray.cli import add_precision_args, precision_kwargs
 from eagle_ray.config import EngineConfig, SamplingParams
 from eagle_ray.engine.engine import EagleEngine, cpu_model
 from eagle_ray.prompts import first_turn_prompt, read_jsonl
@@ -37,10 +38,7 @@ def main() -> None:
     p.add_argument("--draft", default=None, help="EAGLE head dir (default: the embedded head)")
     p.add_argument("--tree-policy", default="fixed", choices=["fixed", "auto"],
                    help="auto: the tree the engine tunes for this device per batch size (what the job and Serve use)")
-    p.add_argument("--no-fp32-activations", dest="fp32_activations", action="store_false",
-                   help="bf16 residual stream and attention (faster on CPU; greedy near-ties may then flip)")
-    p.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
-                   help="plain CPU kernels instead of row-invariant ones")
+    add_precision_args(p)
     p.add_argument("--out", default=None)
     a = p.parse_args()
     prompts = mixed_prompts(a.num_prompts)
@@ -49,8 +47,7 @@ def main() -> None:
     for bs in a.batch_sizes:
         engine = EagleEngine.from_config(EngineConfig(draft=a.draft, dtype=a.dtype, max_batch_size=bs,
                                                       threads=a.threads, tree_policy=a.tree_policy,
-                                                      fp32_activations=a.fp32_activations,
-                                                      batch_invariant=a.batch_invariant))
+                                                      **precision_kwargs(a)))
         engine.generate(prompts[:1], SamplingParams(max_new_tokens=4))
         for speculative in ([True, False] if a.plain else [True]):
             for k in engine.counters:
@@ -74,8 +71,7 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             runs.append(row)
         del engine
-    result = {"dtype": a.dtype, "cpu": cpu_model(), "fp32_activations": a.fp32_activations,
-              "batch_invariant": a.batch_invariant, "prompts": a.num_prompts, "max_new_tokens": a.max_new_tokens, "runs": runs}
+    result = {"dtype": a.dtype, "cpu": cpu_model(), **precision_kwargs(a), "prompts": a.num_prompts, "max_new_tokens": a.max_new_tokens, "runs": runs}
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1))
 

@@ -29,6 +29,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--max-verify-tokens", type=int, default=None, help="cap on tree nodes per verify pass (batch)")
+    add_precision_args(p)
+
+
+def add_precision_args(p: argparse.ArgumentParser) -> None:
+    """The precision switches (EngineConfig fields); read them back with :func:`precision_kwargs`."""
     p.add_argument("--no-fp32-activations", dest="fp32_activations", action="store_false",
                    help="bf16/fp16 residual stream and attention (faster on CPU; greedy ties may then flip)")
     p.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",

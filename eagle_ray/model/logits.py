@@ -48,7 +48,7 @@ class RefinedLogits:
         bound = ((x - xl.float()).norm(dim=-1) * self.max_norm + top[:, -1].abs() * 2.0 ** -8
                  + x_norm * self.max_norm * 2.0 ** -12)
         settled = top[:, -1] + bound < exact.max(dim=-1).values
-        out = approx.scatter(-1, idx, exact)
+        out = approx.scatter_(-1, idx, exact)                                            # in place: a fresh tensor
         if not bool(settled.all()):
             bad = (~settled).nonzero().flatten()
             self.fallback_rows += int(bad.numel())

@@ -12,14 +12,15 @@ from pathlib import Path
 
 from eagle_ray.cli import add_precision_args, precision_kwargs
 from eagle_ray.config import EngineConfig, SamplingParams
-from eagle_ray.engine.engine import EagleEngine, cpu_model
+from eagle_ray.engine.engine import EagleEngine
+from eagle_ray.model.device import cpu_model
 from eagle_ray.prompts import first_turn_prompt, read_jsonl
 
 
 def mixed_prompts(n: int) -> list:
     """Half MT-bench, half HumanEval first turns, interleaved: prompt lengths from ~10 to ~400 tokens."""
-    mt = read_jsonl("../shared/benchmarks/eagle/mt_bench.jsonl")
-    he = read_jsonl("../shared/benchmarks/eagle/humaneval.jsonl")
+    mt = read_jsonl("eagle_ray/assets/benchmarks/mt_bench.jsonl")
+    he = read_jsonl("eagle_ray/assets/benchmarks/humaneval.jsonl")
     out = []
     for i in range(n):
         src = mt if i % 2 == 0 else he

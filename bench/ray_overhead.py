@@ -18,7 +18,7 @@ from eagle_ray.prompts import first_turn_prompt, read_jsonl
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--prompts", default="../shared/benchmarks/eagle/mt_bench.jsonl")
+    p.add_argument("--prompts", default="eagle_ray/assets/benchmarks/mt_bench.jsonl")
     p.add_argument("--num-prompts", type=int, default=24)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=8)

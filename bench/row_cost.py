@@ -7,7 +7,7 @@ verify tokens, the best possible speedup of a step is ``tau / (cost(B, T) / cost
     python bench/row_cost.py --out bench/results/row_cost.json
 
 ``logits`` compares, in the same run and interleaved, three ways to get fp32-decisive logits for N rows of a
-bf16 target: the fp32 product (an fp32 copy of the lm_head, the engine's method before session 8), the bf16
+bf16 target: the fp32 product (an fp32 copy of the lm_head, the method before exact logits), the bf16
 product alone (rounded logits), and ``RefinedLogits`` (bf16 product + exact candidates; the engine's method now).
 """
 from __future__ import annotations
@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from eagle_ray.engine.engine import EagleEngine, cpu_model
+from eagle_ray.engine.engine import EagleEngine
+from eagle_ray.model.device import cpu_model
 
 MODES = {  # name -> (dtype, fp32_activations, batch_invariant)
     "fp32": ("float32", False, False),

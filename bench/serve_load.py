@@ -23,7 +23,7 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=32)
     p.add_argument("--duration", type=float, default=60.0)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--prompts", default="../shared/benchmarks/eagle/mt_bench.jsonl")
+    p.add_argument("--prompts", default="eagle_ray/assets/benchmarks/mt_bench.jsonl")
     p.add_argument("--port", type=int, default=8011)
     p.add_argument("--out", default=None)
     a = p.parse_args()

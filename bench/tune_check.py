@@ -1,4 +1,4 @@
-"""Is the auto-tuned tree as good as the best of a grid? (issue 7)
+"""Is the auto-tuned tree as good as the best of a grid?
 
 Runs the tuner (no cache), then measures, in the same process and interleaved, greedy throughput at batch 1 and at
 batch 8 for a grid of tree shapes, the tuner's choice and the reference's default (60 tokens, depth 5, top_k 10).
@@ -17,7 +17,7 @@ import torch
 from eagle_ray.config import SamplingParams, TreeConfig
 from eagle_ray.engine.engine import EagleEngine
 from eagle_ray.prompts import benchmark_path, first_turn_prompt, read_jsonl
-from eagle_ray.tuning import autotune
+from eagle_ray.engine.tuning import autotune
 
 GRID = [(2, 0, 1), (3, 0, 2), (4, 0, 3), (4, 1, 2), (6, 1, 3), (8, 2, 3), (8, 1, 4), (12, 2, 4), (16, 3, 4),
         (24, 4, 6), (32, 5, 8)]

@@ -84,10 +84,10 @@ def run_cell(engine, method: str, task: str, records: list[dict], temperature: f
                                     tau=1.0, verify_steps=len(out), accept_hist=[], accepted_per_depth=[],
                                     mean_tree_size=1.0, tree=""))
         return rows
-    saved = (engine.config.tree, engine.config.trees_by_batch)
+    saved = (engine.config.speculation.tree, engine.config.speculation.trees_by_batch)
     if tree is not None:
         engine.set_trees(tree)
-    engine.trace = trace if method == spec.traced_method() and temperature == 0 else None
+    engine.runner.trace = trace if method == spec.traced_method() and temperature == 0 else None
     speculative = method != "plain"
     tree_desc = "" if not speculative else json.dumps(
         {str(b): engine.tree_for(b).model_dump(exclude={"static_tree", "min_cum_prob"})
@@ -108,7 +108,7 @@ def run_cell(engine, method: str, task: str, records: list[dict], temperature: f
                                         mean_tree_size=s.mean_tree_size, tree=tree_desc))
     finally:
         engine.scheduler.max_running = None
-        engine.trace = None
+        engine.runner.trace = None
         engine.set_trees(*saved)
     return rows
 
@@ -116,13 +116,13 @@ def run_cell(engine, method: str, task: str, records: list[dict], temperature: f
 def run_benchmark(engine, spec: BenchmarkSpec, log=print) -> tuple[list[dict], dict]:
     """All cells of ``spec`` on ``engine``. Returns (rows, extras) where extras hold the calibration table, the
     tau-vs-budget curve (simulated from the traced EAGLE-2 trees) and the engine's tree choice."""
-    from eagle_ray.engine.engine import cpu_model
+    from eagle_ray.model.device import cpu_model
     datasets = [load_dataset(t) for t in spec.tasks]
     hf = engine.reference_model() if "hf" in spec.methods else None
     trace = TreeTrace()
     engine.generate([first_turn_prompt(datasets[0][1][0])], SamplingParams(max_new_tokens=8))  # warm-up
     rows = []
-    max_batch = engine.config.max_batch_size
+    max_batch = engine.config.cache.max_batch_size
     for batch in spec.batch_sizes:
         if batch > max_batch:
             raise ValueError(f"batch size {batch} exceeds the engine's max_batch_size {max_batch}")
@@ -142,9 +142,9 @@ def run_benchmark(engine, spec: BenchmarkSpec, log=print) -> tuple[list[dict], d
               "calibration": trace.calibration() if len(trace) else [],
               "tau_vs_budget": budget_curve(trace) if len(trace) else [],
               "engine": {"dtype": str(engine.target.dtype).replace("torch.", ""), "device": str(engine.device),
-                         "cpu": cpu_model(), "threads": torch.get_num_threads(), "tree": engine.config.tree.model_dump(),
+                         "cpu": cpu_model(), "threads": torch.get_num_threads(), "tree": engine.config.speculation.tree.model_dump(),
                          "trees_by_batch": {str(b): t.model_dump() for b, t in
-                                            (engine.config.trees_by_batch or {}).items()}},
+                                            (engine.config.speculation.trees_by_batch or {}).items()}},
               "tuning": engine.tuning.to_dict() if getattr(engine, "tuning", None) else None,
               "spec": asdict(spec)}
     return rows, extras
@@ -152,7 +152,7 @@ def run_benchmark(engine, spec: BenchmarkSpec, log=print) -> tuple[list[dict], d
 
 def budget_curve(trace: TreeTrace) -> list[dict]:
     """tau against total_tokens for the best (depth, top_k) at each budget, read off the traced trees."""
-    from eagle_ray.tuning import shapes_for
+    from eagle_ray.engine.tuning import shapes_for
     out = []
     for t in BUDGET_CURVE:
         best = max(((trace.simulated_tau(t, d, k), -d, -k) for d, k in shapes_for(t)), default=None)  # ties: smaller

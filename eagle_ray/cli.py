@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import torch
 
 from eagle_ray.config import SamplingParams, TreeConfig
 from eagle_ray.prompts import demo_prompts_path, first_turn_prompt, read_jsonl
@@ -72,117 +70,15 @@ def cmd_generate(a) -> int:
     return 0
 
 
-def divergence(logits_fn, prompt_ids: list[int], ref: list[int], got: list[int]) -> dict | None:
-    """First index where ``got`` leaves ``ref``, with the reference's top-2 logit gap there (a near-tie or a bug).
-
-    ``logits_fn(ids)`` returns the reference's fp32 next-token logits after ``ids``.
-    """
-    n = min(len(ref), len(got))
-    i = next((j for j in range(n) if ref[j] != got[j]), None)
-    if i is None:
-        return None if len(ref) == len(got) else {"index": n, "gap": None, "reason": "length differs"}
-    top = logits_fn(prompt_ids + ref[:i]).float().topk(2)
-    return {"index": i, "gap": float(top.values[0] - top.values[1]), "ref_token": ref[i], "got_token": got[i]}
-
-
-def hf_logits_fn(hf):
-    def fn(ids: list[int]) -> torch.Tensor:
-        with torch.inference_mode():
-            return hf(torch.tensor([ids], device=hf.device)).logits[0, -1].float()
-    return fn
-
-
 def cmd_measure(a) -> int:
-    """One configuration over a prompt file: speculative vs plain (and transformers ``generate``), at batch 1
-    prompt by prompt (or at ``--batch-size`` over the whole set), greedy checks, time split."""
-    from eagle_ray.engine.engine import cpu_model
-    engine = build_engine(a)
-    hf = engine.reference_model() if a.compare_hf else None
-    records = read_jsonl(a.prompts)[: a.num_prompts]
-    prompts = [first_turn_prompt(r) for r in records]
-    params = SamplingParams(temperature=a.temperature, max_new_tokens=a.max_new_tokens)
-    tie = a.tie_gap if a.tie_gap is not None else (1e-3 if engine.target.dtype == torch.float32 else 5e-2)
-    engine.generate(prompts[:1], SamplingParams(max_new_tokens=8))          # warm-up
-    engine.generate(prompts[:1], SamplingParams(max_new_tokens=8), speculative=False)
-
-    def timed(speculative: bool):
-        if a.batch_size > 1:
-            t0 = time.perf_counter()
-            outs = engine.generate(prompts, params, speculative=speculative)
-            return outs, [time.perf_counter() - t0]
-        outs, walls = [], []
-        for p in prompts:
-            t0 = time.perf_counter()
-            outs += engine.generate([p], params, speculative=speculative)
-            walls.append(time.perf_counter() - t0)
-        return outs, walls
-
-    for k in engine.counters:
-        engine.counters[k] = 0
-    spec, spec_wall = timed(True)
-    c = dict(engine.counters)
-    plain, plain_wall = timed(False) if not a.skip_plain else (spec, spec_wall)
-    rows = []
-    for i, (s, p) in enumerate(zip(spec, plain)):
-        row = {"id": records[i].get("question_id", records[i].get("id", i)), "tokens": len(s.token_ids),
-               "tau": s.stats.tau, "verify_steps": s.stats.verify_steps, "accept_hist": s.stats.accept_hist,
-               "accepted_per_depth": s.stats.accepted_per_depth, "mean_tree_size": s.stats.mean_tree_size,
-               "draft_s": s.stats.draft_s, "verify_s": s.stats.verify_s, "other_s": s.stats.other_s,
-               "prefill_s": s.stats.prefill_s}
-        if a.batch_size == 1:
-            row.update(spec_tok_s=len(s.token_ids) / spec_wall[i], plain_tok_s=len(p.token_ids) / plain_wall[i])
-            row["speedup"] = row["spec_tok_s"] / row["plain_tok_s"]
-        row["vs_plain"] = divergence(engine.target.next_token_logits, s.prompt_token_ids, p.token_ids, s.token_ids)
-        rows.append(row)
-    if a.compare_hf:
-        hf_walls = []
-        for row, s in zip(rows, spec):
-            ids = torch.tensor([s.prompt_token_ids], device=hf.device)
-            t0 = time.perf_counter()
-            with torch.inference_mode():
-                gen = hf.generate(ids, max_new_tokens=a.max_new_tokens, do_sample=False)[0, ids.shape[1]:].tolist()
-            hf_walls.append(time.perf_counter() - t0)
-            row["hf_tok_s"] = len(gen) / hf_walls[-1]
-            if "spec_tok_s" in row:
-                row["speedup_vs_hf"] = row["spec_tok_s"] / row["hf_tok_s"]
-            row["vs_hf"] = divergence(hf_logits_fn(hf), s.prompt_token_ids, gen, s.token_ids)
-    def mismatches(key):
-        bad = [r[key] | {"id": r["id"]} for r in rows if r.get(key)]
-        return {"count": len(bad), "near_ties": sum(1 for b in bad if b["gap"] is not None and b["gap"] < tie),
-                "real": [b for b in bad if b["gap"] is None or b["gap"] >= tie], "all": bad}
-    tot = {k: sum(r[k] for r in rows) for k in ("draft_s", "verify_s", "other_s")}
-    step_total = sum(tot.values())
-    gen_tokens = sum(r["tokens"] for r in rows)
-    summary = {
-        "config": {k: v for k, v in vars(a).items() if k not in ("func",)},
-        "device": str(engine.device), "cpu": cpu_model(), "dtype": str(engine.target.dtype).replace("torch.", ""),
-        "threads": torch.get_num_threads(), "prompts": len(rows), "generated_tokens": gen_tokens,
-        "tau_mean": statistics.mean(r["tau"] for r in rows),
-        "spec_tok_s": gen_tokens / sum(spec_wall), "plain_tok_s": sum(len(p.token_ids) for p in plain) / sum(plain_wall),
-        "time_split": {k: v / step_total for k, v in tot.items()} if step_total else {},
-        "overhead_fraction": tot["other_s"] / step_total if step_total else 0.0,
-        "mismatches_vs_plain": mismatches("vs_plain"), "tie_gap": tie,
-        "mean_verify_batch": c["decode_sequences"] / max(c["decode_passes"], 1),
-        "mean_verify_width": c["verify_tokens"] / max(c["decode_sequences"], 1),
-        "mean_tree_nodes_per_pass": c["tree_nodes"] / max(c["decode_passes"], 1),
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "kv_cache_mib": engine.target.cache.nbytes() / 2**20,
-    }
-    if engine.device.type == "cuda":
-        summary["peak_cuda_mib"] = torch.cuda.max_memory_allocated() / 2**20
-    summary["speedup_total"] = summary["spec_tok_s"] / summary["plain_tok_s"]
-    if a.batch_size == 1:
-        summary["speedup_median"] = statistics.median(r["speedup"] for r in rows)
-    if a.compare_hf:
-        summary["hf_tok_s"] = sum(r["hf_tok_s"] * w for r, w in zip(rows, hf_walls)) / sum(hf_walls)
-        summary["mismatches_vs_hf"] = mismatches("vs_hf")
-        if a.batch_size == 1:
-            summary["speedup_vs_hf_median"] = statistics.median(r["speedup_vs_hf"] for r in rows)
-    out = {"summary": summary, "rows": rows}
+    """``eagle-ray measure``: see :func:`eagle_ray.measure.measure`."""
+    from eagle_ray.measure import measure
+    out = measure(build_engine(a), read_jsonl(a.prompts)[: a.num_prompts], a)
+    out["summary"]["config"] = {k: v for k, v in vars(a).items() if k not in ("func",)}
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(out, indent=1))
-    brief = {k: v for k, v in summary.items() if k not in ("config",)}
+    brief = {k: v for k, v in out["summary"].items() if k not in ("config",)}
     for key in ("mismatches_vs_plain", "mismatches_vs_hf"):
         if key in brief:
             brief[key] = {k: v for k, v in brief[key].items() if k != "all"}
@@ -228,7 +124,7 @@ def _benchmark_on_ray(a):
     actors run on identical, unshared devices (one GPU each); on one shared CPU machine run locally instead."""
     import ray
 
-    from eagle_ray.data.job import ensure_ray
+    from eagle_ray.cluster import ensure_ray
 
     ensure_ray(a.ray_address, None)
 

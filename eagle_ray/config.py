@@ -83,43 +83,55 @@ class SamplingParams(StrictModel):
                 data["stop"] = [data["stop"]]
         return data
 
+    @field_validator("stop")
+    @classmethod
+    def _non_empty_stops(cls, v):
+        if any(not s for s in v):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
 
 
-class EngineConfig(StrictModel):
-    """What an engine instance loads and how much it may hold at once."""
+class ModelConfig(StrictModel):
+    """Which target and head, and where they run."""
     target: str | None = Field(None, description="HF checkpoint dir, .gguf file or s3:// prefix; None = embedded")
-    draft: str | None = Field(None, description="EAGLE head dir or s3:// prefix; None = the embedded head")
+    draft: str | None = Field(None, description="EAGLE head dir or s3:// prefix; None = the embedded head; 'none' = "
+                              "target only; 'random' = an untrained head")
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
     device: str = "auto"
-    max_batch_size: int = Field(8, ge=1, le=1024)
-    max_model_len: int = Field(2048, ge=16)
+    threads: int | None = Field(None, ge=1, description="torch CPU threads (None = torch default)")
+
+
+class CacheConfig(StrictModel):
+    """What the engine holds at once: KV slots, their length, and how much prompt a step may prefill."""
+    max_batch_size: int = Field(8, ge=1, le=1024, description="KV-cache slots: sequences running at once")
+    max_model_len: int = Field(2048, ge=16, description="positions per slot (prompt + output + one verify budget)")
+    max_step_tokens: int | None = Field(None, ge=16, description="tokens one step may run: the running sequences' "
+                                        "verify tokens plus prompt chunks (at least 16 prompt tokens a step); it "
+                                        "bounds how long a step stalls the running streams (None: 128 on CPU, 8192 "
+                                        "on CUDA)")
+
+    def step_budget(self, device) -> int:
+        """Tokens per step (verify + prompt chunks): a running stream waits about one such pass per token step."""
+        if self.max_step_tokens is not None:
+            return self.max_step_tokens
+        return 8192 if str(device).startswith("cuda") else 128
+
+
+class SpeculationConfig(StrictModel):
+    """Which draft trees a step grows and how many of their nodes a verify pass may take."""
     tree: TreeConfig = Field(default_factory=TreeConfig)
     tree_policy: Literal["fixed", "auto"] = Field("fixed", description="auto: measure this device at load and pick "
-                                                  "the tree per batch size (eagle_ray.tuning; cached on disk)")
+                                                  "the tree per batch size (cached on disk)")
     trees_by_batch: dict[int, TreeConfig] | None = Field(None, description="tree per batch size: a step with n "
                                                          "sequences uses the entry of the largest key <= n")
-    draft_vocab_size: int | None = Field(None, ge=0, description="draft proposes only the N most frequent tokens "
-                                         "of the head's token_map (None: all of the map, 0: full vocabulary)")
-    threads: int | None = Field(None, ge=1, description="torch CPU threads (None = torch default)")
     max_verify_tokens: int | None = Field(None, ge=1, description="cap on tree nodes per verify pass for the whole "
                                           "batch; the most probable nodes across sequences are kept (None: no cap)")
-    max_prefill_tokens: int = Field(4096, ge=1, description="padded prompt tokens per prefill pass: admitted "
-                                    "prompts are sorted by length and prefilled in chunks of at most this many "
-                                    "padded tokens (a longer prompt runs alone)")
-    fp32_logits: bool = Field(True, description="when the model runs in bf16/fp16, make every logit that can "
-                              "decide a token exact fp32 (bf16 product, then the top candidates recomputed in fp32 "
-                              "with a proof that no other token can win; model/logits.py): greedy near-ties stay "
-                              "stable; costs an fp32 copy of the lm_head")
-    fp32_activations: bool = Field(True, description="keep the residual stream, norms and attention in "
-                                   "fp32 when the weights are bf16/fp16 (the projections stay low precision), so a "
-                                   "tree verify and plain decoding round alike")
-    batch_invariant: bool = Field(True, description="with fp32 activations on CPU, compute every token "
-                                  "the same way whatever else is in its forward pass (GEMM rows padded to a "
-                                  "multiple of 4, chunked attention), so bf16 speculative and plain output differ "
-                                  "only on near-ties; costs a 1-row bf16 decode up to ~2x")
+    draft_vocab_size: int | None = Field(None, ge=0, description="draft proposes only the N most frequent tokens "
+                                         "of the head's token_map (None: all of the map, 0: full vocabulary)")
 
     @field_validator("trees_by_batch")
     @classmethod
@@ -132,10 +144,59 @@ class EngineConfig(StrictModel):
         """Every tree this engine may verify."""
         return [self.tree] + list((self.trees_by_batch or {}).values())
 
+
+class PrecisionConfig(StrictModel):
+    """How a bf16/fp16 target computes (fp32 targets ignore these)."""
+    fp32_logits: bool = Field(True, description="make every logit that can decide a token exact fp32 (bf16 "
+                              "product, then the top candidates recomputed in fp32 with a proof that no other token "
+                              "can win; model/logits.py): greedy near-ties stay stable")
+    fp32_activations: bool = Field(True, description="keep the residual stream, norms and attention in fp32 (the "
+                                   "projections stay low precision), so a tree verify and plain decoding round alike")
+    batch_invariant: bool = Field(True, description="with fp32 activations on CPU, compute every token the same way "
+                                  "whatever else is in its forward pass (GEMM rows padded to a multiple of 4, chunked "
+                                  "attention), so bf16 speculative and plain output differ only on near-ties; costs "
+                                  "a 1-row bf16 decode up to ~2x")
+
+
+ENGINE_PARTS = {"model": ModelConfig, "cache": CacheConfig, "speculation": SpeculationConfig,
+                "precision": PrecisionConfig}
+FLAT_FIELDS = {name: part for part, cls in ENGINE_PARTS.items() for name in cls.model_fields}
+
+
+class EngineConfig(StrictModel):
+    """What an engine instance loads and how much it may hold at once, in four parts. The flat form
+    (``EngineConfig(dtype="float32", max_batch_size=16)``, or the same keys under ``engine:`` in YAML) is accepted
+    and sorted into the parts."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    speculation: SpeculationConfig = Field(default_factory=SpeculationConfig)
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sort_flat_fields(cls, data):
+        if isinstance(data, dict) and set(data) & set(FLAT_FIELDS):
+            data = dict(data)
+            for name in [k for k in data if k in FLAT_FIELDS]:
+                part = FLAT_FIELDS[name]
+                section = data.get(part)
+                section = dict(section) if isinstance(section, dict) else {}
+                section[name] = data.pop(name)
+                data[part] = section
+        return data
+
+    def replace(self, **fields) -> "EngineConfig":
+        """A copy with flat fields changed (``engine.replace(tree=..., threads=2)``)."""
+        parts = {p: getattr(self, p) for p in ENGINE_PARTS}
+        for name, value in fields.items():
+            part = FLAT_FIELDS[name]
+            parts[part] = parts[part].model_copy(update={name: value})
+        return self.model_copy(update=parts)
+
     def for_ray_worker(self, num_cpus: float, num_gpus: float) -> "EngineConfig":
         """A CPU actor/replica runs torch on the CPUs Ray reserved for it (unless ``threads`` says otherwise)."""
-        if self.threads is None and num_gpus == 0:
-            return self.model_copy(update={"threads": max(1, int(num_cpus))})
+        if self.model.threads is None and num_gpus == 0:
+            return self.replace(threads=max(1, int(num_cpus)))
         return self
 
 
@@ -203,8 +264,10 @@ def _auto_tree_by_default(data):
         engine = data.get("engine")
         if engine is None:
             data = {**data, "engine": {"tree_policy": "auto"}}
-        elif isinstance(engine, dict) and not {"tree", "tree_policy", "trees_by_batch"} & set(engine):
-            data = {**data, "engine": {**engine, "tree_policy": "auto"}}
+        elif isinstance(engine, dict):
+            spec = engine.get("speculation") if isinstance(engine.get("speculation"), dict) else {}
+            if not {"tree", "tree_policy", "trees_by_batch"} & (set(engine) | set(spec)):
+                data = {**data, "engine": {**engine, "tree_policy": "auto"}}
     return data
 
 
@@ -229,8 +292,10 @@ class JobConfig(StrictModel):
         for key, value in (overrides or {}).items():
             node = data
             *parents, last = key.split(".")
-            for p in parents:
+            for i, p in enumerate(parents):
                 node = node.setdefault(p, {})
+                if not isinstance(node, dict):
+                    raise ConfigError(f"--set {key}: {'.'.join(parents[: i + 1])} is a value, not a section")
             node[last] = value
         return cls(**data)
 
@@ -253,6 +318,7 @@ class ServeConfig(StrictModel):
                                     "this environment variable>`")
     max_tokens_cap: int = Field(2048, ge=1, description="largest max_tokens a request may ask for")
     default_max_tokens: int = Field(256, ge=1)
+    max_request_bytes: int = Field(4 * 2**20, ge=1024, description="largest request body (413 above it)")
     s3: S3Options = Field(default_factory=S3Options)
 
     @classmethod

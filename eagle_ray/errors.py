@@ -19,3 +19,7 @@ class PromptTooLongError(EagleError, ValueError):
 
 class InvalidRequestError(EagleError, ValueError):
     """A request is malformed (empty prompt, bad roles, wrong types)."""
+
+
+class EngineDeadError(EagleError, RuntimeError):
+    """The engine failed in a step (a device error, a bug): it serves nothing more and must be replaced."""

@@ -40,10 +40,12 @@ def main(argv=None) -> int:
             if value is not None:
                 overrides[key] = value
         cfg = JobConfig.from_yaml(a.config, overrides)
+        summary = run_job(cfg)
     except ConfigError as e:
         print(f"eagle-ray: {e}", file=sys.stderr)
         return 2
-    summary = run_job(cfg)
+    if summary.get("interrupted"):
+        return 143
     return 0 if summary["rows"] else 1
 
 

@@ -1,7 +1,9 @@
-"""Train an EAGLE-1/2 head on extracted features (see jobs/extract_features.py); resumable.
+"""Train an EAGLE-1/2 or EAGLE-3 head on extracted features (see jobs/extract_features.py); resumable.
 
     python jobs/train_drafter.py --features /data/features --out runs/head --epochs 4
     (kill it, run the same command again: it continues from runs/head/checkpoint.pt)
+    python jobs/train_drafter.py --head-type eagle3 --features /data/features3 --out runs/head3 \
+        --unroll-steps 7 --unroll-weight 0.8          # features extracted with `eagle-ray extract --eagle3`
 
 The final head is written to ``--out/head`` in the SafeAILab layout (bf16 safetensors, embedding taken from the
 target at load) with ``training.json`` (config, tokens seen, per-epoch held-out accuracy).
@@ -17,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from eagle_ray.model.draft_head import DraftHead
+from eagle_ray.model.draft_head import DraftHead, load_head
+from eagle_ray.model.eagle3_head import Eagle3Head
 from eagle_ray.model.loading import resolve_target
 from eagle_ray.train.extract import read_shard
 from eagle_ray.train.token_map import coverage, frequent_tokens
@@ -51,6 +54,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (resume later)")
     p.add_argument("--token-map-size", type=int, default=8192,
                    help="draft vocabulary: most frequent assistant tokens (0 = none, full vocabulary)")
+    p.add_argument("--head-type", choices=["eagle2", "eagle3"], default="eagle2")
     for f in fields(TrainConfig):
         p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default) if f.type != "bool" else int,
                        default=f.default)
@@ -64,31 +68,41 @@ def main(argv=None) -> int:
     target_dir = resolve_target(a.target)
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32)
     lm_weight = target.lm_head.weight.detach()
-    head = DraftHead.for_target(target.config)
-    head.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight)
-    if a.init:
-        head.load_state_dict(DraftHead.load(a.init, target.config, target.model.embed_tokens.weight).state_dict())
     eos_id = target.config.eos_token_id
-    del target
     convs = load_features(a.features, a.limit_tokens)
     n_tokens = sum(len(c["input_ids"]) for c in convs)
     n_target = sum(int(c["loss_mask"].sum()) for c in convs)
     print(f"{len(convs)} conversations, {n_tokens} tokens ({n_target} assistant tokens)", flush=True)
+    vocab_size = lm_weight.shape[0]
+    # the draft vocabulary is chosen before training: the cross-entropy runs over it
+    draft_vocab = frequent_tokens(convs, vocab_size, a.token_map_size, always=[t for t in (eos_id,) if t is not None]) \
+        if a.token_map_size else None
+    if a.head_type == "eagle3":
+        if "aux" not in convs[0]:
+            raise SystemExit("EAGLE-3 training needs features extracted with `eagle-ray extract --eagle3`")
+        head = Eagle3Head.for_target(target.config, draft_vocab=draft_vocab)
+    else:
+        head = DraftHead.for_target(target.config)
+        head.token_map = draft_vocab
+    head.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight)
+    if a.init:
+        init = load_head(a.init, target.config, target.model.embed_tokens.weight)
+        if init.kind != head.kind:
+            raise SystemExit(f"--init {a.init} is an {init.kind} head; this run trains an {head.kind} head")
+        head.load_state_dict(init.state_dict())
+    del target
     out = Path(a.out)
     t0 = time.time()
-    if a.token_map_size:  # chosen before training: the cross-entropy runs over it (TrainConfig.ce_on_token_map)
-        head.token_map = frequent_tokens(convs, lm_weight.shape[0], a.token_map_size,
-                                         always=[t for t in (eos_id,) if t is not None])
     state = train(convs, head, lm_weight, out, cfg, max_steps=a.max_steps,
-                  log=lambda m: print(m, flush=True), vocab=head.token_map if a.token_map_size else None)
+                  log=lambda m: print(m, flush=True), vocab=draft_vocab)
     done = state["epoch"] >= cfg.epochs
     head.save(out / "head", dtype=torch.bfloat16, include_embedding=False)
     card = {"target": str(a.target or "SmolLM2-135M-Instruct (embedded)"), "train_config": config_dict(cfg),
             "conversations": len(convs), "tokens": n_tokens, "assistant_tokens": n_target,
             "steps": state["step"], "epochs_completed": state["epoch"], "finished": done,
             "history": state["history"], "wall_s_this_run": time.time() - t0,
-            "token_map_size": a.token_map_size, "init": a.init, "features": a.features,
-            "token_map_coverage": coverage(convs, head.token_map, lm_weight.shape[0]) if a.token_map_size else 1.0}
+            "token_map_size": a.token_map_size, "init": a.init, "features": a.features, "head_type": a.head_type,
+            "token_map_coverage": coverage(convs, draft_vocab, vocab_size) if a.token_map_size else 1.0}
     (out / "head" / "training.json").write_text(json.dumps(card, indent=2))
     print(json.dumps(card["history"][-1:] or card, indent=1))
     return 0

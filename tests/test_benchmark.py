@@ -13,7 +13,7 @@ from eagle_ray.config import ConfigError, EngineConfig, SamplingParams, TreeConf
 from eagle_ray.report import write_report, write_results
 from eagle_ray.spec.trace import TreeTrace
 from eagle_ray.spec.tree import Tree, ancestor_mask
-from eagle_ray.tuning import autotune, choose_trees
+from eagle_ray.engine.tuning import autotune, choose_trees
 
 
 def known_tree() -> Tree:
@@ -113,6 +113,7 @@ def test_benchmark_writes_table1_report_and_greedy_outputs_agree(tiny_dir, tiny_
     assert pq.read_table(out / "results.parquet").num_rows == len(rows)
 
 
+@pytest.mark.slow
 def test_benchmark_runs_one_ray_actor_per_method(ray_local, tiny_dir, tiny_head, tmp_path):
     from eagle_ray.cli import main
     head_dir = tmp_path / "head"

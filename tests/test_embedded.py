@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle_ray.cli import divergence, hf_logits_fn
+from eagle_ray.measure import divergence, hf_logits_fn
 from eagle_ray.config import SamplingParams
 from eagle_ray.engine.engine import EagleEngine
 from eagle_ray.model.loading import EMBEDDED_DRAFT_DIR

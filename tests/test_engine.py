@@ -51,7 +51,7 @@ def test_speculative_greedy_equals_target_greedy(tiny_dir, tiny_hf, tiny_head, t
 def test_a_batch_verify_budget_keeps_greedy_exact(tiny_dir, tiny_hf, tiny_head, cap):
     """Per-sequence tree sizes under a batch-wide cap (4 = roots only for a batch of 4)."""
     engine = tiny_engine(tiny_dir, tiny_head, TREES["dynamic"], max_batch_size=4)
-    engine.config.max_verify_tokens = cap
+    engine.config.speculation.max_verify_tokens = cap
     prompts = mixed_prompts(6, seed=2)
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=30, ignore_eos=True))
     for out, prompt in zip(outs, prompts):
@@ -60,20 +60,42 @@ def test_a_batch_verify_budget_keeps_greedy_exact(tiny_dir, tiny_hf, tiny_head, 
     assert c["tree_nodes"] <= cap * c["decode_passes"]
 
 
-def test_prefill_runs_length_sorted_chunks_within_its_token_budget(tiny_dir, tiny_hf, tiny_head):
-    """Prompts of very different lengths are not padded to the longest one; output is unchanged."""
+def test_prompt_chunks_fill_the_budget_oldest_first():
+    """A step's prompt chunks are one padded pass of at most the budget; the row count that runs the most real
+    tokens wins, and a short prompt does not narrow a long one's chunk to its own length."""
     from types import SimpleNamespace
 
-    from eagle_ray.engine.engine import prefill_chunks
-    seqs = [SimpleNamespace(prompt_ids=[0] * n) for n in (30, 2, 600, 5, 40, 3)]
-    chunks = [[len(s.prompt_ids) for s in c] for c in prefill_chunks(seqs, 100)]
-    assert chunks == [[2, 3, 5], [30, 40], [600]]
-    engine = tiny_engine(tiny_dir, tiny_head, TREES["dynamic"], max_batch_size=6)
-    engine.config.max_prefill_tokens = 40
+    from eagle_ray.engine.scheduler import plan_chunks
+
+    def seqs(*lengths, done=0):
+        return [SimpleNamespace(prompt_ids=[0] * n, prefilled=done) for n in lengths]
+
+    def plan(prompts, budget):
+        return [(c.start, c.end) for c in plan_chunks(prompts, budget)]
+    assert plan(seqs(30, 2, 600, 5), 100) == [(0, 30), (0, 2), (0, 33)]     # 65 real tokens; 1 row: 30, 4: 57
+    assert plan(seqs(600, 5), 100) == [(0, 100)]
+    assert plan(seqs(10, 10, 10, 10, 10), 40) == [(0, 10)] * 4
+    assert plan(seqs(700, done=650), 512) == [(650, 700)]
+
+
+def test_long_prompts_prefill_in_chunks_next_to_running_decodes(tiny_dir, tiny_hf, tiny_head):
+    """With a small prefill budget every prompt is split over several steps while the others decode; output is
+    unchanged and no pass holds more padded prompt tokens than the budget."""
+    engine = tiny_engine(tiny_dir, tiny_head, TREES["dynamic"], max_batch_size=3)
+    engine.scheduler.step_budget = 16
+    widths = []
+    run = engine.runner.run
+
+    def spy(plan, *a, **kw):
+        if plan.prefill:
+            widths.append(len(plan.prefill) * max(c.end - c.start for c in plan.prefill))
+        return run(plan, *a, **kw)
+    engine.runner.run = spy
     prompts = mixed_prompts(6, seed=3)
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=12, ignore_eos=True))
     assert [o.token_ids for o in outs] == [reference_greedy(tiny_hf, p, 12) for p in prompts]
-    assert engine.counters["prefill_passes"] > 1 and engine.counters["prefill_sequences"] == 6
+    assert max(widths) <= 16 and engine.counters["prefill_sequences"] == 6
+    assert engine.counters["prefill_passes"] > 6
 
 
 @pytest.mark.parametrize("prefix", [9, 250, 300])
@@ -108,13 +130,14 @@ def test_finished_sequences_leave_no_holes_in_the_kv_slots(tiny_dir, tiny_hf, ti
     """Sequences that outlive their neighbours move down into freed slots (KV and draft cache with them), so
     every decode pass reads slots 0..n-1 as one slice; outputs are unchanged."""
     engine = tiny_engine(tiny_dir, tiny_head, TREES["dynamic"], max_batch_size=4)
-    decode, seen = engine._decode, []
+    run, seen = engine.runner.run, []
 
-    def checked_decode(running, spec):
-        seen.append([s.slot for s in running])
-        assert [s.slot for s in running] == list(range(len(running)))
-        return decode(running, spec)
-    engine._decode = checked_decode
+    def checked_run(plan, *a, **kw):
+        slots = sorted(s.slot for s in engine.scheduler.running)
+        seen.append(slots)
+        assert slots == list(range(len(slots)))
+        return run(plan, *a, **kw)
+    engine.runner.run = checked_run
     prompts = mixed_prompts(7, seed=4)
     lengths = [5, 30, 8, 30, 12, 20, 3]
     outs = engine.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths],
@@ -203,19 +226,21 @@ def test_chat_messages_and_strings_are_accepted(tiny_dir, tiny_head):
 def test_tree_scores_equal_the_draft_head_recomputed_along_each_path(tiny_dir, tiny_hf, tiny_head, tree):
     """The batched tree drafting (draft KV cache, per-level masks, positions) gives every node the cumulative
     log-prob that a cache-free recomputation of the head along the node's path gives."""
-    from eagle_ray.engine.step import StepTimer, draft_tree, prefill
+    from eagle_ray.engine.model_runner import Clock, StepTimes
+    from eagle_ray.engine.scheduler import PrefillChunk
     from eagle_ray.train.trainer import head_forward_train
 
     engine = tiny_engine(tiny_dir, tiny_head, TREES[tree], max_batch_size=2)
     prompts = mixed_prompts(2, seed=21)
     seqs = [engine.make_sequence(p, SamplingParams(max_new_tokens=8)) for p in prompts]
-    timer = StepTimer(engine.device)
     with torch.inference_mode():
         for slot, s in enumerate(seqs):
             s.slot = slot
-        prefill(engine.target, seqs, timer)
+        for r in engine.runner.prefill([PrefillChunk(s, 0, len(s.prompt_ids)) for s in seqs], StepTimes(),
+                                       Clock(engine.device)):
+            r.seq.append(r.tokens)
         features = [s.draft_features.clone() for s in seqs]
-        t = draft_tree(engine.target, engine.draft, seqs, [0, 1], engine.config.tree, timer)
+        t = engine.runner.grow_trees(seqs, engine.config.speculation.tree)
     lm = tiny_hf.lm_head.weight
     for b, s in enumerate(seqs):
         toks0, feats0 = s.prompt_ids[1:] + [s.root], list(features[b])
@@ -227,7 +252,7 @@ def test_tree_scores_equal_the_draft_head_recomputed_along_each_path(tiny_dir, t
                     pred = head_forward_train(tiny_head, torch.tensor([toks]), torch.stack(feats)[None])[0, -1]
                     logp = torch.log_softmax(pred @ lm.T, -1)
                     tok = int(t.tokens[b, node])
-                    assert tok in logp.topk(engine.config.tree.top_k if tree != "static" else 4).indices.tolist()
+                    assert tok in logp.topk(engine.config.speculation.tree.top_k if tree != "static" else 4).indices.tolist()
                     score += float(logp[tok])
                     toks.append(tok)
                     feats.append(pred)

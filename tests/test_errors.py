@@ -59,9 +59,9 @@ def test_prompt_longer_than_the_context(tiny_dir, tiny_head):
 @pytest.mark.parametrize("prompt,msg", [
     ("", "prompt is empty"),
     ([{"role": "wizard", "content": "w1"}], "role must be one of"),
-    ([{"role": "user"}], "content must be a string"),
+    ([{"role": "user"}], r"messages\[0\].content must be a non-empty string"),
     ([999], "outside the vocabulary"),
-    (3.5, "a prompt must be"),
+    (3.5, "prompt must be a non-empty string, a list of chat messages"),
 ])
 def test_malformed_prompts(tiny_dir, tiny_head, prompt, msg):
     engine = tiny_engine(tiny_dir, tiny_head)

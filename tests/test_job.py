@@ -18,6 +18,8 @@ from eagle_ray.config import JobConfig
 from eagle_ray.data.job import committed_parts, read_output, run_job
 from eagle_ray.errors import ConfigError
 
+
+pytestmark = pytest.mark.slow  # a real local Ray cluster
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -119,15 +121,22 @@ def test_bad_rows_become_error_rows_and_the_rest_complete(ray_local, pair, tmp_p
     rows = {r["id"]: r for r in read_output(_local(), str(tmp_path / "out")).to_pylist()}
     assert all(rows[r["id"]]["error"] is None and rows[r["id"]]["output_tokens"] == 12 * (2 if "turns" in r else 1)
                for r in good)
-    errors = {k: v["error"] for k, v in rows.items() if v["error"]}
+    errors = {k: (v["error_kind"], v["error"]) for k, v in rows.items() if v["error"]}
     assert len(errors) == 11 == summary["errors"]
-    expect = {"bad-empty": "prompt is empty", "bad-type": "prompt must be a string",
-              "bad-msg": "messages[0].content", "bad-role": "role must be one of", "bad-long": "PromptTooLongError",
-              "bad-sampling": "sampling_params.temperature", "q0@row26": "duplicate id 'q0'",
-              "bad-none": "exactly one of prompt / messages / turns", "row-28": "must be a JSON object",
-              "row-29": "invalid UTF-8", "row-30": "invalid JSON"}
-    for rid, reason in expect.items():
-        assert reason in errors[rid], (rid, errors[rid])
+    expect = {"bad-empty": ("invalid_request", "prompt is empty"),
+              "bad-type": ("invalid_request", "prompt must be a string"),
+              "bad-msg": ("invalid_request", "messages[0].content"),
+              "bad-role": ("invalid_request", "role must be one of"),
+              "bad-long": ("prompt_too_long", "the most this engine fits"),
+              "bad-sampling": ("invalid_request", "sampling_params.temperature"),
+              "q0@row26": ("duplicate_id", "duplicate id 'q0'"),
+              "bad-none": ("invalid_request", "exactly one of prompt / messages / turns"),
+              "row-28": ("invalid_row", "must be a JSON object"),
+              "row-29": ("invalid_utf8", "invalid UTF-8"), "row-30": ("invalid_json", "invalid JSON")}
+    for rid, (kind, reason) in expect.items():
+        assert errors[rid][0] == kind and reason in errors[rid][1], (rid, errors[rid])
+    assert summary["error_kinds"] == {"invalid_request": 6, "prompt_too_long": 1, "duplicate_id": 1,
+                                      "invalid_row": 1, "invalid_utf8": 1, "invalid_json": 1}
 
 
 def _local():
@@ -144,7 +153,7 @@ def test_invalid_config_fails_before_any_model_loads(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "actors.num_actors" in proc.stderr and "Loading" not in proc.stderr
     bad.write_text("engine: {tree: {top_k: 0}}\ninput: {uri: x.jsonl}\noutput: {uri: out}\n")
-    with pytest.raises(ConfigError, match=r"engine\.tree\.top_k"):
+    with pytest.raises(ConfigError, match=r"engine\.(speculation\.)?tree\.top_k"):
         JobConfig.from_yaml(bad)
 
 
@@ -157,10 +166,10 @@ def test_shipped_configs_validate():
 
 def test_the_job_tunes_its_tree_unless_told_or_not_drafting():
     io = {"input": {"uri": "x.jsonl"}, "output": {"uri": "out"}}
-    assert JobConfig(**io).engine.tree_policy == "auto"
-    assert JobConfig(**io, engine={"max_batch_size": 4}).engine.tree_policy == "auto"
-    assert JobConfig(**io, engine={"tree": {"total_tokens": 4}}).engine.tree_policy == "fixed"
-    assert JobConfig(**io, speculative=False).engine.tree_policy == "fixed"  # plain decoding: nothing to tune
+    assert JobConfig(**io).engine.speculation.tree_policy == "auto"
+    assert JobConfig(**io, engine={"max_batch_size": 4}).engine.speculation.tree_policy == "auto"
+    assert JobConfig(**io, engine={"tree": {"total_tokens": 4}}).engine.speculation.tree_policy == "fixed"
+    assert JobConfig(**io, speculative=False).engine.speculation.tree_policy == "fixed"  # plain decoding: nothing to tune
 
 
 def _kill_one_actor_when(out_dir: Path, killed: list):
@@ -209,3 +218,93 @@ def test_a_killed_driver_resumes_exactly_once(ray_local, pair, tmp_path):
     ids = read_output(_local(), str(out)).column("id").to_pylist()
     assert sorted(ids) == sorted(f"q{i}" for i in range(80))
     assert not list(out.glob(".tmp-*")) or all(pq.read_table(p) for p in committed_parts(_local(), str(out)))
+
+
+def test_rows_that_failed_on_an_engine_failure_are_run_again_on_resume(ray_local, pair, tmp_path):
+    """A part holding rows that failed because the engine failed (or on a bug) is rewritten without them and
+    they are run again; rows that failed on their own input stay as they are."""
+    from eagle_ray.data.job import PartWriter
+    rows = prompts(12)
+    write_jsonl(tmp_path / "in.jsonl", rows + [{"id": "bad", "prompt": ""}])
+    out = tmp_path / "out"
+    cfg = config(pair, str(tmp_path / "in.jsonl"), str(out), actors__num_actors=1)
+    run_job(cfg, print_fn=lambda *_: None)
+    table = read_output(_local(), str(out)).to_pylist()
+    for r in table:  # pretend q0 and q1 died with the engine, and q2 on a bug
+        if r["id"] in ("q0", "q1"):
+            r.update(output=None, turn_outputs=None, error="the engine failed: CUDA error", error_kind="engine_failed")
+        if r["id"] == "q2":
+            r.update(output=None, turn_outputs=None, error="KeyError: 'x'", error_kind="internal_error")
+    for p in committed_parts(_local(), str(out)):
+        os.remove(p)
+    writer = PartWriter(_local(), str(out), 100, set())
+    writer.add(table)
+    writer.close()
+    summary = run_job(cfg, print_fn=lambda *_: None)
+    final = {r["id"]: r for r in read_output(_local(), str(out)).to_pylist()}
+    assert len(final) == 13 == summary["rows"] and summary["written_this_run"] == 3
+    assert all(final[i]["error"] is None and final[i]["output"] for i in ("q0", "q1", "q2"))
+    assert final["bad"]["error_kind"] == "invalid_request"
+
+
+def _job_process(tmp_path, cfg, env=None):
+    (tmp_path / "job.yaml").write_text(json.dumps(json.loads(cfg.model_dump_json())))
+    return subprocess.Popen([sys.executable, str(ROOT / "jobs" / "generate.py"), "--config", str(tmp_path / "job.yaml")],
+                            env=env or dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_sigterm_commits_what_is_finished_and_stops_promptly(ray_local, pair, tmp_path):
+    """What Kubernetes and `ray job stop` send: the driver commits finished rows, writes the summary and exits
+    (status 143) within seconds; a re-run completes the rest exactly once."""
+    write_jsonl(tmp_path / "in.jsonl", prompts(120))
+    out = tmp_path / "out"
+    cfg = config(pair, str(tmp_path / "in.jsonl"), str(out), sampling__max_new_tokens=24, output__rows_per_file=10,
+                 actors__num_actors=1)
+    env = dict(os.environ, RAY_ADDRESS=ray_local.get_runtime_context().gcs_address)
+    proc = _job_process(tmp_path, cfg, env)
+    deadline = time.time() + 300
+    while time.time() < deadline and not list(out.glob("part-*.parquet")):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    t0 = time.time()
+    log, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 143, log[-2000:]
+    assert time.time() - t0 < 20
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interrupted"] and 0 < summary["rows"] < 120
+    run_job(cfg, print_fn=lambda *_: None)
+    ids = read_output(_local(), str(out)).column("id").to_pylist()
+    assert sorted(ids) == sorted(f"q{i}" for i in range(120))
+
+
+def test_the_job_joins_a_running_head_and_ignores_a_stale_record_of_one(pair, tmp_path):
+    """`ray start --head` already running on this machine: the job connects to it. A record of a head that is
+    gone: the job starts its own Ray. (Separate Ray temp dirs keep this away from the test session's Ray.)"""
+    write_jsonl(tmp_path / "in.jsonl", prompts(6))
+    tmp = Path(f"/tmp/er{uuid.uuid4().hex[:6]}")
+    tmp.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_TMPDIR=str(tmp), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
+    ray_bin = str(Path(sys.executable).parent / "ray")
+    head = subprocess.Popen([ray_bin, "start", "--head", "--block", "--num-cpus=2", "--node-ip-address=127.0.0.1",
+                             "--include-dashboard=false", f"--temp-dir={tmp}/ray", "--port=0"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        record = tmp / "ray" / "ray_current_cluster"
+        deadline = time.time() + 120
+        while time.time() < deadline and not record.exists():
+            time.sleep(0.2)
+        assert record.exists()
+        cfg = config(pair, str(tmp_path / "in.jsonl"), str(tmp_path / "out1"), actors__num_actors=1)
+        proc = _job_process(tmp_path, cfg, env)
+        log, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0 and "connected to the Ray head running on this machine" in log, log[-3000:]
+    finally:
+        head.terminate()
+        head.wait(timeout=60)
+    record.write_text("127.0.0.1:9")   # nothing listens there
+    cfg = config(pair, str(tmp_path / "in.jsonl"), str(tmp_path / "out2"), actors__num_actors=1)
+    proc = _job_process(tmp_path, cfg, env)
+    log, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0 and "started a local Ray" in log, log[-3000:]
+    assert read_output(_local(), str(tmp_path / "out2")).num_rows == 6

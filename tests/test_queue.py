@@ -54,6 +54,14 @@ def test_stop_strings_never_leak_into_a_stream(engine):
     assert streamed == full[: full.index(stop)] and deltas[-1].output.finish_reason == "stop"
 
 
+async def wait_until(condition, timeout: float = 30.0) -> None:
+    """Wait for the engine thread to reach a state (polling a condition, not guessing a delay)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.005)
+
+
 def test_async_stream_and_cancel_frees_the_slot(engine):
     q = RequestQueue(engine)
 
@@ -63,7 +71,7 @@ def test_async_stream_and_cancel_frees_the_slot(engine):
             if d.num_tokens >= 5:
                 break
         await agen.aclose()  # what Serve does when the client disconnects
-        await asyncio.sleep(0.2)
+        await wait_until(lambda: q.num_pending == 0)
         return await q.agenerate(mixed_prompts(2)[1], GREEDY)
 
     out = asyncio.run(main())
@@ -103,6 +111,7 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * 4096
 
 
+@pytest.mark.slow
 def test_memory_is_flat_over_1000_sequential_requests(engine):
     q = RequestQueue(engine)
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
@@ -146,11 +155,11 @@ def test_abandoning_agenerate_cancels_the_request(engine):
     async def main():
         task = asyncio.ensure_future(q.agenerate(mixed_prompts(1)[0], SamplingParams(max_new_tokens=200,
                                                                                     ignore_eos=True)))
-        await asyncio.sleep(0.3)
+        await wait_until(lambda: q.num_pending == 1 and engine.scheduler.running)   # it is generating
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await asyncio.sleep(0.3)
+        await wait_until(lambda: q.num_pending == 0 and not engine.scheduler.running)
 
     asyncio.run(main())
     q.shutdown()

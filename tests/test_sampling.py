@@ -32,12 +32,25 @@ def test_rows_with_different_parameters_in_one_call():
 
 def test_greedy_rows_take_the_argmax_and_sampled_rows_follow_their_seed():
     logits = torch.randn(2, 4, 20, generator=torch.Generator().manual_seed(2))
+    positions = torch.arange(4).expand(2, 4) + 10
 
-    def run(seed):
-        gens = [None, torch.Generator().manual_seed(seed)]
+    def run(seed, pos=positions):
         return choose_tokens(logits, SamplingBatch(torch.tensor([0.0, 1.0]), torch.tensor([0, 0]),
-                                                   torch.tensor([1.0, 1.0]), gens))
+                                                   torch.tensor([1.0, 1.0]), torch.tensor([0, seed])), pos)
     a, b = run(7), run(7)
     assert a[0].equal(logits[0].argmax(-1))
     assert a.equal(b)
     assert not all(run(s)[1].equal(a[1]) for s in range(8, 12))
+    assert not all(run(7, positions + 1)[1].equal(a[1]) for _ in range(1))
+
+
+def test_the_noise_depends_only_on_seed_position_and_token():
+    """Exp(1) noise keyed by (seed, position): equal keys give equal noise wherever the row sits, distinct keys
+    independent noise with the right moments."""
+    from eagle_ray.spec.sampling import position_noise
+    n = position_noise(torch.tensor([5, 5, 6, 5]), torch.tensor([100, 101, 100, 100]), 200_000)
+    assert n[0].equal(n[3]) and not n[0].equal(n[1]) and not n[0].equal(n[2])
+    assert (n > 0).all()
+    for row in n[:3]:
+        assert abs(float(row.mean()) - 1) < 0.01 and abs(float(row.std()) - 1) < 0.01
+    assert abs(float(torch.corrcoef(n[:3])[0, 1:].abs().max())) < 0.01

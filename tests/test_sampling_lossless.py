@@ -14,7 +14,7 @@ from tiny import save_target, tiny_engine
 from transformers import AutoModelForCausalLM
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-import eagle_ray.engine.step as step_module
+import eagle_ray.engine.model_runner as runner_module
 from eagle_ray.config import SamplingParams, TreeConfig
 from eagle_ray.spec.accept import accept
 
@@ -74,9 +74,11 @@ def sample_mixed(path, seed=0, n=N) -> dict[str, list[tuple]]:
     return by
 
 
-def test_sampled_joint_distribution_matches_the_target(small_vocab):
+@pytest.mark.parametrize("n", [pytest.param(N, marks=pytest.mark.slow), 3000])
+def test_sampled_joint_distribution_matches_the_target(small_vocab, n):
+    """The fast tier draws 3,000 sequences per setting; the slow tier 20,000 (power to see a 1% bias)."""
     path, hf = small_vocab
-    samples = sample_mixed(path)
+    samples = sample_mixed(path, n=n)
     for name, kw in SETTINGS.items():
         p = chi_square_p(samples[name], exact_joint(hf, **kw))
         assert p > 0.01, (name, p)
@@ -90,6 +92,6 @@ def test_a_broken_acceptance_rule_is_caught(small_vocab, monkeypatch):
         choice = choice.clone()
         choice[:, 0] = tree.tokens[:, 1]
         return accept(tree, choice)
-    monkeypatch.setattr(step_module, "accept", broken)
+    monkeypatch.setattr(runner_module, "accept", broken)
     samples = sample_mixed(path, seed=1, n=3000)
     assert chi_square_p(samples["T=1"], exact_joint(hf, temperature=1.0)) < 1e-6

@@ -12,6 +12,8 @@ from tiny import tiny_engine
 
 from eagle_ray.config import SamplingParams, ServeConfig
 
+
+pytestmark = pytest.mark.slow  # a real local Ray cluster
 MODEL = "tiny-eagle"
 
 
@@ -43,7 +45,7 @@ def server(ray_local, tiny_dir, tiny_head, tmp_path_factory):
                 break
         except httpx.HTTPError:
             time.sleep(0.5)
-    yield base, tiny_engine(tiny_dir, tiny_head, cfg.engine.tree, max_batch_size=4, max_model_len=128)
+    yield base, tiny_engine(tiny_dir, tiny_head, cfg.engine.speculation.tree, max_batch_size=4, max_model_len=128)
     serve.delete("eagle-test")
     serve.shutdown()
 
@@ -128,6 +130,17 @@ BAD = {
     "empty prompt": ({"model": MODEL, "prompt": ""}, 400, "empty"),
     "bad role (chat)": ({"model": MODEL, "messages": [{"role": "wizard", "content": "w1"}]}, 400, "role"),
     "no messages (chat)": ({"model": MODEL, "messages": []}, 400, "messages"),
+    "negative seed": ({"model": MODEL, "prompt": "w1", "seed": -1}, 400, "seed"),
+    "seed over 63 bits": ({"model": MODEL, "prompt": "w1", "seed": 2**64}, 400, "seed"),
+    "huge top_k": ({"model": MODEL, "prompt": "w1", "top_k": 2**40}, 400, "top_k"),
+    "huge top_k streamed": ({"model": MODEL, "prompt": "w1", "top_k": 2**40, "stream": True}, 400, "top_k"),
+    "negative seed streamed (chat)": ({"model": MODEL, "messages": [{"role": "user", "content": "w1"}], "seed": -1,
+                                       "stream": True}, 400, "seed"),
+    "nested 100,000 deep": (b'{"model": "tiny-eagle", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400,
+                            "nested"),
+    "lone surrogate": (b'{"model": "tiny-eagle", "prompt": "a \\ud800 b"}', 400, "surrogate"),
+    "body over the size limit": (b'{"model": "tiny-eagle", "prompt": "' + b"w1 " * 2_000_000 + b'"}', 413, "limit"),
+    "prompt far over the context": ({"model": MODEL, "prompt": "w1 " * 1_000_000}, 400, "bytes"),
 }
 
 
@@ -187,9 +200,13 @@ def test_disconnects_leak_no_slots(server, client):
 
 
 def test_requests_without_the_api_key_get_401(server):
-    for headers in ({}, {"authorization": "Bearer wrong"}):
+    for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "Basic test-key"}):
         r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": "w1"}, headers=headers)
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    for scheme in ("bearer", "BEARER"):  # the scheme is case-insensitive
+        r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": "w1", "max_tokens": 2},
+                       headers={"authorization": f"{scheme} test-key"})
+        assert r.status_code == 200, r.text
 
 
 def test_32_concurrent_streams_complete_and_share_verify_passes(server):

@@ -88,6 +88,7 @@ def test_self_distilled_conversations_come_from_a_job_output(tmp_path):
                      [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]]
 
 
+@pytest.mark.slow
 def test_ray_extraction_resumes_on_s3_and_matches_local(ray_local, s3, tiny_dir, tmp_path):
     """jobs/extract_features.py: conversations from S3 to shards on S3 through a Ray actor pool; a second run with
     a larger limit writes only the missing shards; the features equal the single-process extractor's."""

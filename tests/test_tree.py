@@ -172,10 +172,10 @@ def test_batch_budget_keeps_the_most_probable_nodes_across_sequences_and_stays_c
     assert fit_batch_budget(tree, 40) is tree               # under budget: untouched
 
 
-def test_pack_moves_valid_nodes_first_and_trims_width_without_changing_the_trees():
-    from eagle_ray.spec.tree import fit_batch_budget, pack
+def test_drop_padding_moves_valid_nodes_first_and_trims_width_without_changing_the_trees():
+    from eagle_ray.spec.tree import drop_padding, fit_batch_budget
     tree = fit_batch_budget(_random_batch_tree(seed=3), 18)
-    packed = pack(tree)
+    packed = drop_padding(tree)
     assert packed.tokens.shape[1] == int(tree.valid.sum(1).max())
     for b in range(tree.tokens.shape[0]):
         old = tree.valid[b].nonzero().flatten()

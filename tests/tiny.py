@@ -29,10 +29,10 @@ def make_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
 
 
 def make_target(vocab_size: int = 64, hidden: int = 32, layers: int = 2, seed: int = 0, model_type: str = "llama",
-                logit_scale: float = 1.0) -> LlamaForCausalLM:
+                logit_scale: float = 1.0, max_positions: int = 1024) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     kw = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, eos_token_id=1,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions, eos_token_id=1,
               bos_token_id=2, pad_token_id=0, tie_word_embeddings=False, rms_norm_eps=1e-6)
     if model_type == "llama":
         model = LlamaForCausalLM(LlamaConfig(**kw))
@@ -74,17 +74,22 @@ def tiny_engine(target_dir: Path, head: DraftHead | None = None, tree: TreeConfi
     return EagleEngine(target, head.to(dtype).eval(), AutoTokenizer.from_pretrained(target_dir), cfg)
 
 
-def self_distilled_convs(hf, n: int = 64, prompt_len: int = 6, new_tokens: int = 40, seed: int = 0) -> list[dict]:
-    """Greedy continuations of random prompts with target features: a drafter learns this in seconds."""
+def self_distilled_convs(hf, n: int = 64, prompt_len: int = 6, new_tokens: int = 40, seed: int = 0,
+                         capture: tuple[int, ...] | None = None) -> list[dict]:
+    """Greedy continuations of random prompts with target features (and, with ``capture``, the layer inputs an
+    EAGLE-3 head reads): a drafter learns this in seconds."""
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(3, hf.config.vocab_size, (n, prompt_len), generator=g)
     with torch.no_grad():
         out = hf.generate(prompts, max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens,
                           pad_token_id=0)
-        hidden = hf.model(input_ids=out).last_hidden_state
+        run = hf.model(input_ids=out, output_hidden_states=bool(capture))
+        hidden = run.last_hidden_state
+        aux = torch.cat([run.hidden_states[i] for i in capture], -1) if capture else None
     mask = torch.zeros(out.shape[1], dtype=torch.uint8)
     mask[prompt_len:] = 1
-    return [{"input_ids": out[i], "loss_mask": mask, "hidden": hidden[i]} for i in range(n)]
+    return [{"input_ids": out[i], "loss_mask": mask, "hidden": hidden[i], **({"aux": aux[i]} if capture else {})}
+            for i in range(n)]
 
 
 def trained_head(hf, steps: int = 300, seed: int = 0) -> DraftHead:

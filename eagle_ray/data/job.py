@@ -3,13 +3,19 @@
 Exactly once: the driver collects the results and writes them as ``part-<run>-<n>.parquet`` files, each one
 committed atomically (a local rename; an S3 object appears only when its upload completes) and never holding an
 id twice. A re-run reads the ids already committed and sends only the rest, so a crash of an actor (Ray Data
-retries its batch) or of the driver (re-run the job) ends with every row exactly once.
+retries its batch) or of the driver (re-run the job) ends with every row exactly once. Rows that failed because
+the engine failed or on a bug (``error_kind`` ``engine_failed`` / ``internal_error``) are not done: a re-run
+rewrites their part without them and runs them again.
+
+The driver stops promptly on SIGTERM (what ``ray job stop`` and Kubernetes send): it commits the rows that are
+finished, writes the summary and exits with status 143; a re-run resumes.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
+import signal
 import statistics
 import time
 import uuid
@@ -20,8 +26,10 @@ import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
 from eagle_ray.config import JobConfig
-from eagle_ray.data.rows import OUTPUT_SCHEMA, empty_row, read_input, to_table
+from eagle_ray.cluster import ensure_ray
+from eagle_ray.data.rows import OUTPUT_SCHEMA, RETRIED_ON_RESUME, empty_row, read_input, to_table
 from eagle_ray.data.stage import now
+from eagle_ray.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -36,19 +44,62 @@ def filesystem(uri: str, cfg: JobConfig):
 def committed_parts(fs, root: str) -> list[str]:
     if not fs.exists(root):
         return []
+    if not fs.isdir(root):
+        raise ConfigError(f"output.uri: {root} is a file; give a directory for the part files")
     return sorted(p for p in fs.ls(root, detail=False) if p.rsplit("/", 1)[-1].startswith("part-")
                   and p.endswith(".parquet"))
 
 
+def read_part(fs, path: str, columns: list[str] | None = None) -> pa.Table:
+    try:
+        with fs.open(path, "rb") as f:
+            table = pq.read_table(f)
+    except (pa.ArrowException, OSError) as e:
+        raise ConfigError(f"output part {path} is not readable Parquet ({e}); move it out of the output "
+                          "directory and run again: its rows will be generated again") from None
+    if columns is None:
+        return table
+    have = set(table.column_names)
+    return pa.table({c: table[c] if c in have else pa.nulls(table.num_rows, OUTPUT_SCHEMA.field(c).type)
+                     for c in columns})
+
+
 def read_output(fs, root: str, columns: list[str] | None = None) -> pa.Table:
-    tables = []
-    for p in committed_parts(fs, root):
-        with fs.open(p, "rb") as f:
-            tables.append(pq.read_table(f, columns=columns))
+    tables = [read_part(fs, p, columns) for p in committed_parts(fs, root)]
     if not tables:
         return OUTPUT_SCHEMA.empty_table() if columns is None else \
             pa.schema([OUTPUT_SCHEMA.field(c) for c in columns]).empty_table()
-    return pa.concat_tables(tables)
+    return pa.concat_tables(tables, promote_options="default")
+
+
+def drop_retryable_rows(fs, root: str) -> int:
+    """Rewrite every part holding rows that failed for a reason other than the row itself (the engine failed, a
+    bug) without those rows, one atomic replace per part, so that this run does them again. Returns how many."""
+    dropped = 0
+    for path in committed_parts(fs, root):
+        table = read_part(fs, path)
+        if "error_kind" not in table.column_names:
+            continue
+        keep = [k not in RETRIED_ON_RESUME for k in table["error_kind"].to_pylist()]
+        if all(keep):
+            continue
+        dropped += keep.count(False)
+        _write_atomic(fs, path, table.filter(pa.array(keep)))
+    return dropped
+
+
+def _write_atomic(fs, path: str, table: pa.Table) -> None:
+    """Write a Parquet file so that it appears whole or not at all (a local rename; an object store's single
+    PUT)."""
+    if isinstance(fs, LocalFileSystem):
+        tmp = path.rsplit("/", 1)[0] + "/.tmp-" + path.rsplit("/", 1)[1]
+        with fs.open(tmp, "wb") as f:
+            pq.write_table(table, f)
+        os.replace(tmp, path)
+    else:
+        buf = pa.BufferOutputStream()
+        pq.write_table(table, buf)
+        fs.pipe_file(path, buf.getvalue().to_pybytes())
 
 
 class PartWriter:
@@ -79,78 +130,84 @@ class PartWriter:
             self.buffer = []
 
     def _commit(self, rows: list[dict]) -> None:
-        path = f"{self.root}/part-{self.run}-{self.parts:05d}.parquet"
-        table = to_table(rows)
-        if isinstance(self.fs, LocalFileSystem):
-            tmp = f"{self.root}/.tmp-{self.run}-{self.parts:05d}.parquet"
-            with self.fs.open(tmp, "wb") as f:
-                pq.write_table(table, f)
-            os.replace(tmp, path)
-        else:  # object stores: serialise first, then one PUT, so an interrupted write leaves no object at all
-            buf = pa.BufferOutputStream()
-            pq.write_table(table, buf)
-            self.fs.pipe_file(path, buf.getvalue().to_pybytes())
+        _write_atomic(self.fs, f"{self.root}/part-{self.run}-{self.parts:05d}.parquet", to_table(rows))
         self.parts += 1
         self.written += len(rows)
 
 
-def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
-    """Connect to ``address`` / RAY_ADDRESS if given, else start a local Ray bound to 127.0.0.1 (the job and the
-    Serve CLI both start Ray this way)."""
-    import ray
-    if ray.is_initialized():
-        return
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address)
-        return
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=num_cpus)
+class JobInterrupted(Exception):
+    """SIGTERM reached the driver."""
+
+
+def _raise_interrupted(signum, frame):
+    raise JobInterrupted()
 
 
 def run_job(cfg: JobConfig, print_fn=print) -> dict:
-    """Run the job to completion (resuming into an existing output) and return the summary."""
+    """Run the job to completion (resuming into an existing output) and return the summary (``interrupted`` is
+    true when SIGTERM stopped it early: what finished is committed)."""
     import ray
 
     in_fs, in_path = filesystem(cfg.input.uri, cfg)
     out_fs, out_root = filesystem(cfg.output.uri, cfg)
     rows = read_input(in_path, in_fs, cfg.input.format, cfg.input.limit)
-    done = set(read_output(out_fs, out_root, ["id"]).column("id").to_pylist()) if cfg.resume else set()
     if not cfg.resume and committed_parts(out_fs, out_root):
-        from eagle_ray.errors import ConfigError
         raise ConfigError(f"output.uri {cfg.output.uri} already holds results and resume is false; "
                           "choose an empty output or set resume: true")
+    retried = drop_retryable_rows(out_fs, out_root) if cfg.resume else 0
+    done = set(read_output(out_fs, out_root, ["id"]).column("id").to_pylist()) if cfg.resume else set()
     todo = [r for r in rows if r.id not in done]
-    print_fn(f"eagle-ray job: {len(rows)} input rows, {len(rows) - len(todo)} already in {cfg.output.uri}, "
-             f"{len(todo)} to run on {cfg.actors.num_actors} actor(s)")
+    print_fn(f"eagle-ray job: {len(rows)} input rows, {len(rows) - len(todo)} already in {cfg.output.uri}"
+             f"{f' ({retried} failed rows to retry)' if retried else ''}, {len(todo)} to run on "
+             f"{cfg.actors.num_actors} actor(s)")
     writer = PartWriter(out_fs, out_root, cfg.output.rows_per_file, done)
     t0 = time.time()
     started = now()
-    pre_failed = [r for r in todo if r.error]
-    if pre_failed:  # unreadable lines and duplicate ids need no model: write their error rows now
-        writer.add([empty_row(r.as_item()) | {"error": r.error, "started_at": started, "finished_at": started}
-                    for r in pre_failed])
-    runnable = [r.as_item() for r in todo if not r.error]
-    if runnable:
-        ensure_ray(cfg.ray_address, max(os.cpu_count() or 1, int(cfg.actors.num_actors * cfg.actors.num_cpus)))
-        from eagle_ray.data.stage import GenerateStage
-        a = cfg.actors
-        ds = ray.data.from_items(runnable, override_num_blocks=max(1, min(len(runnable) // a.batch_size, 1000)))
-        ds = ds.map_batches(
-            GenerateStage, fn_constructor_kwargs={"config_json": cfg.model_dump_json()},
-            batch_size=a.batch_size, batch_format="pyarrow", num_cpus=a.num_cpus, num_gpus=a.num_gpus or None,
-            compute=ray.data.ActorPoolStrategy(size=a.num_actors, max_tasks_in_flight_per_actor=a.max_concurrent_batches,
-                                               max_concurrent_calls_per_actor=a.max_concurrent_batches))
-        for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
-            writer.add(batch.to_pylist())
-    writer.close()
+    interrupted = False
+    previous = signal.signal(signal.SIGTERM, _raise_interrupted) if _main_thread() else None
+    try:
+        pre_failed = [r for r in todo if r.error]
+        if pre_failed:  # unreadable lines and duplicate ids need no model: write their error rows now
+            writer.add([empty_row(r.as_item()) | {"started_at": started, "finished_at": started}
+                        for r in pre_failed])
+        runnable = [r.as_item() for r in todo if not r.error]
+        if runnable:
+            print_fn(ensure_ray(cfg.ray_address, max(os.cpu_count() or 1,
+                                                     int(cfg.actors.num_actors * cfg.actors.num_cpus))))
+            if _main_thread():  # ray.init may install its own handler
+                signal.signal(signal.SIGTERM, _raise_interrupted)
+            from eagle_ray.data.stage import GenerateStage
+            a = cfg.actors
+            ds = ray.data.from_items(runnable, override_num_blocks=max(1, min(len(runnable) // a.batch_size, 1000)))
+            ds = ds.map_batches(
+                GenerateStage, fn_constructor_kwargs={"config_json": cfg.model_dump_json()},
+                batch_size=a.batch_size, batch_format="pyarrow", num_cpus=a.num_cpus, num_gpus=a.num_gpus or None,
+                compute=ray.data.ActorPoolStrategy(size=a.num_actors,
+                                                   max_tasks_in_flight_per_actor=a.max_concurrent_batches,
+                                                   max_concurrent_calls_per_actor=a.max_concurrent_batches))
+            for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+                writer.add(batch.to_pylist())
+    except JobInterrupted:
+        interrupted = True
+        print_fn("eagle-ray job: SIGTERM received; committing the finished rows and stopping")
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        writer.close()
     wall = time.time() - t0
     summary = summarize(read_output(out_fs, out_root), writer, wall, started)
+    summary["interrupted"] = interrupted
     with out_fs.open(f"{out_root.rstrip('/')}/summary.json", "w") as f:
         json.dump(summary, f, indent=1, default=str)
     print_fn(format_summary(summary))
+    if interrupted and ray.is_initialized():
+        ray.shutdown()
     return summary
+
+
+def _main_thread() -> bool:
+    import threading
+    return threading.current_thread() is threading.main_thread()
 
 
 def summarize(table: pa.Table, writer: PartWriter, wall: float, run_started: datetime) -> dict:
@@ -191,7 +248,7 @@ def _error_kinds(rows: list[dict]) -> dict:
     kinds: dict[str, int] = {}
     for r in rows:
         if r["error"]:
-            k = r["error"].split(":", 1)[0]
+            k = r.get("error_kind") or "unknown"
             kinds[k] = kinds.get(k, 0) + 1
     return kinds
 

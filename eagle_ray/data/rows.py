@@ -1,9 +1,12 @@
-"""Rows in, rows out: reading prompt files tolerantly, turning one input row into engine requests, and the fixed
-Parquet schema of the output.
+"""Rows in, rows out: reading prompt files tolerantly and the fixed Parquet schema of the output.
 
-Input files are read on the driver, line by line, so that a line with invalid UTF-8 or broken JSON becomes an
-error row instead of failing the whole file (Ray Data's JSON reader would fail the read task); every row gets a
-stable ``row_index`` and an ``id`` (the row's own, or ``row-<index>``), which is what exactly-once re-runs key on.
+Input files are read on the driver, line by line, so that a line with invalid UTF-8, broken or absurdly nested
+JSON, or no object at all becomes an error row instead of failing the whole file (Ray Data's JSON reader would
+fail the read task); every row gets a stable ``row_index`` and an ``id`` (the row's own, or ``row-<index>``),
+which is what exactly-once re-runs key on. What a row asks for is parsed by the engine's request parser
+(:func:`eagle_ray.engine.request.parse_row`), the same one the Serve app uses.
+
+Every error row names its kind (``error_kind``): what went wrong, in a word a summary can count.
 """
 from __future__ import annotations
 
@@ -12,10 +15,29 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from eagle_ray.config import SamplingParams
-from eagle_ray.errors import ConfigError, InvalidRequestError
+from eagle_ray.engine.request import MAX_NESTING, nesting_depth, storable
+from eagle_ray.errors import ConfigError, EngineDeadError, InvalidRequestError, PromptTooLongError
 
-SAMPLING_KEYS = ("sampling_params", "sampling")
+# error kinds (the ``error_kind`` column and summary.json's ``error_kinds`` keys)
+INVALID_UTF8 = "invalid_utf8"
+INVALID_JSON = "invalid_json"
+INVALID_ROW = "invalid_row"           # valid JSON, but not an object, or nested too deep
+DUPLICATE_ID = "duplicate_id"
+INVALID_REQUEST = "invalid_request"   # the request parser refused it (names the field)
+PROMPT_TOO_LONG = "prompt_too_long"
+ENGINE_FAILED = "engine_failed"       # the engine died under it: retried on resume
+INTERNAL_ERROR = "internal_error"     # a bug: retried on resume
+RETRIED_ON_RESUME = (ENGINE_FAILED, INTERNAL_ERROR)
+
+
+def error_kind(err: BaseException) -> str:
+    if isinstance(err, PromptTooLongError):
+        return PROMPT_TOO_LONG
+    if isinstance(err, InvalidRequestError):
+        return INVALID_REQUEST
+    if isinstance(err, EngineDeadError):
+        return ENGINE_FAILED
+    return INTERNAL_ERROR
 
 
 @dataclass
@@ -24,26 +46,52 @@ class InputRow:
     id: str
     payload: str          # the row as JSON text ("" when it could not be parsed)
     error: str = ""       # set when the row is already known to be bad (parse error, duplicate id)
+    kind: str = ""        # its error kind
 
     def as_item(self) -> dict:
-        return {"row_index": self.row_index, "id": self.id, "payload": self.payload, "error": self.error}
+        return {"row_index": self.row_index, "id": self.id, "payload": self.payload, "error": self.error,
+                "error_kind": self.kind}
 
 
 def _files(uri: str, fs, fmt: str) -> list[tuple[str, str]]:
-    """(path, format) of every input file under ``uri`` in a stable order."""
+    """(path, format) of every input file under ``uri`` in a stable order; a ConfigError naming ``input.uri``
+    when there is nothing to read."""
     if any(c in uri for c in "*?["):
-        paths = sorted(fs.glob(uri))
+        paths = []
+        for p in sorted(fs.glob(uri)):
+            paths += sorted(_data_files(fs, p)) if fs.isdir(p) else [p]
+    elif not fs.exists(uri):
+        raise ConfigError(f"input.uri: {uri} does not exist")
     elif fs.isdir(uri):
-        paths = sorted(p for p in fs.find(uri) if p.endswith((".jsonl", ".json", ".parquet")))
+        paths = sorted(_data_files(fs, uri))
     else:
         paths = [uri]
-    out = []
-    for p in paths:
-        f = fmt if fmt != "auto" else ("parquet" if p.endswith(".parquet") else "jsonl")
-        out.append((p, f))
+    out = [(p, fmt if fmt != "auto" else ("parquet" if p.endswith(".parquet") else "jsonl")) for p in paths]
     if not out:
-        raise ConfigError(f"input.uri: no .jsonl or .parquet files at {uri}")
+        raise ConfigError(f"input.uri: no .jsonl, .json or .parquet files at {uri}")
     return out
+
+
+def _data_files(fs, root: str) -> list[str]:
+    return [p for p in fs.find(root) if p.endswith((".jsonl", ".json", ".parquet"))]
+
+
+def decode_line(raw: bytes, first: bool) -> tuple[object, str, str]:
+    """(record, error, kind) of one JSONL line. A UTF-8 byte order mark starts the first line of files written by
+    some Windows tools; it is not part of the row."""
+    if first and raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return None, f"invalid UTF-8 ({e.reason} at byte {e.start})", INVALID_UTF8
+    try:
+        rec = json.loads(text)
+    except json.JSONDecodeError as e:
+        return None, f"invalid JSON ({e.msg} at column {e.colno})", INVALID_JSON
+    except RecursionError:
+        return None, f"JSON nested deeper than {MAX_NESTING} levels", INVALID_ROW
+    return rec, "", ""
 
 
 def read_input(uri: str, fs, fmt: str = "auto", limit: int | None = None) -> list[InputRow]:
@@ -52,23 +100,19 @@ def read_input(uri: str, fs, fmt: str = "auto", limit: int | None = None) -> lis
     for path, f in _files(uri, fs, fmt):
         if f == "parquet":
             import pyarrow.parquet as pq
-            with fs.open(path, "rb") as fh:
-                for rec in pq.read_table(fh).to_pylist():
-                    rows.append(_row(len(rows), rec, ""))
-                    if limit and len(rows) >= limit:
-                        break
+            try:
+                with fs.open(path, "rb") as fh:
+                    records = pq.read_table(fh).to_pylist()
+            except (pa.ArrowException, OSError) as e:
+                raise ConfigError(f"input file {path} is not readable Parquet: {e}") from None
+            for rec in records:
+                rows.append(_row(len(rows), rec, "", ""))
+                if limit and len(rows) >= limit:
+                    break
         else:
             with fs.open(path, "rb") as fh:
-                for lineno, raw in enumerate(fh, 1):
-                    if not raw.strip():
-                        continue
-                    try:
-                        rec, err = json.loads(raw.decode("utf-8")), ""
-                    except UnicodeDecodeError as e:
-                        rec, err = None, f"{path}:{lineno}: invalid UTF-8 ({e.reason} at byte {e.start})"
-                    except json.JSONDecodeError as e:
-                        rec, err = None, f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})"
-                    rows.append(_row(len(rows), rec, err))
+                for row in rows_from_lines(fh, path, len(rows)):
+                    rows.append(row)
                     if limit and len(rows) >= limit:
                         break
         if limit and len(rows) >= limit:
@@ -76,66 +120,43 @@ def read_input(uri: str, fs, fmt: str = "auto", limit: int | None = None) -> lis
     first: dict[str, int] = {}
     for r in rows:
         if r.id in first:
-            r.error = r.error or f"duplicate id {r.id!r} (first at row {first[r.id]})"
+            if not r.error:
+                r.error, r.kind = f"duplicate id {r.id!r} (first at row {first[r.id]})", DUPLICATE_ID
             r.id = f"{r.id}@row{r.row_index}"
         else:
             first[r.id] = r.row_index
     return rows
 
 
-def _row(index: int, rec, err: str) -> InputRow:
-    if rec is not None and not isinstance(rec, dict):
-        return InputRow(index, f"row-{index}", json.dumps(rec, ensure_ascii=False, default=str),
-                        f"a row must be a JSON object, got {type(rec).__name__}")
-    rid = rec.get("id") if rec else None
-    rid = f"row-{index}" if rid is None or rid == "" else str(rid)
-    return InputRow(index, rid, json.dumps(rec, ensure_ascii=False, default=str) if rec is not None else "", err)
+def rows_from_lines(lines, path: str, first_index: int = 0):
+    """InputRows of a JSONL file's lines (bytes), blank lines skipped; ids are checked for duplicates later."""
+    index = first_index
+    for lineno, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        rec, err, kind = decode_line(raw, lineno == 1)
+        yield _row(index, rec, f"{path}:{lineno}: {err}" if err else "", kind)
+        index += 1
 
 
-@dataclass
-class Request:
-    """What one row asks for: a prompt, a chat, or MT-bench style turns answered one after another."""
-    kind: str                    # "prompt" | "messages" | "turns"
-    value: object
-    params: SamplingParams
+def _row(index: int, rec, err: str, kind: str) -> InputRow:
+    if err:
+        return InputRow(index, f"row-{index}", "", err, kind)
+    if not isinstance(rec, dict):
+        what = "null" if rec is None else type(rec).__name__
+        return InputRow(index, f"row-{index}", _dump(rec), f"a row must be a JSON object, got {what}", INVALID_ROW)
+    if nesting_depth(rec) > MAX_NESTING:
+        return InputRow(index, f"row-{index}", "", f"row nested deeper than {MAX_NESTING} levels", INVALID_ROW)
+    rid = rec.get("id")
+    rid = f"row-{index}" if rid is None or rid == "" else storable(str(rid))
+    return InputRow(index, rid, _dump(rec))
 
 
-def parse_request(payload: str, defaults: SamplingParams) -> Request:
-    """Validate one row; raises InvalidRequestError with a reason that names the field."""
-    rec = json.loads(payload)
-    kinds = [k for k in ("prompt", "messages", "turns") if k in rec]
-    if len(kinds) != 1:
-        raise InvalidRequestError(f"a row needs exactly one of prompt / messages / turns, got {kinds or sorted(rec)}")
-    kind, value = kinds[0], rec[kinds[0]]
-    if kind == "prompt":
-        if not isinstance(value, str):
-            raise InvalidRequestError(f"prompt must be a string, got {type(value).__name__}")
-        if not value.strip():
-            raise InvalidRequestError("prompt is empty")
-    elif kind == "messages":
-        if not isinstance(value, list) or not value:
-            raise InvalidRequestError("messages must be a non-empty list of {role, content}")
-        for i, m in enumerate(value):
-            if not isinstance(m, dict):
-                raise InvalidRequestError(f"messages[{i}] must be an object with role and content")
-            if not isinstance(m.get("content"), str) or not m["content"]:
-                raise InvalidRequestError(f"messages[{i}].content must be a non-empty string")
-    else:
-        if not isinstance(value, list) or not value or not all(isinstance(t, str) and t.strip() for t in value):
-            raise InvalidRequestError("turns must be a non-empty list of non-empty strings")
-    overrides = next((rec[k] for k in SAMPLING_KEYS if k in rec), None)
-    params = defaults
-    if overrides is not None:
-        if not isinstance(overrides, dict):
-            raise InvalidRequestError("sampling_params must be an object")
-        overrides = dict(overrides)
-        if "max_tokens" in overrides:  # the OpenAI / vLLM name
-            overrides.setdefault("max_new_tokens", overrides.pop("max_tokens"))
-        try:
-            params = SamplingParams(**(defaults.model_dump() | overrides))
-        except ConfigError as e:
-            raise InvalidRequestError(str(e).replace("invalid SamplingParams: ", "sampling_params.")) from None
-    return Request(kind, value, params)
+def _dump(rec) -> str:
+    """JSON text of a row, as written to the ``input`` column (ASCII-escaped if it holds lone surrogates, which
+    JSON allows and UTF-8 cannot hold; the escapes decode back to the same row)."""
+    text = json.dumps(rec, ensure_ascii=False, default=str)
+    return text if storable(text) is text else json.dumps(rec, ensure_ascii=True, default=str)
 
 
 STAT_FIELDS = [
@@ -149,9 +170,9 @@ STAT_FIELDS = [
 # Every column has an explicit type, so a batch of error rows (all-null outputs) writes the same schema.
 OUTPUT_SCHEMA = pa.schema([
     ("id", pa.string()), ("row_index", pa.int64()), ("input", pa.string()),
-    ("output", pa.string()), ("turn_outputs", pa.list_(pa.string())),
+    ("output", pa.string()), ("turn_outputs", pa.list_(pa.string())), ("output_token_ids", pa.list_(pa.int64())),
     ("prompt_tokens", pa.int64()), ("output_tokens", pa.int64()), ("finish_reason", pa.string()),
-    ("error", pa.string()),
+    ("error", pa.string()), ("error_kind", pa.string()),
     ("target_model", pa.string()), ("draft_model", pa.string()), ("speculative", pa.bool_()),
     ("temperature", pa.float64()), ("top_p", pa.float64()), ("top_k", pa.int64()), ("max_new_tokens", pa.int64()),
     ("seed", pa.int64()), ("sampling_params", pa.string()), ("tree", pa.string()),
@@ -159,13 +180,24 @@ OUTPUT_SCHEMA = pa.schema([
     ("started_at", pa.timestamp("us", tz="UTC")), ("finished_at", pa.timestamp("us", tz="UTC")),
     ("worker_id", pa.string()),
 ])
+STRING_COLUMNS = [f.name for f in OUTPUT_SCHEMA if pa.types.is_string(f.type)]
 
 
 def empty_row(item: dict) -> dict:
     row = {name: None for name in OUTPUT_SCHEMA.names}
     row.update(id=item["id"], row_index=int(item["row_index"]), input=item["payload"])
+    if item.get("error"):
+        row.update(error=item["error"], error_kind=item.get("error_kind") or INVALID_ROW)
     return row
 
 
 def to_table(rows: list[dict]) -> pa.Table:
+    """Rows as a table of :data:`OUTPUT_SCHEMA`. Text the rows carry back from anywhere (an error message quoting
+    the input, an output) is made storable, so no row can fail the write of its batch."""
+    for row in rows:
+        for col in STRING_COLUMNS:
+            if row.get(col) is not None:
+                row[col] = storable(row[col])
+        if row.get("turn_outputs"):
+            row["turn_outputs"] = [storable(t) for t in row["turn_outputs"]]
     return pa.Table.from_pylist(rows, schema=OUTPUT_SCHEMA)

@@ -3,7 +3,12 @@
 A background thread owns the engine and steps it while any request is pending, so requests submitted at
 different times share verify passes (continuous batching). Callers get a future of the final output, or a
 stream of text deltas, from plain threads or from asyncio; cancelling frees the request's slot before the next
-step.
+step. Requests are validated and tokenised on the caller's side (asyncio callers in a worker thread), so a huge
+prompt never stalls the engine thread or an event loop.
+
+An exception from the engine's step is not a bad request: the device or the engine's state is broken. The queue
+then fails every request in flight with :class:`EngineDeadError`, refuses new ones, and reports itself unhealthy
+(``healthy``), so that Serve restarts the replica and a job actor exits for Ray to retry its batches elsewhere.
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ from typing import AsyncIterator, Callable, Iterator
 from eagle_ray.config import SamplingParams
 from eagle_ray.engine.engine import EagleEngine, RequestOutput
 from eagle_ray.engine.sequence import Sequence
-from eagle_ray.errors import EagleError, InvalidRequestError
+from eagle_ray.errors import EagleError, EngineDeadError, InvalidRequestError
 
 
 @dataclass
@@ -43,13 +48,10 @@ class _Listener:
 
     def update(self, engine: EagleEngine, seq: Sequence) -> None:
         final = seq.finished
-        text = engine.output_text(seq)
+        text = seq.text
         end = len(text)
-        if not final:
-            hold = max((len(s) for s in seq.params.stop), default=1) - 1
-            end = max(self.sent, end - hold)
-            while end > self.sent and text[end - 1] == "\ufffd":
-                end -= 1
+        if not final and seq.stops is not None:
+            end = max(self.sent, end - seq.stops.hold)
         if self.on_delta and (end > self.sent or final):
             self._call(StreamDelta(self.request_id, text[self.sent:end], len(seq.output_ids), final,
                                    engine.output(seq) if final else None))
@@ -86,23 +88,52 @@ class RequestQueue:
         self._stopping = False
         self._drain = True
         self._lock = threading.Lock()
+        self.dead: BaseException | None = None  # the engine's failure, once it has failed
         self._thread = threading.Thread(target=self._loop, name="eagle-ray-engine", daemon=True)
         self._thread.start()
 
     # ---- callers ------------------------------------------------------------------------------------------------
+    def prepare(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                speculative: bool = True) -> Sequence:
+        """Validate and tokenise a request on this thread; raises its typed error if it is bad."""
+        self._check_open()
+        return self.engine.make_sequence(prompt, params, request_id or uuid.uuid4().hex, speculative)
+
+    async def aprepare(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                       speculative: bool = True) -> Sequence:
+        """``prepare`` in a worker thread: tokenising a long prompt must not block the event loop."""
+        return await asyncio.to_thread(self.prepare, prompt, params, request_id, speculative)
+
     def submit(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                speculative: bool = True, on_delta: Callable[[StreamDelta], None] | None = None
                ) -> concurrent.futures.Future:
-        """Queue a request; the future resolves to its RequestOutput (or raises its typed error)."""
+        """Queue a request (a prompt, or a Sequence from ``prepare``); the future resolves to its RequestOutput, or
+        raises the request's typed error. A queue that is shutting down or dead raises here."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         future.set_running_or_notify_cancel()  # not cancellable: callers cancel the request with cancel(id)
-        rid = request_id or uuid.uuid4().hex
+        self._check_open()
+        if isinstance(prompt, Sequence):
+            seq = prompt
+        else:
+            try:
+                seq = self.prepare(prompt, params, request_id, speculative)
+            except EagleError as e:
+                _Listener(request_id or "", on_delta, future).fail(e)
+                return future
         with self._lock:
-            if self._stopping:
-                raise InvalidRequestError("the engine is shutting down")
-            self._inbox.put(("add", rid, prompt, params or SamplingParams(), speculative,
-                             _Listener(rid, on_delta, future)))
+            self._check_open()
+            self._inbox.put(("add", seq, _Listener(seq.request_id, on_delta, future)))
         return future
+
+    def _check_open(self) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine failed and takes no more requests: {self.dead!r}")
+        if self._stopping:
+            raise InvalidRequestError("the engine is shutting down")
+
+    @property
+    def healthy(self) -> bool:
+        return self.dead is None and self._thread.is_alive()
 
     def generate(self, prompt, params: SamplingParams | None = None, **kw) -> RequestOutput:
         return self.submit(prompt, params, **kw).result()
@@ -110,6 +141,8 @@ class RequestQueue:
     def stream(self, prompt, params: SamplingParams | None = None, **kw) -> Iterator[StreamDelta]:
         deltas: queue.SimpleQueue = queue.SimpleQueue()
         rid = kw.pop("request_id", None) or uuid.uuid4().hex
+        if isinstance(prompt, Sequence):
+            rid = prompt.request_id
         self.submit(prompt, params, request_id=rid, on_delta=deltas.put, **kw)
         finished = False
         try:
@@ -128,8 +161,10 @@ class RequestQueue:
     async def agenerate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                         **kw) -> RequestOutput:
         """Await the output; if the awaiting task is cancelled (client gone), the request is cancelled too."""
-        rid = request_id or uuid.uuid4().hex
-        future = self.submit(prompt, params, request_id=rid, **kw)
+        if not isinstance(prompt, Sequence):
+            prompt = await self.aprepare(prompt, params, request_id, kw.pop("speculative", True))
+        rid = prompt.request_id
+        future = self.submit(prompt, **kw)
         try:
             return await asyncio.shield(asyncio.wrap_future(future))
         except asyncio.CancelledError:
@@ -141,9 +176,10 @@ class RequestQueue:
         """Async deltas; if the consumer stops early (client gone), the request is cancelled."""
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue = asyncio.Queue()
-        rid = request_id or uuid.uuid4().hex
-        self.submit(prompt, params, request_id=rid, on_delta=lambda d: loop.call_soon_threadsafe(deltas.put_nowait, d),
-                    **kw)
+        if not isinstance(prompt, Sequence):
+            prompt = await self.aprepare(prompt, params, request_id, kw.pop("speculative", True))
+        rid = prompt.request_id
+        self.submit(prompt, on_delta=lambda d: loop.call_soon_threadsafe(deltas.put_nowait, d), **kw)
         finished = False
         try:
             while True:
@@ -176,7 +212,7 @@ class RequestQueue:
     # ---- the engine thread ----------------------------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
-            idle = not self.engine.has_unfinished()
+            idle = self.dead is not None or not self.engine.has_unfinished()
             try:
                 cmd = self._inbox.get(timeout=0.5) if idle else self._inbox.get_nowait()
             except queue.Empty:
@@ -187,7 +223,7 @@ class RequestQueue:
                     cmd = self._inbox.get_nowait()
                 except queue.Empty:
                     cmd = None
-            if self.engine.has_unfinished():
+            if self.dead is None and self.engine.has_unfinished():
                 self._step()
             elif self._stopping and self._inbox.empty():
                 return  # submit() refuses new work once _stopping is set, so nothing can arrive after this
@@ -202,21 +238,15 @@ class RequestQueue:
     def _handle(self, cmd) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, rid, prompt, params, speculative, listener = cmd
+            _, seq, listener = cmd
+            rid = seq.request_id
             if self._stopping and not self._drain:
                 listener.fail(InvalidRequestError("the engine is shutting down"))
                 return
             if rid in self._listeners:
                 listener.fail(InvalidRequestError(f"request id {rid!r} is already running"))
                 return
-            try:
-                listener.seq = self.engine.add_request(prompt, params, rid, speculative)
-            except EagleError as e:
-                listener.fail(e)
-                return
-            except Exception as e:  # noqa: BLE001 - e.g. a tokenizer or chat template that raises on this input
-                listener.fail(InvalidRequestError(f"request rejected: {type(e).__name__}: {e}"))
-                return
+            listener.seq = self.engine.add_request(seq)
             self._listeners[rid] = listener
         elif kind == "cancel":
             listener = self._listeners.pop(cmd[1], None)
@@ -233,11 +263,8 @@ class RequestQueue:
     def _step(self) -> None:
         try:
             touched = self.engine.step()
-        except Exception as e:  # noqa: BLE001 - an engine bug must fail its requests, not hang every caller
-            for rid, listener in list(self._listeners.items()):
-                self.engine.abort(rid)
-                listener.fail(e)
-            self._listeners.clear()
+        except Exception as e:  # noqa: BLE001 - the engine is broken: fail everything, take nothing more
+            self._die(e)
             return
         for seq in touched:
             listener = self._listeners.get(seq.request_id)
@@ -252,3 +279,23 @@ class RequestQueue:
                 continue
             if seq.finished:
                 del self._listeners[seq.request_id]
+
+    def _die(self, err: BaseException) -> None:
+        import logging
+        logging.getLogger(__name__).error("engine step failed; failing %d requests", len(self._listeners),
+                                          exc_info=err)
+        with self._lock:
+            self.dead = err
+        dead = EngineDeadError(f"the engine failed: {type(err).__name__}: {err}")
+        dead.__cause__ = err
+        for rid, listener in list(self._listeners.items()):
+            listener.fail(dead)
+        self._listeners.clear()
+        self._stopping = True
+        while True:  # requests that were already in the inbox
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if cmd[0] == "add":
+                cmd[-1].fail(dead)

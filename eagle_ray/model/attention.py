@@ -27,26 +27,34 @@ class BlockMeta:
 
 
 def make_block_meta(cache: KVCache, slots: list[int], block_mask: torch.Tensor, offset: int = 0,
-                    invariant: bool = False) -> BlockMeta:
+                    invariant: bool = False, n_valid: torch.Tensor | None = None) -> BlockMeta:
     """Meta for a block whose rows attend to their slot's committed prefix plus ``block_mask [B, T, N]``.
 
     The block's columns start at ``lengths[slot]``; the new ``T`` tokens are written at columns
     ``[lengths + offset, lengths + offset + T)``, i.e. the last ``T`` of the ``N`` block columns when
-    ``offset = N - T`` (the draft's tree levels stack up that way).
+    ``offset = N - T`` (the draft's tree levels stack up that way). ``n_valid [B]`` (host; ragged blocks with
+    ``T == N``) marks rows ``t >= n_valid[b]`` as padding: they write to the cache's scratch position and see only
+    column 0, so they neither overrun a slot nor reach another row's keys.
     """
     device = cache.k.device
     B, T, N = block_mask.shape
     lengths = cache.lengths[slots]                         # host [B]
-    kv_len = int(lengths.max()) + N
-    lengths_d = lengths.to(device)
+    kv_len = int((lengths + n_valid).max()) if n_valid is not None else int(lengths.max()) + N
+    lengths_d = lengths.to(device, non_blocking=True)
     cols = torch.arange(kv_len, device=device).view(1, -1) - lengths_d.view(-1, 1)  # [B, kv_len] block column
     in_block = (cols >= 0) & (cols < N)
     gathered = block_mask.to(device).gather(2, cols.clamp(0, N - 1).unsqueeze(1).expand(B, T, kv_len))
     key_mask = (cols < 0).unsqueeze(1) | (gathered & in_block.unsqueeze(1))
-    write_pos = lengths_d.view(-1, 1) + offset + torch.arange(T, device=device).view(1, -1)
+    t = torch.arange(T, device=device).view(1, -1)
+    write_pos = lengths_d.view(-1, 1) + offset + t
+    if n_valid is not None:
+        pad = t >= n_valid.to(device, non_blocking=True).view(-1, 1)                 # [B, T]
+        write_pos = torch.where(pad, cache.scratch, write_pos)
+        first_col = torch.arange(kv_len, device=device) == 0
+        key_mask = torch.where(pad.unsqueeze(-1), first_col, key_mask)
     first = slots[0]
     contiguous = slots == list(range(first, first + B))
-    slot_index = torch.tensor(slots, device=device).view(-1, 1)
+    slot_index = torch.tensor(slots).to(device, non_blocking=True).view(-1, 1)
     return BlockMeta(slice(first, first + B) if contiguous else slot_index.view(-1), slot_index, write_pos,
                      key_mask.unsqueeze(1), kv_len, invariant)
 
@@ -58,15 +66,34 @@ def decoder_layer(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     ``hidden`` may be fp32 while the weights are bf16/fp16 (fp32 activations): the residual stream, the norms and
     the attention then run in fp32 and only the projections' inputs are cast to the cache's dtype.
     """
-    attn = layer.self_attn
+    hidden = hidden + attention(layer.self_attn, layer.input_layernorm(hidden), cos, sin, cache, layer_idx, meta)
+    return hidden + mlp(layer, hidden, meta)
+
+
+def row_view(meta: BlockMeta):
+    """``[B, T, D] -> [M, D]`` for a projection (rows padded to the batch-invariant GEMM shape when asked)."""
+    return pad_rows if meta.invariant else lambda x: x.reshape(-1, x.shape[-1])
+
+
+def mlp(layer, hidden: torch.Tensor, meta: BlockMeta) -> torch.Tensor:
+    """The layer's MLP on its post-attention norm of ``hidden [B, T, d]``."""
     B, T, _ = hidden.shape
+    x = row_view(meta)(layer.post_attention_layernorm(hidden).to(next(layer.mlp.parameters()).dtype))
+    return layer.mlp(x)[: B * T].view(B, T, -1)
+
+
+def attention(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer_idx: int,
+              meta: BlockMeta) -> torch.Tensor:
+    """Self-attention of the normed block ``x [B, T, in]`` over the cached prefix plus the block (K/V written to the
+    cache first); returns the o_proj output ``[B, T, d]`` in ``x``'s dtype."""
+    B, T, _ = x.shape
     head_dim = attn.head_dim
     dt = cache.k.dtype
-    rows = pad_rows if meta.invariant else lambda x: x.reshape(-1, x.shape[-1])  # [B, T, D] -> [M, D]
-    x = rows(layer.input_layernorm(hidden).to(dt))
-    q = attn.q_proj(x)[: B * T].view(B, T, -1, head_dim)
-    k = attn.k_proj(x)[: B * T].view(B, T, -1, head_dim)
-    v = attn.v_proj(x)[: B * T].view(B, T, -1, head_dim).transpose(1, 2)
+    rows = row_view(meta)
+    xr = rows(x.to(dt))
+    q = attn.q_proj(xr)[: B * T].view(B, T, -1, head_dim)
+    k = attn.k_proj(xr)[: B * T].view(B, T, -1, head_dim)
+    v = attn.v_proj(xr)[: B * T].view(B, T, -1, head_dim).transpose(1, 2)
     if getattr(attn, "q_norm", None) is not None:  # Qwen3
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
@@ -75,12 +102,11 @@ def decoder_layer(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     if meta.invariant:  # fp32 activations on CPU: attention whose rows do not depend on the block's shape
         out = invariant_attention(q, keys, values, meta.key_mask, attn.scaling)
     else:
-        if hidden.dtype != dt:  # fp32 activations: bf16 SDPA rounds a 1-row and an 8-row block differently
+        if x.dtype != dt:  # fp32 activations: bf16 SDPA rounds a 1-row and an 8-row block differently
             q, keys, values = q.float(), keys.float(), values.float()
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.key_mask, scale=attn.scaling,
                                              enable_gqa=keys.shape[1] != q.shape[1])
-    hidden = hidden + attn.o_proj(rows(out.to(dt).transpose(1, 2).reshape(B, T, -1)))[: B * T].view(B, T, -1)
-    return hidden + layer.mlp(rows(layer.post_attention_layernorm(hidden).to(dt)))[: B * T].view(B, T, -1)
+    return attn.o_proj(rows(out.to(dt).transpose(1, 2).reshape(B, T, -1)))[: B * T].view(B, T, -1).to(x.dtype)
 
 
 GEMM_ROWS = 4

@@ -26,6 +26,9 @@ CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_
 
 
 class DraftHead(nn.Module):
+    kind = "eagle2"
+    feature_layers = None  # reads the target's final (post-norm) hidden state
+
     def __init__(self, config: LlamaConfig, bias: bool = True, qkv_bias: bool = False):
         super().__init__()
         config.num_hidden_layers = 1
@@ -88,7 +91,7 @@ class DraftHead(nn.Module):
         raw = {k: v for k, v in raw.items() if k not in ("architectures", "model_type", "transformers_version")}
         raw["num_hidden_layers"] = 1
         head = cls(LlamaConfig(**raw), bias=bias, qkv_bias=qkv_bias)
-        state = _read_state_dict(path)
+        state = read_state_dict(path)
         if "embed_tokens.weight" not in state:  # some published heads share the target's embedding
             if target_embed is None:
                 raise CheckpointError(f"draft head {path} has no embed_tokens.weight and no target to take it from")
@@ -128,6 +131,11 @@ class DraftHead(nn.Module):
         return raw
 
     # ---- runtime ---------------------------------------------------------------------------------------------
+    @property
+    def feature_size(self) -> int:
+        """Width of the target features the head consumes (the target's final hidden state)."""
+        return self.config.hidden_size
+
     def allocate_cache(self, max_slots: int, max_len: int) -> None:
         p = self.fc.weight
         attn = self.layers[0].self_attn
@@ -155,20 +163,49 @@ class DraftHead(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, features: torch.Tensor, slots: list[int], depth: torch.Tensor,
-                block_mask: torch.Tensor, offset: int = 0) -> torch.Tensor:
+                block_mask: torch.Tensor, offset: int = 0, n_valid: torch.Tensor | None = None) -> torch.Tensor:
         """Predicted next features for pairs ``(features[b, t], tokens[b, t])``; see ``make_block_meta``."""
         assert self.cache is not None, "call allocate_cache() first"
-        meta = make_block_meta(self.cache, slots, block_mask, offset)
+        meta = make_block_meta(self.cache, slots, block_mask, offset, n_valid=n_valid)
         x = self.fc(torch.cat([self.embed_tokens(tokens), features.to(self.fc.weight.dtype)], dim=-1))
         positions = self.cache.lengths[slots].to(x.device).view(-1, 1) + depth.to(x.device)
         cos, sin = self.rotary_emb(x, positions)
         return decoder_layer(self.layers[0], x, cos, sin, self.cache, 0, meta)
 
 
-def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     if (path / "model.safetensors").exists():
         from safetensors.torch import load_file
         return load_file(str(path / "model.safetensors"))
     if (path / "pytorch_model.bin").exists():
         return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
     raise CheckpointError(f"draft head {path} has neither model.safetensors nor pytorch_model.bin")
+
+
+def head_kind(path: str | Path) -> str:
+    """``eagle3`` or ``eagle2``, read from the checkpoint's config.json."""
+    from eagle_ray.model.eagle3_head import is_eagle3_config
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.exists():
+        raise CheckpointError(f"draft head {path} has no config.json")
+    return "eagle3" if is_eagle3_config(json.loads(cfg_file.read_text())) else "eagle2"
+
+
+def check_head(path: str | Path, target_config) -> str:
+    """Fail, naming the mismatch, unless the head at ``path`` fits ``target_config``; returns its kind."""
+    from eagle_ray.model import eagle3_head
+    kind = head_kind(path)
+    if kind == "eagle3":
+        eagle3_head.check_config(path, json.loads((Path(path) / "config.json").read_text()), target_config)
+    else:
+        DraftHead.check_config(path, target_config)
+    return kind
+
+
+def load_head(path: str | Path, target_config, target_embed: torch.Tensor | None = None,
+              dtype: torch.dtype = torch.float32, device="cpu"):
+    """An EAGLE-1/2 or EAGLE-3 head, whichever the checkpoint holds."""
+    from eagle_ray.model.eagle3_head import Eagle3Head
+    if check_head(path, target_config) == "eagle3":
+        return Eagle3Head.load(path, target_config, target_embed, dtype, device)
+    return DraftHead.load(path, target_config, target_embed, dtype, device)

@@ -1,8 +1,10 @@
 """A preallocated KV cache with one length per slot.
 
-Layout ``[layers, slots, kv_heads, max_len, head_dim]``: a slot is one sequence; ``lengths[slot]`` counts the
-committed positions. A forward writes its new block at ``[length, length + T)`` of each slot; only
-:meth:`commit`/:meth:`compact` move the length, so speculative tree tokens past it are simply overwritten next time.
+Layout ``[layers, slots, kv_heads, max_len + 1, head_dim]``: a slot is one sequence; ``lengths[slot]`` counts the
+committed positions. A forward writes its new block at ``[length, length + T)`` of each slot; the caller moves the
+length (prefill) or keeps the accepted tree path (:meth:`keep_accepted`), so speculative tree tokens past it are
+simply overwritten next time. The extra position (``scratch``) takes the writes of padding rows in a ragged block,
+which would otherwise land past the end of a slot whose row is deep in its context.
 """
 from __future__ import annotations
 
@@ -12,11 +14,12 @@ import torch
 class KVCache:
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str):
-        shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
+        shape = (num_layers, num_slots, num_kv_heads, max_len + 1, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(num_slots, dtype=torch.long)  # host copy: shapes are decided on the host
         self.max_len = max_len
+        self.scratch = max_len  # never committed, never read by a real row
 
     @property
     def num_slots(self) -> int:
@@ -34,13 +37,13 @@ class KVCache:
         """Keys and values ``[B, H, kv_len, D]`` of ``slots`` (a slice avoids a copy when slots are contiguous)."""
         return self.k[layer, slots, :, :kv_len], self.v[layer, slots, :, :kv_len]
 
-    def compact(self, slots: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    def keep_accepted(self, slots: list[int], src: torch.Tensor, dst: torch.Tensor) -> None:
         """Move positions ``src [B, A]`` to ``dst [B, A]`` in every layer (one gather + one scatter per tensor).
 
-        Used after verification to pack the accepted tree path right after the committed prefix. Entries with
+        Used after verification to place the accepted tree path right after the committed prefix. Entries with
         ``src == dst`` are no-ops, so callers pad ragged rows that way.
         """
-        bi = slots.to(self.k.device).view(-1, 1).expand_as(src)
+        bi = torch.tensor(slots).to(self.k.device, non_blocking=True).view(-1, 1).expand_as(src)
         src, dst = src.to(self.k.device), dst.to(self.k.device)
         for cache in (self.k, self.v):
             cache[:, bi, :, dst] = cache[:, bi, :, src]

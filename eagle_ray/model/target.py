@@ -80,21 +80,29 @@ class TargetModel:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, slots: list[int], depth: torch.Tensor,
-                block_mask: torch.Tensor) -> torch.Tensor:
+                block_mask: torch.Tensor, n_valid: torch.Tensor | None = None,
+                capture: tuple[int, ...] | None = None):
         """Run ``tokens [B, T]`` on top of each slot's committed prefix; returns post-norm hidden ``[B, T, d]``.
 
         Row ``t`` of slot ``b`` sits at position ``lengths[b] + depth[b, t]`` and attends to the prefix plus the
         block columns where ``block_mask[b, t]`` is True. K/V land at ``[lengths, lengths + T)``; the caller
-        commits them (prefill) or compacts the accepted ones (verify).
+        commits them (prefill) or keeps the accepted ones (verify). ``n_valid``: see ``make_block_meta``.
+        With ``capture`` (layer indices) it also returns the hidden states at the inputs of those layers,
+        concatenated ``[B, T, len(capture) * d]`` (an EAGLE-3 head's features), from the same pass.
         """
-        meta = make_block_meta(self.cache, slots, block_mask, invariant=self.batch_invariant)
+        meta = make_block_meta(self.cache, slots, block_mask, invariant=self.batch_invariant, n_valid=n_valid)
         positions = self.cache.lengths[slots].to(self.device).view(-1, 1) + depth.to(self.device)
         hidden = self.model.embed_tokens(tokens.to(self.device))
         cos, sin = self.model.rotary_emb(hidden, positions)  # in the model dtype, like q and k
         if self.fp32_activations:
             hidden = hidden.float()
+        captured = []
         for i, layer in enumerate(self.layers):
+            if capture and i in capture:
+                captured.append(hidden)
             hidden = decoder_layer(layer, hidden, cos, sin, self.cache, i, meta)
+        if capture:
+            return self.model.norm(hidden), torch.cat(captured, dim=-1)
         return self.model.norm(hidden)
 
     @torch.inference_mode()
@@ -122,7 +130,7 @@ class InputMajorLinear(torch.nn.Module):
     """``y = x @ W^T + b`` with ``W^T`` stored contiguous (input-major).
 
     On CPU, MKL's sgemm is several times faster for the 4-32 row products of a verify pass when the weight is
-    stored [in, out] instead of nn.Linear's [out, in] (measured on the 2-core dev machine: 8 rows x 576 x 1536,
+    stored [in, out] instead of nn.Linear's [out, in] (measured on a 2-core Intel Xeon: 8 rows x 576 x 1536,
     ~0.2 ms against ~0.6 ms); single-row decode is no slower. CUDA keeps nn.Linear.
     """
 

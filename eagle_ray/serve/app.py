@@ -5,7 +5,6 @@ that disconnects mid-stream has its request cancelled (its slot is free before t
 what is in flight.
 """
 
-import hmac
 import json
 import os
 import time
@@ -13,13 +12,12 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import ValidationError
 from ray import serve
 
-from eagle_ray.config import SamplingParams, ServeConfig
-from eagle_ray.errors import EagleError, PromptTooLongError
-from eagle_ray.serve.openai_api import (ChatRequest, CompletionRequest, eagle_stats, error_body, finish_reason,
-                                        new_id, now)
+from eagle_ray.config import ServeConfig
+from eagle_ray.errors import EagleError, EngineDeadError, PromptTooLongError
+from eagle_ray.serve.openai_api import (ApiError, ParsedRequest, authorized, eagle_stats, error_body, finish_reason,
+                                        new_id, now, parse_body)
 
 api = FastAPI(title="eagle-ray", docs_url=None, redoc_url=None)
 
@@ -34,16 +32,26 @@ def _unauthorized() -> JSONResponse:
                 code="invalid_api_key")
 
 
+def _engine_error(e: EagleError) -> JSONResponse:
+    if isinstance(e, EngineDeadError):
+        return _err(503, str(e), "server_error", code="engine_failed")
+    return _err(400, str(e), code="context_length_exceeded" if isinstance(e, PromptTooLongError) else None)
+
+
 def _usage(out) -> dict:
     return {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(out.token_ids),
             "total_tokens": len(out.prompt_token_ids) + len(out.token_ids)}
 
 
-def _validation_message(e: ValidationError) -> tuple[str, str | None]:
-    first = e.errors()[0]
-    param = ".".join(str(p) for p in first["loc"]) or None
-    msgs = "; ".join(f"{'.'.join(str(p) for p in x['loc'])}: {x['msg']}" for x in e.errors())
-    return msgs, param
+def api_key_from_env(cfg: ServeConfig) -> str | None:
+    """The bearer key, when the config asks for one; fails closed (a missing secret must not turn auth off)."""
+    if not cfg.api_key_env:
+        return None
+    key = os.environ.get(cfg.api_key_env)
+    if not key:
+        raise RuntimeError(f"api_key_env={cfg.api_key_env!r} is set but that environment variable is empty or "
+                           "missing on this replica")
+    return key
 
 
 class _Metrics:
@@ -70,63 +78,55 @@ class EagleServer:
         from eagle_ray.engine.queue import RequestQueue
 
         self.cfg = ServeConfig(**json.loads(config_json))
+        self.api_key = api_key_from_env(self.cfg)  # before the model loads: a missing secret fails in seconds
         engine_cfg = self.cfg.engine.for_ray_worker(self.cfg.num_cpus, self.cfg.num_gpus)
         self.engine = EagleEngine.from_config(engine_cfg, self.cfg.s3.storage_options())
         self.queue = RequestQueue(self.engine)
-        self.api_key = None
-        if self.cfg.api_key_env:  # fail closed: a missing secret must not silently turn auth off
-            self.api_key = os.environ.get(self.cfg.api_key_env)
-            if not self.api_key:
-                raise RuntimeError(f"api_key_env={self.cfg.api_key_env!r} is set but that environment variable is "
-                                   "empty or missing on this replica")
         self.metrics = _Metrics()
+
+    def check_health(self):
+        """Serve's replica health check: a replica whose engine failed is replaced."""
+        if not self.queue.healthy:
+            raise RuntimeError(f"the engine failed: {self.queue.dead!r}")
 
     # ---- plumbing ---------------------------------------------------------------------------------------------
     def _authorized(self, request: Request) -> bool:
-        if self.api_key is None:
-            return True
-        return hmac.compare_digest(request.headers.get("authorization", "").encode(),
-                                   f"Bearer {self.api_key}".encode())
+        return authorized(request.headers.get("authorization"), self.api_key)
 
-    def _check(self, request: Request, body_model, raw: bytes):
-        """Auth, JSON, schema, model name and limits; returns (parsed request, None) or (None, error response)."""
+    async def _read(self, request: Request, kind: str) -> ParsedRequest:
+        """Auth, size, JSON, schema, model name and limits (cheap: no tokenisation); raises ApiError."""
         if not self._authorized(request):
-            return None, _unauthorized()
-        try:
-            data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return None, _err(400, f"request body is not valid JSON: {e}")
-        if not isinstance(data, dict):
-            return None, _err(400, "request body must be a JSON object")
-        try:
-            req = body_model(**data)
-        except ValidationError as e:
-            msg, param = _validation_message(e)
-            return None, _err(400, msg, param=param)
-        if req.model != self.cfg.model_name:
-            return None, _err(404, f"model {req.model!r} does not exist; this server serves {self.cfg.model_name!r}",
-                              param="model", code="model_not_found")
-        limit = req.max_tokens or getattr(req, "max_completion_tokens", None)
-        if limit is not None and limit > self.cfg.max_tokens_cap:
-            return None, _err(400, f"max_tokens={limit} is above this server's cap of {self.cfg.max_tokens_cap}",
-                              param="max_tokens")
-        return req, None
+            raise ApiError(401, "missing or wrong API key (Authorization: Bearer <key>)", "authentication_error",
+                           code="invalid_api_key")
+        limit = self.cfg.max_request_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, f"request body is {declared} bytes, over this server's limit of {limit}")
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > limit:
+                raise ApiError(413, f"request body is over this server's limit of {limit} bytes")
+        return parse_body(bytes(raw), kind, self.cfg.model_name, self.cfg.max_tokens_cap,
+                          self.cfg.default_max_tokens)
 
-    async def _run(self, req, prompt, kind: str):
-        params = req.sampling(self.cfg.default_max_tokens)
+    async def _handle(self, request: Request, kind: str):
+        try:
+            req = await self._read(request, kind)
+        except ApiError as e:
+            return JSONResponse(e.body(), status_code=e.status)
         rid = new_id("chatcmpl" if kind == "chat" else "cmpl")
         self.metrics.requests.inc()
-        if req.stream:
-            # validate before the 200 goes out: a too-long prompt must still be a 400
-            try:
-                self._precheck(prompt)
-            except EagleError as e:
-                return _err(400, str(e), code="context_length_exceeded" if isinstance(e, PromptTooLongError) else None)
-            return StreamingResponse(self._sse(req, prompt, params, rid, kind), media_type="text/event-stream")
-        try:
-            out = await self.queue.agenerate(prompt, params, request_id=rid, speculative=self.cfg.speculative)
+        try:  # tokenised in a worker thread; a too-long prompt is a 400 before any 200 goes out
+            seq = await self.queue.aprepare(req.prompt, req.params, rid, self.cfg.speculative)
         except EagleError as e:
-            return _err(400, str(e), code="context_length_exceeded" if isinstance(e, PromptTooLongError) else None)
+            return _engine_error(e)
+        if req.stream:
+            return StreamingResponse(self._sse(req.body, seq, rid, kind), media_type="text/event-stream")
+        try:
+            out = await self.queue.agenerate(seq)
+        except EagleError as e:
+            return _engine_error(e)
         except Exception as e:  # noqa: BLE001 - an engine failure: OpenAI-shaped 500, the server stays up
             return _err(500, f"{type(e).__name__}: {e}", "server_error")
         self.metrics.record(out)
@@ -141,11 +141,7 @@ class EagleServer:
         return JSONResponse({"id": rid, "object": obj, "created": now(), "model": self.cfg.model_name,
                              "choices": [choice], "usage": _usage(out), "eagle": eagle_stats(out.stats)})
 
-    def _precheck(self, prompt) -> None:
-        """Tokenize and size-check without queueing (the engine thread re-does it; cheap next to generation)."""
-        self.engine.make_sequence(prompt, SamplingParams())  # raises typed errors (tokenizer failures included)
-
-    async def _sse(self, req, prompt, params, rid: str, kind: str):
+    async def _sse(self, req, seq, rid: str, kind: str):
         created = now()
         include_usage = bool((req.stream_options or {}).get("include_usage"))
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
@@ -162,7 +158,7 @@ class EagleServer:
 
         first = True
         try:
-            async for d in self.queue.astream(prompt, params, request_id=rid, speculative=self.cfg.speculative):
+            async for d in self.queue.astream(seq):
                 if d.text or first:
                     yield f"data: {json.dumps(chunk(d.text, None, first))}\n\n"
                     first = False
@@ -205,19 +201,11 @@ class EagleServer:
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):
-        req, err = self._check(request, CompletionRequest, await request.body())
-        return err or await self._run(req, req.prompt, "completion")
+        return await self._handle(request, "completion")
 
     @api.post("/v1/chat/completions")
     async def chat(self, request: Request):
-        req, err = self._check(request, ChatRequest, await request.body())
-        if err:
-            return err
-        try:
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        except ValueError as e:
-            return _err(400, str(e), param="messages")
-        return await self._run(req, messages, "chat")
+        return await self._handle(request, "chat")
 
     def __del__(self):
         queue = getattr(self, "queue", None)
@@ -242,7 +230,8 @@ def build_app(args: dict):
 
 def run(cfg: ServeConfig, blocking: bool = True):
     """Start Serve on ``cfg.host:cfg.port`` (a local Ray on 127.0.0.1 unless RAY_ADDRESS is set)."""
-    from eagle_ray.data.job import ensure_ray
+    from eagle_ray.cluster import ensure_ray
+    api_key_from_env(cfg)  # a local replica inherits this environment: fail now, not after the model loads
     ensure_ray()
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
     serve.run(build_app(json.loads(cfg.model_dump_json())), name="eagle-ray", route_prefix=cfg.route_prefix,

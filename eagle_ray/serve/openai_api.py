@@ -1,18 +1,38 @@
 """OpenAI request/response shapes for completions and chat completions (the subset eagle-ray serves).
 
-Requests are validated here so a bad one becomes a 400 with a reason naming the field, in OpenAI's error body.
-Unknown fields are ignored (clients send many), unsupported ones that change semantics (``n > 1``, ``logprobs``)
-are refused.
+:func:`parse_body` turns the raw bytes of a request into a typed :class:`ParsedRequest` or raises
+:class:`ApiError` (a 4xx with OpenAI's error body naming the field). It is pure and cheap (no tokenisation), so it
+runs on the event loop and is fuzzed directly by the tests. Prompt and sampling values go through the engine's
+request parser, the same one the batch job uses. Unknown fields are ignored (clients send many); unsupported ones
+that change semantics (``n > 1``, ``logprobs``, penalties) are refused.
 """
 from __future__ import annotations
 
+import hmac
+import json
 import time
 import uuid
-from typing import Literal
+from dataclasses import dataclass
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from eagle_ray.config import SamplingParams
+from eagle_ray.engine.request import (MAX_NESTING, Prompt, nesting_depth, parse_messages, parse_prompt,
+                                     sampling_params, storable)
+from eagle_ray.errors import InvalidRequestError
 from eagle_ray.stats import RequestStats
+
+
+class ApiError(Exception):
+    """An HTTP error with OpenAI's body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
 
 
 class _Request(BaseModel):
@@ -21,7 +41,7 @@ class _Request(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)
+    top_k: int = Field(0, ge=-1, description="-1 or 0: off")
     n: int = Field(1, ge=1, le=1, description="one choice per request")
     stop: str | list[str] | None = None
     seed: int | None = None
@@ -54,57 +74,102 @@ class _Request(BaseModel):
             raise ValueError("stop must be up to 4 non-empty strings")
         return stops
 
-    def sampling(self, default_max_tokens: int):
-        from eagle_ray.config import SamplingParams
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0),
-                              max_new_tokens=self.max_tokens or default_max_tokens, stop=self.stop or [],
-                              seed=self.seed, ignore_eos=self.ignore_eos)
+    def limit(self) -> int | None:
+        return self.max_tokens
+
+    def sampling(self, default_max_tokens: int) -> SamplingParams:
+        """The request's sampling, validated by the engine's parser (a bad seed or top_k is a 400 naming it)."""
+        return sampling_params({"temperature": self.temperature, "top_p": self.top_p, "top_k": max(self.top_k, 0),
+                                "max_new_tokens": self.limit() or default_max_tokens, "stop": self.stop or [],
+                                "seed": self.seed, "ignore_eos": self.ignore_eos}, field=None)
 
 
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[int]
 
-    @field_validator("prompt")
-    @classmethod
-    def _one_prompt(cls, v):
+    def to_prompt(self) -> Prompt:
+        v = self.prompt
         if isinstance(v, list) and v and isinstance(v[0], str):
             if len(v) != 1:
-                raise ValueError("one prompt per request")
+                raise InvalidRequestError("prompt: one prompt per request")
             v = v[0]
-        if (isinstance(v, str) and not v) or (isinstance(v, list) and not v):
-            raise ValueError("prompt is empty")
-        return v
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict]
-
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for p in self.content:
-            if p.get("type") != "text" or not isinstance(p.get("text"), str):
-                raise ValueError("only text content parts are supported")
-            parts.append(p["text"])
-        return "".join(parts)
+        return parse_prompt(v, "prompt")
 
 
 class ChatRequest(_Request):
-    messages: list[ChatMessage] = Field(..., min_length=1)
+    messages: list = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
 
-    def sampling(self, default_max_tokens: int):
-        if self.max_completion_tokens and not self.max_tokens:
-            self.max_tokens = self.max_completion_tokens
-        return super().sampling(default_max_tokens)
+    def limit(self) -> int | None:
+        return self.max_tokens or self.max_completion_tokens
+
+    def to_prompt(self) -> Prompt:
+        return Prompt("messages", parse_messages(self.messages, "messages"))
+
+
+@dataclass
+class ParsedRequest:
+    body: CompletionRequest | ChatRequest
+    prompt: Prompt
+    params: SamplingParams
+
+    @property
+    def stream(self) -> bool:
+        return self.body.stream
+
+
+def parse_body(raw: bytes, kind: str, model_name: str, max_tokens_cap: int, default_max_tokens: int
+               ) -> ParsedRequest:
+    """Validate one request body (``kind``: "completion" or "chat"); raises :class:`ApiError`."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ApiError(400, f"request body is nested deeper than {MAX_NESTING} levels") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    if nesting_depth(data) > MAX_NESTING:
+        raise ApiError(400, f"request body is nested deeper than {MAX_NESTING} levels")
+    try:
+        req = (ChatRequest if kind == "chat" else CompletionRequest)(**data)
+    except ValidationError as e:
+        msg, param = _validation_message(e)
+        raise ApiError(400, msg, param=param) from None
+    except (TypeError, RecursionError) as e:  # e.g. keys that are not strings cannot be keyword arguments
+        raise ApiError(400, f"malformed request: {e}") from None
+    if req.model != model_name:
+        raise ApiError(404, f"model {req.model!r} does not exist; this server serves {model_name!r}",
+                       param="model", code="model_not_found")
+    limit = req.limit()
+    if limit is not None and limit > max_tokens_cap:
+        raise ApiError(400, f"max_tokens={limit} is above this server's cap of {max_tokens_cap}", param="max_tokens")
+    try:
+        return ParsedRequest(req, req.to_prompt(), req.sampling(default_max_tokens))
+    except InvalidRequestError as e:
+        raise ApiError(400, str(e), param=str(e).split(":", 1)[0].split(" ", 1)[0] or None) from None
+
+
+def authorized(header: str | None, api_key: str | None) -> bool:
+    """``Authorization: Bearer <key>``; the scheme is case-insensitive (RFC 7235)."""
+    if api_key is None:
+        return True
+    scheme, _, token = (header or "").strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+
+
+def _validation_message(e: ValidationError) -> tuple[str, str | None]:
+    first = e.errors()[0]
+    param = ".".join(str(p) for p in first["loc"]) or None
+    msgs = "; ".join(f"{'.'.join(str(p) for p in x['loc'])}: {x['msg']}" for x in e.errors())
+    return msgs, param
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    """OpenAI's error object; text that quotes the request is made UTF-8-safe (it may hold lone surrogates)."""
+    return {"error": {"message": storable(message), "type": type_, "param": None if param is None else storable(param),
+                      "code": code}}
 
 
 def finish_reason(reason: str | None) -> str | None:

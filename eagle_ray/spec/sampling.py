@@ -15,17 +15,51 @@ class SamplingBatch:
     temperature: torch.Tensor  # [B] float, 0 = greedy
     top_k: torch.Tensor        # [B] long, 0 = off
     top_p: torch.Tensor        # [B] float, 1 = off
-    generators: list[torch.Generator | None]
+    seed: torch.Tensor         # [B] long: with the position, keys the sampling noise
 
     @property
     def all_greedy(self) -> bool:
         return bool((self.temperature < 1e-5).all())
 
     @classmethod
-    def from_params(cls, params: list, generators: list, device) -> "SamplingBatch":
-        return cls(torch.tensor([p.temperature for p in params], device=device),
-                   torch.tensor([p.top_k for p in params], device=device),
-                   torch.tensor([p.top_p for p in params], device=device), generators)
+    def of(cls, seqs: list, device) -> "SamplingBatch":
+        """From sequences' ``params`` and ``seed`` (one host-to-device copy)."""
+        rows = torch.tensor([[s.params.temperature, s.params.top_k, s.params.top_p, s.seed] for s in seqs],
+                            dtype=torch.float64)
+        if not bool((rows[:, 0] >= 1e-5).any()):  # all greedy: nothing else is read
+            zeros = torch.zeros(len(seqs), device=device)
+            return cls(zeros, zeros.long(), zeros + 1, zeros.long())
+        seeds = torch.tensor([s.seed for s in seqs], dtype=torch.long)
+        return cls(rows[:, 0].float().to(device), rows[:, 1].long().to(device), rows[:, 2].float().to(device),
+                   seeds.to(device))
+
+
+_M1, _M2 = -4658895280553007687, -7723592293110705685   # splitmix64's odd multipliers as signed 64-bit
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    return (x >> s) & ((1 << (64 - s)) - 1)             # logical shift on int64
+
+
+def _mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser: a bijection of 64-bit integers whose outputs pass as independent uniforms."""
+    x = (x ^ _shr(x, 30)) * _M1
+    x = (x ^ _shr(x, 27)) * _M2
+    return x ^ _shr(x, 31)
+
+
+def position_noise(seed: torch.Tensor, position: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) noise ``[..., V]`` that depends only on (seed, position, token): ``seed [N]``, ``position [N]``.
+
+    Sampling draws ``argmax(p / E)`` (an exponential race: a draw from ``p``). Keyed by the position the sampled
+    token will take, the draw at a position is the same whether the token is decoded alone, inside a verified
+    tree, or next to any other requests: a seeded request's output does not depend on its batch, its tree or on
+    speculation at all, and distinct positions get independent noise, so every token is an exact draw.
+    """
+    key = _mix64(_mix64(seed.long()) ^ position.long())                     # [N]
+    h = _mix64(key.unsqueeze(-1) + torch.arange(vocab, device=seed.device) * 0x9E3779B97F4A7C15)
+    u = (_shr(h, 40).float() + 0.5) * (2.0 ** -24)                          # (0, 1), 24 bits
+    return -torch.log(u)
 
 
 def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -56,9 +90,10 @@ def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     return logits.softmax(-1)
 
 
-def choose_tokens(logits: torch.Tensor, sampling: SamplingBatch) -> torch.Tensor:
+def choose_tokens(logits: torch.Tensor, sampling: SamplingBatch, positions: torch.Tensor) -> torch.Tensor:
     """The target's choice at every row of ``logits [B, T, V]``: argmax for greedy sequences, a sample from the
-    processed distribution otherwise. Each row is drawn independently (what lossless tree acceptance needs)."""
+    processed distribution otherwise. ``positions [B, T]``: the position the chosen token takes in its sequence
+    (keys the noise, see :func:`position_noise`); rows at distinct positions are independent draws."""
     B, T, V = logits.shape
     greedy = logits.argmax(-1)
     if sampling.all_greedy:
@@ -66,12 +101,9 @@ def choose_tokens(logits: torch.Tensor, sampling: SamplingBatch) -> torch.Tensor
     rows = (sampling.temperature >= 1e-5).nonzero().flatten()
     rep = lambda x: x[rows].repeat_interleave(T)  # noqa: E731
     probs = processed_probs(logits[rows].reshape(-1, V).float(), rep(sampling.temperature), rep(sampling.top_k),
-                            rep(sampling.top_p)).view(len(rows), T, V)
-    # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) is a draw from p; noise per sequence generator.
-    noise = torch.empty_like(probs)
-    for j, b in enumerate(rows.tolist()):
-        noise[j].exponential_(generator=sampling.generators[b])
-    sampled = (probs / noise).argmax(-1)
+                            rep(sampling.top_p))
+    noise = position_noise(rep(sampling.seed), positions[rows].reshape(-1), V)
+    sampled = (probs / noise).argmax(-1).view(len(rows), T)
     out = greedy.clone()
     out[rows] = sampled
     return out

@@ -24,6 +24,7 @@ class TreeTrace:
     depth: list[torch.Tensor] = field(default_factory=list)     # [B, T]
     valid: list[torch.Tensor] = field(default_factory=list)     # [B, T]
     accepted: list[torch.Tensor] = field(default_factory=list)  # [B, T] on the accepted path (root included)
+    tokens: list[torch.Tensor] = field(default_factory=list)    # [B, T] node tokens (root first)
     _stacked: dict | None = field(default=None, repr=False)
 
     def record(self, tree: Tree, accepted_nodes: torch.Tensor) -> None:
@@ -36,6 +37,7 @@ class TreeTrace:
         self.depth.append(tree.depth.cpu())
         self.valid.append(tree.valid.cpu())
         self.accepted.append(on_path.cpu())
+        self.tokens.append(tree.tokens.cpu())
 
     def __len__(self) -> int:
         return sum(s.shape[0] for s in self.scores)

@@ -237,7 +237,7 @@ def _with_valid(tree: Tree, valid: torch.Tensor) -> Tree:
                 torch.where(valid.unsqueeze(-1), tree.ancestors, eye), torch.where(valid, tree.scores, float("-inf")))
 
 
-def pack(tree: Tree) -> Tree:
+def drop_padding(tree: Tree) -> Tree:
     """Move each tree's valid nodes to the front (keeping their order, so parents still precede children) and
     drop the all-padding columns: the verify pass is as wide as the largest tree, not the widest budget."""
     B, T = tree.tokens.shape

@@ -28,33 +28,56 @@ def read_shard(path: str | Path) -> list[dict]:
     t = load_file(str(path))
     off = t["offsets"].tolist()
     return [{"input_ids": t["input_ids"][a:b].long(), "loss_mask": t["loss_mask"][a:b],
-             "hidden": t["hidden"][a:b], "conv_index": int(t["conv_index"][i])}
+             "hidden": t["hidden"][a:b], "conv_index": int(t["conv_index"][i]),
+             **({"aux": t["aux"][a:b]} if "aux" in t else {})}
             for i, (a, b) in enumerate(zip(off[:-1], off[1:]))]
 
 
+def token_ids_and_mask(tokenizer, conv, max_len: int) -> tuple[list[int], list[int]]:
+    """A conversation as (ids, loss mask): chat messages are templated; a self-distilled row already is token ids
+    (``{"prompt_ids", "answer_ids"}``: the answer is what the head learns)."""
+    if isinstance(conv, dict) and "answer_ids" in conv:
+        ids = list(conv["prompt_ids"]) + list(conv["answer_ids"])
+        mask = [0] * len(conv["prompt_ids"]) + [1] * len(conv["answer_ids"])
+        return ids[:max_len], mask[:max_len]
+    return tokenize_with_loss_mask(tokenizer, conv, max_len)
+
+
 @torch.inference_mode()
-def extract_features(model, tokenizer, conversations: list[tuple[int, list[dict]]], max_len: int) -> dict:
-    """Tensors of one shard for ``conversations`` = [(global index, messages)]; conversations with no learnable
-    token are skipped (recorded nowhere, as they carry no signal)."""
+def extract_features(model, tokenizer, conversations: list[tuple[int, object]], max_len: int,
+                     capture: tuple[int, ...] | None = None) -> dict:
+    """Tensors of one shard for ``conversations`` = [(global index, messages or token ids)]; conversations with no
+    learnable token are skipped (recorded nowhere, as they carry no signal). With ``capture`` (an EAGLE-3 head's
+    layers) the shard also holds ``aux``: the inputs of those layers, concatenated, from the same forward."""
     device = next(model.parameters()).device
-    ids_all, mask_all, hid_all, offsets, conv_index = [], [], [], [0], []
-    for index, messages in conversations:
-        ids, mask = tokenize_with_loss_mask(tokenizer, messages, max_len)
+    ids_all, mask_all, hid_all, aux_all, offsets, conv_index = [], [], [], [], [0], []
+    for index, conv in conversations:
+        ids, mask = token_ids_and_mask(tokenizer, conv, max_len)
         if sum(mask[1:]) == 0:
             continue
         x = torch.tensor([ids], device=device)
-        hidden = model.model(input_ids=x).last_hidden_state[0]  # post-norm, = hidden_states[-1]
+        out = model.model(input_ids=x, output_hidden_states=bool(capture))
+        hidden = out.last_hidden_state[0]  # post-norm, = hidden_states[-1]
+        if capture:  # hidden_states[i] is the input of layer i
+            aux_all.append(torch.cat([out.hidden_states[i][0] for i in capture], -1).to("cpu", torch.bfloat16))
         ids_all.append(torch.tensor(ids, dtype=torch.int32))
         mask_all.append(torch.tensor(mask, dtype=torch.uint8))
         hid_all.append(hidden.to("cpu", torch.bfloat16))
         offsets.append(offsets[-1] + len(ids))
         conv_index.append(index)
+    d = model.config.hidden_size
     if not ids_all:
-        return {"input_ids": torch.zeros(0, dtype=torch.int32), "loss_mask": torch.zeros(0, dtype=torch.uint8),
-                "hidden": torch.zeros(0, model.config.hidden_size, dtype=torch.bfloat16),
-                "offsets": torch.zeros(1, dtype=torch.int64), "conv_index": torch.zeros(0, dtype=torch.int64)}
-    return {"input_ids": torch.cat(ids_all), "loss_mask": torch.cat(mask_all), "hidden": torch.cat(hid_all),
-            "offsets": torch.tensor(offsets, dtype=torch.int64), "conv_index": torch.tensor(conv_index)}
+        out = {"input_ids": torch.zeros(0, dtype=torch.int32), "loss_mask": torch.zeros(0, dtype=torch.uint8),
+               "hidden": torch.zeros(0, d, dtype=torch.bfloat16),
+               "offsets": torch.zeros(1, dtype=torch.int64), "conv_index": torch.zeros(0, dtype=torch.int64)}
+        if capture:
+            out["aux"] = torch.zeros(0, d * len(capture), dtype=torch.bfloat16)
+        return out
+    out = {"input_ids": torch.cat(ids_all), "loss_mask": torch.cat(mask_all), "hidden": torch.cat(hid_all),
+           "offsets": torch.tensor(offsets, dtype=torch.int64), "conv_index": torch.tensor(conv_index)}
+    if capture:
+        out["aux"] = torch.cat(aux_all)
+    return out
 
 
 def write_shard(out_dir: Path, index: int, tensors: dict) -> Path:
@@ -85,9 +108,17 @@ def iter_job_output(source: str) -> Iterable[list[dict] | None]:
         yield to_messages({"messages": msgs + [{"role": "assistant", "content": r["output"]}]})
 
 
-def iter_conversations(source: str | None) -> Iterable[list[dict] | None]:
-    """Messages per record of ``source`` (None = the ShareGPT wheel; a ShareGPT .json; JSONL of messages; or a
-    batch-job output directory / .parquet file), None for records without an assistant turn."""
+def iter_conversations(source: str | None) -> Iterable[list[dict] | dict | None]:
+    """Messages per record of ``source`` (None = the ShareGPT wheel; a ShareGPT .json; JSONL of messages; a
+    batch-job output directory / .parquet file; or ``selfdistill``: the committed self-distilled answers as token
+    ids), None for records without an assistant turn."""
+    if source == "selfdistill" or (source is not None and Path(source, "manifest.json").exists()) or \
+            (source is not None and list(Path(source).glob("*/manifest.json"))):
+        from eagle_ray.train.selfdistill import load_answers
+        table = load_answers(None if source == "selfdistill" else source)
+        for p, a in zip(table["prompt_ids"].to_pylist(), table["answer_ids"].to_pylist()):
+            yield {"prompt_ids": p, "answer_ids": a}
+        return
     if source is not None and (Path(source).is_dir() or source.endswith(".parquet")):
         yield from iter_job_output(source)
         return
@@ -139,15 +170,20 @@ def pending_shards(source: str | None, max_conversations: int, shard_size: int, 
 
 
 def run_local(out_dir: str, target: str | None, source: str | None, max_conversations: int, shard_size: int,
-              max_len: int, dtype: str, threads: int, worker: int = 0, num_workers: int = 1) -> None:
+              max_len: int, dtype: str, threads: int, worker: int = 0, num_workers: int = 1,
+              eagle3: bool = False) -> None:
     """Single-process extraction; ``workers`` processes split the shards by index. Each shard is written
     atomically, so a killed run restarted with the same arguments writes every conversation exactly once."""
     model, tok = load_target(target, dtype, threads)
+    capture = None
+    if eagle3:
+        from eagle_ray.model.eagle3_head import capture_layers
+        capture = capture_layers(model.config.num_hidden_layers)
     out = Path(out_dir)
     t0, done_tokens = time.time(), 0
     skip = lambda k: k % num_workers != worker or (out / shard_name(k)).exists()  # noqa: E731
     for shard, batch in pending_shards(source, max_conversations, shard_size, skip):
-        tensors = extract_features(model, tok, batch, max_len)
+        tensors = extract_features(model, tok, batch, max_len, capture)
         write_shard(out, shard, tensors)
         done_tokens += len(tensors["input_ids"])
         print(f"shard {shard}: {len(batch)} convs, {len(tensors['input_ids'])} tokens, "
@@ -208,7 +244,7 @@ def run_ray(out: str, target: str | None, source: str | None, max_conversations:
     import fsspec
     import ray
 
-    from eagle_ray.data.job import ensure_ray
+    from eagle_ray.cluster import ensure_ray
 
     storage_options = storage_options or {}
     fs, root = fsspec.core.url_to_fs(out, **storage_options)
@@ -243,7 +279,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description="Extract target features for drafter training (local, resumable).")
     p.add_argument("--out", required=True)
     p.add_argument("--target", default=None)
-    p.add_argument("--source", default=None, help="ShareGPT .json or JSONL of messages (default: the ShareGPT wheel)")
+    p.add_argument("--source", default=None, help="ShareGPT .json, JSONL of messages, a job output, or 'selfdistill' "
+                   "(the committed self-distilled token ids); default: the ShareGPT wheel")
     p.add_argument("--max-conversations", type=int, default=20000)
     p.add_argument("--shard-size", type=int, default=32)
     p.add_argument("--max-len", type=int, default=2048)
@@ -251,9 +288,10 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--worker", type=int, default=0, help="this process takes shards with index %% workers == worker")
     p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--eagle3", action="store_true", help="also store the three layer inputs an EAGLE-3 head reads")
     a = p.parse_args(argv)
     run_local(a.out, a.target, a.source, a.max_conversations, a.shard_size, a.max_len, a.dtype, a.threads,
-              a.worker, a.workers)
+              a.worker, a.workers, a.eagle3)
 
 
 if __name__ == "__main__":

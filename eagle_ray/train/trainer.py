@@ -1,4 +1,4 @@
-"""EAGLE-1/2 drafter training on extracted features.
+"""Drafter training on extracted features: EAGLE-1/2 heads here, EAGLE-3 heads with ``eagle_ray.train.eagle3``.
 
 Recipe (Li et al.; SafeAILab e2): the head sees (feature f_i, token x_{i+1}) and regresses f_{i+1} with SmoothL1,
 plus 0.1 x soft cross-entropy between lm_head(prediction) and the target's distribution lm_head(f_{i+1}) (the
@@ -181,6 +181,18 @@ def losses(head: DraftHead, lm_weight: torch.Tensor, tokens, feats, target, mask
     return vloss, ploss, acc, n0, steps_out
 
 
+def batch_losses(head, lm_weight, convs, idx, cfg: TrainConfig, gen, train: bool, vocab=None, steps=None):
+    """(loss, feature loss, CE loss, top-1, scored, per step) of a batch, for either head kind: an EAGLE-1/2 head
+    regresses features plus ``ce_weight`` x CE; an EAGLE-3 head has the CE alone (``eagle_ray.train.eagle3``)."""
+    if getattr(head, "kind", "eagle2") == "eagle3":
+        from eagle_ray.train import eagle3
+        v, p, acc, n, per = eagle3.losses(head, lm_weight, eagle3.collate(convs, idx, cfg.max_len), cfg, gen, train,
+                                          steps)
+        return v + p, v, p, acc, n, per
+    v, p, acc, n, per = losses(head, lm_weight, *collate(convs, idx, cfg.max_len), cfg, gen, train, vocab, steps)
+    return v + cfg.ce_weight * p, v, p, acc, n, per
+
+
 def save_checkpoint(path: Path, head, opt, state: dict) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "state": state}, tmp)
@@ -218,19 +230,18 @@ def train(convs: list[dict], head: DraftHead, lm_weight: torch.Tensor, out_dir: 
             if max_steps is not None and state["step"] >= max_steps:
                 return state
             gen = torch.Generator().manual_seed(cfg.seed * 7919 + state["step"])
-            tokens, feats, target, mask = collate(train_set, batches[state["batch"]], cfg.max_len)
             for g in opt.param_groups:
                 g["lr"] = cfg.lr * sched(state["step"])
             head.train()
-            vloss, ploss, acc, _, _ = losses(head, lm_weight, tokens, feats, target, mask, cfg, gen, True, vocab)
-            loss = vloss + cfg.ce_weight * ploss
+            loss, vloss, ploss, acc, scored, _ = batch_losses(head, lm_weight, train_set, batches[state["batch"]], cfg,
+                                                              gen, True, vocab)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_value_(params, cfg.grad_clip)
             opt.step()
             state["step"] += 1
             state["batch"] += 1
-            seen += int(mask.sum())
+            seen += scored
             if state["step"] % 20 == 0:
                 log(f"step {state['step']}/{total} epoch {state['epoch']} vloss {vloss.item():.4f} "
                     f"ploss {ploss.item():.3f} acc {acc:.3f} {seen / (time.time() - t0):.0f} tok/s")
@@ -256,8 +267,7 @@ def evaluate(head: DraftHead, lm_weight: torch.Tensor, convs: list[dict], cfg: T
     steps = max(cfg.eval_steps, 1)
     tot_v, tot_acc, n = 0.0, [0.0] * steps, [0] * steps
     for i in range(len(convs)):
-        tokens, feats, target, mask = collate(convs, [i], cfg.max_len)
-        per_step = losses(head, lm_weight, tokens, feats, target, mask, cfg, None, False, vocab, steps=steps)[4]
+        per_step = batch_losses(head, lm_weight, convs, [i], cfg, None, False, vocab, steps)[5]
         tot_v += per_step[0]["vloss"] * per_step[0]["scored"]
         for s, st in enumerate(per_step):
             tot_acc[s] += st["top1"] * st["scored"]

@@ -1,0 +1,284 @@
+"""The model side of a step: runs the target and the draft head for a :class:`StepPlan` and returns tokens.
+
+One step is: prompt chunks (one padded target pass) -> draft extend (the head consumes its pending pairs, in passes
+bounded like prefill) -> draft (grow every sequence's tree, one batched head call per level) -> verify (one target
+pass over all trees) -> accept -> keep the accepted path's K/V. Speculative and plain sequences verify in separate
+passes (a plain step is the verification of a one-node tree). Phases hand each other typed values (``Tree``,
+``Acceptance``, ``DecodeResult``); the sequences' state is updated by the scheduler side, not here, except for the
+head's pending pairs, which belong to this side.
+
+Everything runs batched over sequences; Python loops run over sequences (to pack ragged inputs and hand out
+results), never over tree nodes, and a decode pass reads its results back to the host once.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from eagle_ray.config import TreeConfig
+from eagle_ray.engine.scheduler import PrefillChunk, StepPlan
+from eagle_ray.engine.sequence import Sequence
+from eagle_ray.model.draft_head import DraftHead
+from eagle_ray.model.target import TargetModel
+from eagle_ray.spec.accept import accept
+from eagle_ray.spec.sampling import SamplingBatch, choose_tokens
+from eagle_ray.spec.tree import Tree, drop_padding, fit_batch_budget, grow_tree
+
+
+@dataclass
+class SeqResult:
+    """What one sequence got from a step."""
+    seq: Sequence
+    tokens: list[int]             # emitted: accepted drafts + bonus token, or a prompt's first token
+    accepted: int = 0             # accepted draft tokens
+    tree_size: int = 0            # verified tree nodes, root included (0: a prefill)
+
+
+@dataclass
+class StepTimes:
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+    verify_width: int = 0         # columns of the speculative verify pass (B x width target tokens)
+    tree_nodes: int = 0           # real tree nodes in it
+
+
+@dataclass
+class StepOutput:
+    results: list[SeqResult] = field(default_factory=list)
+    times: StepTimes = field(default_factory=StepTimes)
+    decoded: dict[bool, int] = field(default_factory=dict)   # sequences per decode pass, by speculative
+
+
+class Clock:
+    """Wall time of phases; on CUDA it synchronises only when ``sync`` (profiling), so a step stays asynchronous."""
+
+    def __init__(self, device: torch.device, sync: bool = False):
+        self.sync = sync and device.type == "cuda"
+
+    def __call__(self) -> float:
+        if self.sync:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+
+def causal_block(lengths: list[int], width: int, device) -> torch.Tensor:
+    """[B, W, W] causal masks for ragged blocks (rows past a sequence's length are padding)."""
+    idx = torch.arange(width, device=device)
+    return (idx.view(1, -1, 1) >= idx.view(1, 1, -1)).expand(len(lengths), width, width)
+
+
+def root_only_tree(roots: torch.Tensor) -> Tree:
+    """Plain decoding is the verification of a one-node tree."""
+    B = roots.shape[0]
+    zeros = torch.zeros(B, 1, dtype=torch.long, device=roots.device)
+    return Tree(roots.view(B, 1), zeros, zeros, torch.ones(B, 1, dtype=torch.bool, device=roots.device),
+                torch.ones(B, 1, 1, dtype=torch.bool, device=roots.device), torch.zeros(B, 1, device=roots.device))
+
+
+class ModelRunner:
+    def __init__(self, target: TargetModel, draft: DraftHead | None, extend_budget: int):
+        self.target, self.draft = target, draft
+        self.device = target.device
+        self.extend_budget = extend_budget
+        self.profile = False
+        self.trace = None  # a TreeTrace recording verified trees (calibration, tuning); off by default
+
+    # ---- slots ---------------------------------------------------------------------------------------------------
+    def reset_slot(self, slot: int) -> None:
+        self.target.cache.reset(slot)
+        if self.draft is not None:
+            self.draft.cache.reset(slot)
+
+    def move_slot(self, src: int, dst: int) -> None:
+        self.target.cache.move(src, dst)
+        if self.draft is not None:
+            self.draft.cache.move(src, dst)
+
+    # ---- a step --------------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, plan: StepPlan, tree_for, max_verify_tokens: int | None = None) -> StepOutput:
+        clock = Clock(self.device, self.profile)
+        out = StepOutput()
+        t0 = clock()
+        if plan.prefill:
+            out.results += self.prefill(plan.prefill, out.times, clock)
+        spec = [s for s in plan.decode if s.speculative and self.draft is not None]
+        plain = [s for s in plan.decode if not (s.speculative and self.draft is not None)]
+        if spec:
+            out.results += self.decode_speculative(spec, tree_for(len(spec)), max_verify_tokens, out.times, clock)
+            out.decoded[True] = len(spec)
+        if plain:
+            out.results += self.decode_plain(plain, out.times, clock)
+            out.decoded[False] = len(plain)
+        if self.draft is not None:  # prompts in progress: the head catches up on their chunks in bounded passes
+            catching_up = [c.seq for c in plan.prefill if c.seq.speculative and c.seq.draft_tokens]
+            if catching_up:
+                t = clock()
+                self.draft_extend(catching_up)
+                out.times.draft_s += clock() - t
+        out.times.total_s = clock() - t0
+        return out
+
+    def target_forward(self, tokens, slots, depth, mask, n_valid=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's final hidden states and the features its head reads (the same tensor for an EAGLE-2
+        head; the captured layer inputs of the same pass for an EAGLE-3 head)."""
+        layers = getattr(self.draft, "feature_layers", None)
+        if layers:
+            return self.target.forward(tokens, slots, depth, mask, n_valid=n_valid, capture=layers)
+        hidden = self.target.forward(tokens, slots, depth, mask, n_valid=n_valid)
+        return hidden, hidden
+
+    # ---- prefill -------------------------------------------------------------------------------------------------
+    def prefill(self, chunks: list[PrefillChunk], times: StepTimes, clock: Clock) -> list[SeqResult]:
+        """One padded pass over this step's prompt chunks; prompts that complete emit their first token."""
+        target, device = self.target, self.device
+        n = [c.end - c.start for c in chunks]
+        R, W = len(chunks), max(n)
+        ids = torch.zeros(R, W, dtype=torch.long)
+        for r, c in enumerate(chunks):
+            ids[r, : n[r]] = torch.tensor(c.seq.prompt_ids[c.start:c.end])
+        slots = [c.seq.slot for c in chunks]
+        for c in chunks:
+            if c.start == 0:
+                self.reset_slot(c.seq.slot)
+        t0 = clock()
+        hidden, feats = self.target_forward(ids.to(device, non_blocking=True), slots,
+                                            torch.arange(W, device=device).expand(R, W), causal_block(n, W, device),
+                                            n_valid=torch.tensor(n))
+        done = [r for r, c in enumerate(chunks) if c.completes]
+        first: list[int] = []
+        if done:
+            rows = torch.tensor(done, device=device)
+            last = torch.tensor([n[r] - 1 for r in done], device=device)
+            logits = target.logits(hidden[rows, last].unsqueeze(1))
+            seqs = [chunks[r].seq for r in done]
+            positions = torch.tensor([[len(s.prompt_ids)] for s in seqs], device=device)
+            first = choose_tokens(logits, SamplingBatch.of(seqs, device), positions)[:, 0].tolist()
+        times.prefill_s += clock() - t0
+        target.cache.lengths[slots] += torch.tensor(n)
+        results, k = [], 0
+        for r, c in enumerate(chunks):
+            seq = c.seq
+            seq.prefilled = c.end
+            nxt = seq.prompt_ids[c.start + 1:c.end]
+            if c.completes:
+                nxt.append(first[k])
+                results.append(SeqResult(seq, [first[k]]))
+                k += 1
+            else:
+                nxt.append(seq.prompt_ids[c.end])
+            if seq.speculative and self.draft is not None:
+                seq.add_pending(nxt, feats[r, : n[r]])
+        return results
+
+    # ---- speculative decoding --------------------------------------------------------------------------------------
+    def draft_extend(self, seqs: list[Sequence]) -> None:
+        """Feed every pending (feature, token) pair of ``seqs`` to the head, committing them to its cache, in passes
+        of at most ``extend_budget`` padded tokens (a new prompt brings thousands of pairs, a decode step a few).
+        Each sequence keeps the head's output at its last pair (``draft_hidden``): its next tree grows from it."""
+        todo = [s for s in seqs if s.draft_tokens]
+        while todo:
+            todo.sort(key=lambda s: len(s.draft_tokens))
+            group, width = [], 0
+            for s in todo:
+                w = max(width, min(len(s.draft_tokens), self.extend_budget))
+                if group and (len(group) + 1) * w > self.extend_budget:
+                    break
+                group.append(s)
+                width = w
+            n = [min(len(s.draft_tokens), width) for s in group]
+            tokens = torch.zeros(len(group), width, dtype=torch.long)
+            feats = torch.zeros(len(group), width, self.draft.feature_size, dtype=group[0].draft_features.dtype,
+                                device=self.device)
+            for b, s in enumerate(group):
+                tok, f = s.take_pending(n[b])
+                tokens[b, : n[b]] = torch.tensor(tok)
+                feats[b, : n[b]] = f
+            slots = [s.slot for s in group]
+            hidden = self.draft.forward(tokens.to(self.device, non_blocking=True), feats, slots,
+                                        torch.arange(width, device=self.device).expand(len(group), width),
+                                        causal_block(n, width, self.device), n_valid=torch.tensor(n))
+            self.draft.cache.lengths[slots] += torch.tensor(n)
+            for b, s in enumerate(group):
+                if not s.draft_tokens:
+                    s.draft_hidden = hidden[b, n[b] - 1]
+            todo = [s for s in todo if s.draft_tokens]
+
+    def grow_from(self, seqs: list[Sequence], root_hidden: torch.Tensor, tree_cfg: TreeConfig) -> Tree:
+        """Grow every sequence's tree from its root (one batched head call per level)."""
+        draft, device = self.draft, self.device
+        slots = [s.slot for s in seqs]
+
+        def topk_fn(hidden, k):
+            return draft.topk(hidden, k)
+
+        def draft_fn(tok, feat, level, block_mask, offset):
+            depth = torch.full(tok.shape, level, dtype=torch.long, device=device)
+            return draft.forward(tok, feat, slots, depth, block_mask, offset)
+
+        roots = torch.tensor([s.root for s in seqs]).to(device, non_blocking=True)
+        return grow_tree(draft_fn, topk_fn, root_hidden, roots, tree_cfg)
+
+    def grow_trees(self, seqs: list[Sequence], tree_cfg: TreeConfig) -> Tree:
+        """Draft extend, then every sequence's tree (what a speculative step does before it verifies)."""
+        self.draft_extend(seqs)
+        return self.grow_from(seqs, torch.stack([s.draft_hidden for s in seqs]), tree_cfg)
+
+    def decode_speculative(self, seqs: list[Sequence], tree_cfg: TreeConfig, max_verify_tokens: int | None,
+                           times: StepTimes, clock: Clock) -> list[SeqResult]:
+        t0 = clock()
+        tree = self.grow_trees(seqs, tree_cfg)
+        if max_verify_tokens:
+            tree = fit_batch_budget(tree, max_verify_tokens)
+        tree = drop_padding(tree)
+        times.draft_s += clock() - t0
+        return self.verify(seqs, tree, times, clock, speculative=True)
+
+    def decode_plain(self, seqs: list[Sequence], times: StepTimes, clock: Clock) -> list[SeqResult]:
+        roots = torch.tensor([s.root for s in seqs]).to(self.device, non_blocking=True)
+        return self.verify(seqs, root_only_tree(roots), times, clock, speculative=False)
+
+    def verify(self, seqs: list[Sequence], tree: Tree, times: StepTimes, clock: Clock,
+               speculative: bool) -> list[SeqResult]:
+        """One target pass over every tree, acceptance, and the accepted path's K/V moved next to the prefix."""
+        target, device = self.target, self.device
+        slots = [s.slot for s in seqs]
+        B, W = tree.tokens.shape
+        t0 = clock()
+        if speculative:
+            hidden, feats = self.target_forward(tree.tokens, slots, tree.depth, tree.ancestors)
+        else:
+            hidden = target.forward(tree.tokens, slots, tree.depth, tree.ancestors)
+        logits = target.logits(hidden)
+        times.verify_s += clock() - t0
+        base = target.cache.lengths[slots].to(device, non_blocking=True).view(-1, 1)
+        choice = choose_tokens(logits, SamplingBatch.of(seqs, device), base + tree.depth + 1)
+        acc = accept(tree, choice)
+        if self.trace is not None and speculative:
+            self.trace.record(tree, acc.nodes)
+        A = acc.nodes.shape[1]
+        # the one read back to the host: counts, bonus tokens, tree sizes and accepted tokens of every sequence
+        packed = torch.cat([acc.count.view(B, 1), acc.bonus.view(B, 1), tree.size.view(B, 1),
+                            tree.tokens.gather(1, acc.nodes)], dim=1).tolist()
+        if A > 1:
+            i = torch.arange(A, device=device).view(1, -1)
+            src = acc.nodes + base
+            target.cache.keep_accepted(slots, src, torch.where(i < acc.count.view(-1, 1), base + i, src))
+        counts = [row[0] for row in packed]
+        target.cache.lengths[slots] += torch.tensor(counts)
+        if speculative:
+            times.verify_width = W
+            times.tree_nodes = sum(row[2] for row in packed)
+            accepted_feats = feats.gather(1, acc.nodes.unsqueeze(-1).expand(B, A, feats.shape[-1]))
+        results = []
+        for b, s in enumerate(seqs):
+            c, bonus, size, path = packed[b][0], packed[b][1], packed[b][2], packed[b][3:]
+            new = path[1:c] + [bonus]
+            if speculative:
+                s.add_pending(new, accepted_feats[b, :c])
+            results.append(SeqResult(s, new, c - 1, size))
+        return results

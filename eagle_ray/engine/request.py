@@ -1,0 +1,192 @@
+"""One request parser for every entry point: the engine's API, the batch job's rows and the Serve app's bodies.
+
+Each caller hands over loosely typed values (Python objects, JSON rows, OpenAI bodies) and gets typed ones back, or
+an :class:`InvalidRequestError` whose message names the field. ``None`` always means "absent": a Parquet file with
+``prompt``, ``messages`` and ``turns`` columns has nulls in the unused ones, and a struct of sampling overrides
+has nulls in the fields a row does not set.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from eagle_ray.config import SamplingParams
+from eagle_ray.errors import ConfigError, InvalidRequestError
+
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+PROMPT_KINDS = ("prompt", "messages", "turns")
+MAX_NESTING = 64  # deepest JSON a request may carry (real requests need 4-5 levels)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """What the model is asked: raw text (tokenised as is), chat messages (templated with a generation prompt) or
+    token ids."""
+    kind: str            # "text" | "messages" | "tokens"
+    value: object        # str | list[dict] | list[int]
+
+
+def check_text(text: str, field: str) -> str:
+    """Text must be encodable as UTF-8: JSON can carry lone surrogates (``"\\ud800"``) that no tokenizer, Arrow
+    column or HTTP response can hold."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequestError(f"{field} is not valid Unicode (it holds a lone surrogate)") from None
+    return text
+
+
+def storable(text: str) -> str:
+    """``text`` as UTF-8 can carry it (Parquet, HTTP): lone surrogates become backslash escapes."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def nesting_depth(value, limit: int = MAX_NESTING) -> int:
+    """Depth of nested lists/dicts, counted without recursion and stopping once past ``limit``."""
+    depth, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (list, dict)):
+            depth = max(depth, d)
+            if depth > limit:
+                return depth
+            stack.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return depth
+
+
+def parse_messages(value, field: str = "messages") -> list[dict]:
+    """Chat messages: a non-empty list of ``{"role", "content"}``; content is a string or OpenAI text parts."""
+    if not isinstance(value, list) or not value:
+        raise InvalidRequestError(f"{field} must be a non-empty list of {{role, content}} objects")
+    out = []
+    for i, m in enumerate(value):
+        where = f"{field}[{i}]"
+        if not isinstance(m, dict):
+            raise InvalidRequestError(f"{where} must be an object with role and content")
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise InvalidRequestError(f"{where}.role must be one of {list(CHAT_ROLES)}, got {_show(role)}")
+        out.append({"role": role, "content": check_text(_content_text(m.get("content"), f"{where}.content"),
+                                                        f"{where}.content")})
+    return out
+
+
+def _content_text(content, where: str) -> str:
+    if isinstance(content, str):
+        if not content:
+            raise InvalidRequestError(f"{where} must be a non-empty string")
+        return content
+    if isinstance(content, list) and content:
+        parts = []
+        for j, p in enumerate(content):
+            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                raise InvalidRequestError(f"{where}[{j}]: only text parts ({{\"type\": \"text\", \"text\": ...}}) "
+                                          "are supported")
+            parts.append(p["text"])
+        if any(parts):
+            return "".join(parts)
+    raise InvalidRequestError(f"{where} must be a non-empty string (or a list of text parts)")
+
+
+def parse_prompt(value, field: str = "prompt") -> Prompt:
+    """A raw string, a list of chat messages or a list of token ids (the engine's ``generate``/``add_request``)."""
+    if isinstance(value, Prompt):
+        return value
+    if isinstance(value, str):
+        if not value:
+            raise InvalidRequestError(f"{field} is empty")
+        return Prompt("text", check_text(value, field))
+    if isinstance(value, (list, tuple)) and value:
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            return Prompt("tokens", [int(t) for t in value])
+        if all(isinstance(m, dict) for m in value):
+            return Prompt("messages", parse_messages(list(value), "messages" if field == "prompt" else field))
+    raise InvalidRequestError(f"{field} must be a non-empty string, a list of chat messages ({{role, content}}) or "
+                              f"a list of token ids; got {_describe(value)}")
+
+
+def parse_turns(value, field: str = "turns") -> list[str]:
+    """MT-bench style user turns, answered one after another."""
+    if not isinstance(value, list) or not value or not all(isinstance(t, str) and t.strip() for t in value):
+        raise InvalidRequestError(f"{field} must be a non-empty list of non-empty strings")
+    return [check_text(t, f"{field}[{i}]") for i, t in enumerate(value)]
+
+
+def sampling_params(overrides, defaults: SamplingParams | None = None, field: str | None = "sampling_params"
+                    ) -> SamplingParams:
+    """``defaults`` with ``overrides`` applied (a dict; null values are absent; ``max_tokens`` and
+    ``max_completion_tokens`` are aliases of ``max_new_tokens``, a string ``stop`` is one stop string)."""
+    defaults = defaults or SamplingParams()
+    prefix = f"{field}." if field else ""
+    if overrides is None:
+        return defaults
+    if not isinstance(overrides, dict):
+        raise InvalidRequestError(f"{field or 'sampling'} must be an object, got {_describe(overrides)}")
+    given = {k: v for k, v in overrides.items() if v is not None}
+    for alias in ("max_tokens", "max_completion_tokens"):
+        if alias in given:
+            value = given.pop(alias)
+            given.setdefault("max_new_tokens", value)
+    unknown = sorted(set(given) - set(SamplingParams.model_fields))
+    if unknown:
+        raise InvalidRequestError(f"{field or 'sampling'}: unknown field(s) {unknown}; known: "
+                                  f"{sorted(SamplingParams.model_fields)}")
+    if isinstance(given.get("stop"), list):
+        for i, s in enumerate(given["stop"]):
+            if isinstance(s, str):
+                check_text(s, f"{prefix}stop[{i}]")
+    try:
+        return SamplingParams(**(defaults.model_dump() | given))
+    except ConfigError as e:
+        raise InvalidRequestError(str(e).replace("invalid SamplingParams: ", prefix)) from None
+
+
+@dataclass(frozen=True)
+class RowRequest:
+    """One batch-job row: a prompt, a chat, or MT-bench style turns, with its sampling."""
+    kind: str                 # "prompt" | "messages" | "turns"
+    prompt: Prompt | None     # None for turns
+    turns: list[str] | None
+    params: SamplingParams
+
+
+SAMPLING_KEYS = ("sampling_params", "sampling")
+
+
+def parse_row(rec, defaults: SamplingParams) -> RowRequest:
+    """Validate one job row (an already decoded JSON object or Parquet record)."""
+    if not isinstance(rec, dict):
+        raise InvalidRequestError(f"a row must be a JSON object, got {_describe(rec)}")
+    kinds = [k for k in PROMPT_KINDS if rec.get(k) is not None]
+    if len(kinds) != 1:
+        raise InvalidRequestError(f"a row needs exactly one of prompt / messages / turns, got "
+                                  f"{kinds or sorted(str(k) for k in rec)}")
+    kind = kinds[0]
+    value = rec[kind]
+    overrides = next((rec[k] for k in SAMPLING_KEYS if rec.get(k) is not None), None)
+    params = sampling_params(overrides, defaults)
+    if kind == "turns":
+        return RowRequest(kind, None, parse_turns(value), params)
+    if kind == "prompt":
+        if not isinstance(value, str):
+            raise InvalidRequestError(f"prompt must be a string, got {_describe(value)}")
+        if not value.strip():
+            raise InvalidRequestError("prompt is empty")
+        return RowRequest(kind, Prompt("text", check_text(value, "prompt")), None, params)
+    return RowRequest(kind, Prompt("messages", parse_messages(value)), None, params)
+
+
+def _describe(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, (list, tuple)):
+        return f"a list of {len(value)}" if value else "an empty list"
+    return type(value).__name__
+
+
+def _show(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."

@@ -1,0 +1,136 @@
+"""Text in and out of the engine: prompt encoding with a size check that needs no tokenisation, incremental
+detokenisation, and stop strings.
+
+Encoding runs on the caller's thread (a Serve handler's worker thread, a job actor's coroutine), never on the engine
+thread: a 20 MB prompt must cost its sender time, not every other stream. Before anything is tokenised, a prompt's
+UTF-8 size is compared with what the context can hold: no token of this vocabulary spans more than
+``max_token_bytes`` bytes, so a text longer than ``room * max_token_bytes`` bytes cannot fit ``room`` tokens and is
+refused at once.
+
+Output text is decoded incrementally (a window of the last tokens per step, as TGI and vLLM do), so a long answer
+costs O(new tokens) per step instead of re-decoding the whole output every step.
+"""
+from __future__ import annotations
+
+from eagle_ray.engine.request import Prompt, parse_prompt
+from eagle_ray.errors import InvalidRequestError, PromptTooLongError
+
+
+def max_token_bytes(tokenizer) -> int:
+    """The most UTF-8 bytes any single token decodes to (an upper bound: byte-level BPE maps a byte to one
+    character of at most 2 bytes, SentencePiece marks a space with a 3-byte character)."""
+    vocab = tokenizer.get_vocab()
+    longest = max((len(t.encode("utf-8", "surrogatepass")) for t in vocab), default=1)
+    return max(1, longest)
+
+
+class TextCodec:
+    """Prompt -> token ids for one tokenizer and context size."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_token_bytes = max_token_bytes(tokenizer)
+
+    def encode(self, prompt, room: int | None = None) -> list[int]:
+        """Token ids of ``prompt`` (str, chat messages, token ids or a parsed :class:`Prompt`); with ``room``,
+        a prompt that cannot fit is refused before it is tokenised when its size alone proves it."""
+        p = parse_prompt(prompt)
+        if p.kind == "tokens":
+            bad = [t for t in p.value if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+            ids = list(p.value)
+        else:
+            if room is not None:
+                size = (len(p.value.encode("utf-8")) if p.kind == "text"
+                        else sum(len(m["content"].encode("utf-8")) for m in p.value))
+                if size > room * self.max_token_bytes:
+                    raise PromptTooLongError(
+                        f"prompt is {size} bytes: more than {room} tokens of at most {self.max_token_bytes} bytes "
+                        f"each, the most this engine fits; shorten the prompt or raise max_model_len")
+            ids = self._tokenize(p)
+        if room is not None and len(ids) > room:
+            raise PromptTooLongError(
+                f"prompt has {len(ids)} tokens but the engine fits at most {room} (max_model_len minus the verify "
+                "budget); shorten the prompt or raise max_model_len")
+        return ids
+
+    def _tokenize(self, p: Prompt) -> list[int]:
+        """Tokenizer and chat-template failures (a template that requires alternating roles, say) are the
+        request's fault: reported as such instead of failing the batch."""
+        try:
+            if p.kind == "text":
+                return list(self.tokenizer(p.value)["input_ids"])
+            return list(self.tokenizer.apply_chat_template(p.value, add_generation_prompt=True, tokenize=True,
+                                                           return_dict=True)["input_ids"])
+        except Exception as e:  # noqa: BLE001
+            raise InvalidRequestError(f"cannot tokenize the prompt: {type(e).__name__}: {e}") from None
+
+
+class Detokenizer:
+    """Incremental text of one output: ``add(ids)`` returns the new text since the last call.
+
+    Decodes only the window ``ids[prefix:]`` and subtracts the text of ``ids[prefix:read]``: a token whose text
+    depends on its neighbours (a leading space, half a UTF-8 character) is settled once the window shows it. Text
+    that ends in an incomplete character is held back until the next token completes it.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.text = ""
+        self.prefix = 0   # window start
+        self.read = 0     # tokens whose text is already in self.text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add(self, ids: list[int]) -> str:
+        self.ids.extend(ids)
+        before = self._decode(self.ids[self.prefix:self.read])
+        window = self._decode(self.ids[self.prefix:])
+        if len(window) <= len(before) or window.endswith("\ufffd"):
+            return ""
+        new = window[len(before):]
+        self.text += new
+        self.prefix, self.read = self.read, len(self.ids)
+        return new
+
+    def tokens_reaching(self, chars: int) -> int:
+        """The fewest tokens whose text is longer than ``chars`` characters (binary search: a handful of
+        decodes, once per request). Cuts the tokens at a stop string."""
+        lo, hi = 1, len(self.ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(self._decode(self.ids[:mid])) > chars:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def truncate(self, tokens: int, chars: int) -> None:
+        del self.ids[tokens:]
+        self.text = self.text[:chars]
+        self.prefix = self.read = len(self.ids)
+
+
+class StopStrings:
+    """Finds the first stop string in text that grows at its end (searching only where a new match can start)."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.longest = max((len(s) for s in self.stops), default=0)
+
+    def find(self, text: str, new_chars: int) -> int | None:
+        """Index in ``text`` where the earliest stop string starts, if one ends in the last ``new_chars``."""
+        if not self.stops or not new_chars:
+            return None
+        start = max(0, len(text) - new_chars - self.longest + 1)
+        hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
+        return min(hits) if hits else None
+
+    @property
+    def hold(self) -> int:
+        """Characters a stream holds back: they may still become the start of a stop string."""
+        return max(0, self.longest - 1)

@@ -1,0 +1,252 @@
+"""Automatic tree shape for the device at hand.
+
+A tree's speed is ``tau(tree) / step_time(tree, batch)``. EAGLE-2's reference times one thing (the verify cost of
+its token budget, ``total_token=-1``); here both sides are estimated per batch size:
+
+- cost: on this device, the time of a target verify pass of ``B x n`` tokens for every ``n`` of the grid, and of
+  growing a draft tree of ``(depth, top_k)`` for ``B`` sequences (the rerank to ``total_tokens`` is free);
+- acceptance: one traced run with a large tree (``TRACE_TREE``) on bundled prompts; every smaller shape's tau is
+  read off those trees (:meth:`TreeTrace.simulated_tau`).
+
+The shape with the highest expected tokens/s per batch size wins. The result is cached on disk per (models, dtype,
+device, threads, batch sizes), so a job or a Serve replica pays for the measurement once per machine type.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from eagle_ray.config import SamplingParams, TreeConfig
+from eagle_ray.spec.trace import TreeTrace
+
+GRID_TOTAL = (2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48)
+GRID_DEPTH = (0, 1, 2, 3, 4, 5)
+GRID_TOPK = (1, 2, 3, 4, 6, 8)
+TRACE_TREE = TreeConfig(total_tokens=48, depth=5, top_k=8)
+CONTEXT = 256  # prefix length the costs are measured at (a typical prompt plus some answer)
+
+
+@dataclass
+class BatchChoice:
+    tree: dict                 # TreeConfig fields
+    expected_tau: float
+    step_s: float
+    expected_tok_s: float      # batch * tau / step_s
+    plain_tok_s: float         # batch / (one-token verify pass): plain decoding on the same runtime
+
+
+@dataclass
+class TuningResult:
+    device: str
+    dtype: str
+    threads: int
+    batches: dict[int, BatchChoice]
+    trace_steps: int
+    trace_tau: float
+    seconds: float
+    costs: dict = field(default_factory=dict)   # {"verify": {B: {n: s}}, "draft": {B: {"depth,top_k": s}}}
+
+    def trees_by_batch(self) -> dict[int, TreeConfig]:
+        return {b: TreeConfig(**c.tree) for b, c in self.batches.items()}
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TuningResult":
+        d = dict(d)
+        d["batches"] = {int(b): BatchChoice(**c) for b, c in d["batches"].items()}
+        return cls(**d)
+
+
+def _median_time(fn, device: torch.device, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def verify_seconds(engine, batch: int, width: int, context: int = CONTEXT, repeats: int | None = None) -> float:
+    """One target pass of ``batch x width`` tree tokens over a ``context``-token prefix, logits included."""
+    from eagle_ray.engine.model_runner import causal_block
+    target, dev = engine.target, engine.device
+    slots = list(range(batch))
+    context = max(0, min(context, target.max_len - width))
+    saved = target.cache.lengths.clone()
+    target.cache.lengths[slots] = context
+    tokens = torch.randint(0, target.vocab_size, (batch, width), device=dev)
+    depth = torch.arange(width, device=dev).expand(batch, width)
+    mask = causal_block([width] * batch, width, dev)
+    repeats = repeats or (3 if batch * width <= 64 else 1)  # big passes vary little and cost much
+    try:
+        return _median_time(lambda: target.logits(target.forward(tokens, slots, depth, mask)), dev, repeats)
+    finally:
+        target.cache.lengths.copy_(saved)
+
+
+@torch.inference_mode()
+def draft_seconds(engine, batch: int, depth: int, top_k: int, context: int = CONTEXT, repeats: int = 3) -> float:
+    """Feeding two accepted tokens to the head and growing a ``(depth, top_k)`` tree for ``batch`` sequences."""
+    from eagle_ray.engine.sequence import Sequence
+
+    draft, dev = engine.draft, engine.device
+    d = draft.feature_size
+    cfg = TreeConfig(total_tokens=min(512, 1 + top_k * (depth + 1)), depth=depth, top_k=top_k)
+    saved = draft.cache.lengths.clone()
+    context = max(0, min(context, draft.cache.max_len - 2 - top_k * (depth + 1)))
+    seqs = [Sequence(str(b), [1], SamplingParams(), frozenset(), 0, slot=b, output_ids=[3]) for b in range(batch)]
+
+    def run():
+        draft.cache.lengths[: batch] = context
+        for s in seqs:
+            s.add_pending([1, 2], torch.randn(2, d, device=dev, dtype=engine.target.dtype))
+        engine.runner.grow_trees(seqs, cfg)
+    try:
+        return _median_time(run, dev, repeats)
+    finally:
+        draft.cache.lengths.copy_(saved)
+
+
+def trace_prompts(n: int) -> list:
+    """Calibration prompts: alternating first turns of the bundled MT-bench and HumanEval files."""
+    from eagle_ray.prompts import benchmark_path, first_turn_prompt, read_jsonl
+    mt, he = read_jsonl(benchmark_path("mt_bench")), read_jsonl(benchmark_path("humaneval"))
+    out = []
+    for i in range(n):
+        out.append(first_turn_prompt((mt if i % 2 == 0 else he)[i // 2]))
+    return out
+
+
+def collect_trace(engine, prompts: list, max_new_tokens: int, tree: TreeConfig = TRACE_TREE) -> TreeTrace:
+    """Greedy-generate ``prompts`` with ``tree`` and record every verified tree."""
+    saved = (engine.config.speculation.tree, engine.config.speculation.trees_by_batch)
+    engine.set_trees(tree)
+    trace = engine.runner.trace = TreeTrace()
+    try:
+        engine.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens))
+        return trace
+    finally:
+        engine.runner.trace = None
+        engine.set_trees(*saved)
+
+
+def shapes_for(total_tokens: int):
+    """(depth, top_k) of the grid that can fill ``total_tokens`` (the pool has ``k + d * k^2`` nodes) without a
+    level the budget cannot reach."""
+    for k in GRID_TOPK:
+        for d in GRID_DEPTH:
+            if total_tokens - 1 <= k + d * k * k and d + 1 <= total_tokens - 1:
+                yield d, k
+
+
+def candidate_trees(max_total: int = TRACE_TREE.total_tokens):
+    for t in GRID_TOTAL:
+        if t <= max_total:
+            for d, k in shapes_for(t):
+                yield t, d, k
+
+
+def choose_trees(trace: TreeTrace, verify_s: dict[int, dict[int, float]], draft_s: dict[int, dict[str, float]],
+                 ) -> tuple[dict[int, BatchChoice], list[dict]]:
+    """Per batch size the candidate with the highest expected tokens/s; also every candidate's estimate."""
+    taus = {c: trace.simulated_tau(*c) for c in candidate_trees()}
+    choices, table = {}, []
+    for b in verify_s:
+        best = None
+        for (t, d, k), tau in taus.items():
+            step = draft_s[b][f"{d},{k}"] + verify_s[b][t]
+            tok_s = b * tau / step
+            table.append({"batch": b, "total_tokens": t, "depth": d, "top_k": k, "tau": tau, "step_s": step,
+                          "tok_s": tok_s})
+            if best is None or tok_s > best.expected_tok_s:
+                best = BatchChoice(TreeConfig(total_tokens=t, depth=d, top_k=k).model_dump(), tau, step, tok_s,
+                                   b / verify_s[b][1])
+        choices[b] = best
+    return choices, table
+
+
+def fingerprint(path) -> str:
+    """What a checkpoint is, not where it lies: its config and weight files by name, size and content (files over
+    64 MiB by their first and last MiB), so a copy of the same model in another directory, or the same files with a
+    new mtime (``ray job submit --working-dir`` unpacks the repository anew), hits the same tuning cache."""
+    if path is None:
+        return "none"
+    p = Path(path)
+    files = [p] if p.is_file() else sorted(f for f in p.iterdir() if f.suffix in (".json", ".safetensors", ".bin")
+                                           and f.is_file() and not f.name.startswith("."))
+    h = hashlib.sha1()
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            if size <= 64 * 2**20:
+                h.update(fh.read())
+            else:
+                h.update(fh.read(2**20))
+                fh.seek(size - 2**20)
+                h.update(fh.read())
+    return h.hexdigest()
+
+
+def cache_key(engine, batch_sizes: list[int]) -> str:
+    dev = engine.device
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu{os.cpu_count()}"
+    blob = json.dumps([fingerprint(engine.target_dir), fingerprint(getattr(engine, "draft_dir", None)),
+                       str(engine.target.dtype), name, torch.get_num_threads(), batch_sizes,
+                       engine.config.speculation.draft_vocab_size, 2], sort_keys=True)
+    return hashlib.sha1(blob.encode()).hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("EAGLE_RAY_CACHE", Path.home() / ".cache" / "eagle_ray")) / "tuning"
+
+
+def autotune(engine, batch_sizes: list[int] | None = None, num_prompts: int = 4, max_new_tokens: int = 48,
+             use_cache: bool = True, prompts: list | None = None, log=None) -> TuningResult:
+    """Measure this device and choose a tree per batch size (see the module doc). ``batch_sizes`` defaults to the
+    powers of two up to the engine's max batch size; ``prompts`` to bundled MT-bench/HumanEval first turns."""
+    if engine.draft is None:
+        raise ValueError("tree tuning needs a draft head")
+    if batch_sizes is None:
+        batch_sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= engine.config.cache.max_batch_size]
+    path = cache_dir() / f"{cache_key(engine, batch_sizes)}.json"
+    if use_cache and path.exists():
+        return TuningResult.from_dict(json.loads(path.read_text()))
+    t0 = time.perf_counter()
+    say = log or (lambda m: None)
+    trace = collect_trace(engine, prompts or trace_prompts(num_prompts), max_new_tokens)
+    say(f"traced {len(trace)} trees (tau {trace.simulated_tau(*_shape(TRACE_TREE)):.2f})")
+    widths = sorted({t for t, _, _ in candidate_trees()} | {1})
+    verify = {b: {n: verify_seconds(engine, b, n) for n in widths} for b in batch_sizes}
+    say(f"verify costs: {verify}")
+    draft = {b: {f"{d},{k}": draft_seconds(engine, b, d, k) for d in GRID_DEPTH for k in GRID_TOPK}
+             for b in batch_sizes}
+    choices, _ = choose_trees(trace, verify, draft)
+    result = TuningResult(str(engine.device), str(engine.target.dtype).replace("torch.", ""), torch.get_num_threads(),
+                          choices, len(trace), trace.simulated_tau(*_shape(TRACE_TREE)), time.perf_counter() - t0,
+                          json.loads(json.dumps({"verify": verify, "draft": draft})))  # str keys, as cached
+    if use_cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(result.to_dict(), indent=1))
+        os.replace(tmp, path)
+    return result
+
+
+def _shape(tree: TreeConfig) -> tuple[int, int, int]:
+    return tree.total_tokens, tree.depth, tree.top_k

@@ -1,0 +1,112 @@
+"""EAGLE-3 head training: the training-time test, a cross-entropy against the target over the draft vocabulary,
+no feature loss.
+
+Each conversation gives, per position i, the fused target states at i (three layer inputs), the next token x_{i+1}
+and the target's distribution at i+1 (its lm_head on its final state, over the draft vocabulary, renormalised
+there; a position whose target argmax lies outside the draft vocabulary is left out of training, as the reference
+does, and counts as a miss in evaluation). Step 0 runs the head on the target's states; step s feeds it, at position i, its own output of step s-1
+at i-1 (as tree level s does at inference, where that output is the feature of the drafted parent), attending to
+the target-state keys up to i-s and to its own chain's keys at i-s+1 .. i. Step s's loss is weighted
+``unroll_weight ** s`` (the reference trains 7 steps at 0.8). The loop, batching, checkpoints and resume are the
+trainer's (``eagle_ray.train.trainer``); this module supplies the batch and the losses.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+
+def collate(convs: list[dict], idx: list[int], max_len: int):
+    """Pad a batch: tokens x[1..n), fused states aux[0..n-1), the target's final states h[1..n) (its distribution
+    of the token after the next), and the mask of assistant positions."""
+    n = min(max(len(convs[i]["input_ids"]) for i in idx), max_len)
+    B = len(idx)
+    d_aux, d = convs[idx[0]]["aux"].shape[-1], convs[idx[0]]["hidden"].shape[-1]
+    tokens = torch.zeros(B, n - 1, dtype=torch.long)
+    feats = torch.zeros(B, n - 1, d_aux)
+    target = torch.zeros(B, n - 1, d)
+    mask = torch.zeros(B, n - 1)
+    for b, i in enumerate(idx):
+        c = convs[i]
+        m = min(len(c["input_ids"]), n)
+        tokens[b, : m - 1] = c["input_ids"][1:m]
+        feats[b, : m - 1] = c["aux"][: m - 1].float()
+        target[b, : m - 1] = c["hidden"][1:m].float()
+        mask[b, : m - 1] = c["loss_mask"][1:m].float()
+    return tokens, feats, target, mask
+
+
+def unrolled(head, tokens: torch.Tensor, feats: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """The head's outputs (before its norm) for ``steps`` unrolled steps at every position (see the module doc)."""
+    B, T = tokens.shape
+    emb = head.embed_tokens(tokens)
+    layer = head.midlayer
+    attn = layer.self_attn
+    hd = attn.head_dim
+    first = head.fc(feats.to(head.fc.weight.dtype))
+    cos, sin = head.rotary_emb(first, torch.arange(T).unsqueeze(0).expand(B, T))
+    emb_normed = layer.input_layernorm(emb)
+    idx = torch.arange(T)
+    keys, values, outs, inp = [], [], [], first
+    for s in range(steps):
+        x = torch.cat([emb_normed, layer.hidden_norm(inp)], dim=-1)
+        q = attn.q_proj(x).view(B, T, -1, hd).transpose(1, 2)
+        k = attn.k_proj(x).view(B, T, -1, hd).transpose(1, 2)
+        v = attn.v_proj(x).view(B, T, -1, hd).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        keys.append(k)
+        values.append(v)
+        gqa = k.shape[1] != q.shape[1]
+        if s == 0:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=gqa)
+        else:
+            mask = torch.cat([idx.view(-1, 1) - s >= idx.view(1, -1)]
+                             + [idx.view(-1, 1) - (s - r) == idx.view(1, -1) for r in range(1, s + 1)], dim=1)
+            out = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask,
+                                                 scale=attn.scaling, enable_gqa=gqa)
+        h = inp + attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        outs.append(h)
+        inp = torch.cat([first[:, :1], h[:, :-1]], dim=1)
+    return outs
+
+
+def losses(head, lm_weight: torch.Tensor, batch, cfg, gen: torch.Generator | None, train: bool,
+           steps: int | None = None):
+    """Weighted cross-entropy of the unrolled steps against the target over the draft vocabulary; returns the same
+    shape as the EAGLE-2 losses (feature loss 0) so the trainer's loop serves both heads."""
+    tokens, feats, target, mask = batch
+    steps = steps or cfg.unroll_steps
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
+        preds = unrolled(head, tokens, feats, steps)
+    sel = mask.bool()
+    if train and cfg.ce_fraction < 1.0:
+        sel = sel & (torch.rand(mask.shape, generator=gen) < cfg.ce_fraction)
+    vocab = head.draft_to_target
+    with torch.no_grad():
+        full = target[sel] @ lm_weight.T
+        t_logits, t_top = full[:, vocab], full.argmax(-1)
+        t_prob = t_logits.softmax(-1)            # the target's distribution renormalised over the draft vocabulary
+        if train:  # as the reference: positions whose target choice the draft cannot propose teach nothing
+            in_vocab = head.t2d[t_top]
+            sel_idx = sel.nonzero(as_tuple=True)
+            sel = torch.zeros_like(sel)
+            sel[sel_idx[0][in_vocab], sel_idx[1][in_vocab]] = True
+            t_prob, t_top = t_prob[in_vocab], t_top[in_vocab]
+    loss, steps_out = 0.0, []
+    for s, pred in enumerate(preds):
+        m = mask.clone()
+        m[:, :s] = 0  # step s needs s predicted inputs before it
+        keep = m[sel].bool()
+        if not keep.any():
+            steps_out.append({"top1": 0.0, "vloss": 0.0, "scored": 0})
+            continue
+        p_logits = head.lm_head(head.norm(pred[sel][keep])).float()
+        loss = loss - cfg.unroll_weight ** s * (t_prob[keep] * p_logits.log_softmax(-1)).sum(-1).mean()
+        top1 = (vocab[p_logits.argmax(-1)] == t_top[keep]).float().mean().item()
+        steps_out.append({"top1": top1, "vloss": 0.0, "scored": int(keep.sum())})
+    if not torch.is_tensor(loss):
+        loss = preds[0].sum() * 0
+    zero = loss.detach() * 0
+    return zero, loss, steps_out[0]["top1"], steps_out[0]["scored"], steps_out

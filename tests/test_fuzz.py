@@ -1,0 +1,200 @@
+"""Fuzzing the two front doors: the batch job's row reader/parser and the Serve app's request parser.
+
+Thousands of generated rows and bodies (random JSON shapes, wrong types, huge and tiny numbers, unicode with lone
+surrogates, deep nesting, raw bytes) go through the same code the job and the server run, with the tiny model's
+tokenizer behind them. Every row must end as an output row or an error row naming its kind, and be writable to
+Parquet; every request must end as a success or an OpenAI-shaped 4xx whose body encodes as UTF-8. Nothing may
+raise. Generation is seeded, so a run is the same for the same seed.
+"""
+import asyncio
+import collections
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import strategies as st
+from tiny import tiny_engine
+
+from eagle_ray.data.rows import (DUPLICATE_ID, INTERNAL_ERROR, INVALID_JSON, INVALID_REQUEST, INVALID_ROW,
+                                 INVALID_UTF8, PROMPT_TOO_LONG, rows_from_lines, to_table)
+from eagle_ray.errors import EagleError
+from eagle_ray.serve.openai_api import ApiError, parse_body
+
+FUZZ_SEED = 20261123
+CASES = 2000
+KINDS = {INVALID_UTF8, INVALID_JSON, INVALID_ROW, DUPLICATE_ID, INVALID_REQUEST, PROMPT_TOO_LONG}
+FUZZ = settings(max_examples=CASES, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+
+text = st.text(st.characters(exclude_categories=()), max_size=40)   # surrogates and control characters included
+words = st.lists(st.sampled_from(["w1", "w2", "w30", "user", ":", "</s>", "zz"]), min_size=0, max_size=12).map(" ".join)
+numbers = st.one_of(st.integers(-2**70, 2**70), st.integers(-3, 300), st.floats(allow_nan=True, allow_infinity=True))
+leaf = st.one_of(st.none(), st.booleans(), numbers, text, words)
+any_json = st.recursive(leaf, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                      st.dictionaries(text, inner, max_size=4)), max_leaves=12)
+
+
+def maybe(strategy):
+    return st.one_of(strategy, any_json)
+
+
+message = st.fixed_dictionaries({}, optional={"role": maybe(st.sampled_from(["user", "assistant", "system", "bot"])),
+                                              "content": maybe(st.one_of(words, st.lists(st.fixed_dictionaries(
+                                                  {"type": maybe(st.just("text")), "text": maybe(words)}),
+                                                  max_size=3)))})
+sampling = st.fixed_dictionaries({}, optional={
+    "temperature": maybe(st.floats(-1, 3)), "top_p": maybe(st.floats(-0.5, 1.5)), "top_k": maybe(st.integers(-2, 2**41)),
+    "max_tokens": maybe(st.integers(-1, 10**7)), "max_new_tokens": maybe(st.integers(0, 50)),
+    "seed": maybe(st.integers(-2**65, 2**65)), "stop": maybe(st.lists(maybe(words), max_size=5)),
+    "ignore_eos": maybe(st.booleans()), "stop_token_ids": maybe(st.lists(st.integers(-5, 100), max_size=3))})
+@st.composite
+def mutated(draw, base: dict, fields: dict) -> dict:
+    """``base`` with 0-3 fields removed, replaced by any JSON value, or set to an out-of-range value."""
+    out = dict(base)
+    for _ in range(draw(st.integers(0, 3))):
+        key = draw(st.sampled_from(sorted(fields)))
+        action = draw(st.sampled_from(["drop", "any", "typed"]))
+        if action == "drop":
+            out.pop(key, None)
+        else:
+            out[key] = draw(any_json if action == "any" else fields[key])
+    return out
+
+
+valid_row = st.one_of(st.fixed_dictionaries({"id": words, "prompt": words.filter(str.strip)}),
+                      st.fixed_dictionaries({"messages": st.lists(st.fixed_dictionaries(
+                          {"role": st.sampled_from(["user", "system"]), "content": words.filter(bool)}), min_size=1,
+                          max_size=2)}),
+                      st.fixed_dictionaries({"turns": st.lists(words.filter(str.strip), min_size=1, max_size=2),
+                                             "sampling_params": st.fixed_dictionaries({"max_tokens": st.integers(1, 4)})}))
+ROW_FIELDS = {"id": st.one_of(st.integers(), words), "prompt": words, "messages": st.lists(message, max_size=3),
+              "turns": st.lists(maybe(words), max_size=3), "sampling_params": sampling, "sampling": sampling}
+
+
+@st.composite
+def row_lines(draw) -> bytes:
+    """One JSONL line: a plausible row, any JSON value, raw bytes, or a deeply nested value."""
+    kind = draw(st.sampled_from(["row", "row", "row", "json", "bytes", "deep", "mangled"]))
+    if kind == "bytes":
+        return draw(st.binary(min_size=1, max_size=60)).replace(b"\n", b" ")
+    if kind == "deep":
+        n = draw(st.integers(30, 200_000))
+        return b'{"prompt": "w1", "x": ' + b"[" * n + b"]" * n + b"}"
+    value = draw(mutated(draw(valid_row), ROW_FIELDS) if kind in ("row", "mangled") else any_json)
+    line = json.dumps(value, ensure_ascii=draw(st.booleans()), allow_nan=True).encode("utf-8", "surrogatepass")
+    if kind == "mangled" and len(line) > 2:
+        cut = draw(st.integers(1, len(line) - 1))
+        line = line[:cut] + draw(st.binary(max_size=3)).replace(b"\n", b" ") + line[cut + 1:]
+    return line
+
+
+class ValidatingQueue:
+    """The stage's queue, minus generation: requests are validated and tokenised by the real engine (what the
+    job's actor does before a request reaches the engine thread) and answered with one token."""
+
+    def __init__(self, engine):
+        self.engine, self.healthy = engine, True
+
+    async def agenerate(self, prompt, params, request_id=None, speculative=True):
+        from eagle_ray.engine.engine import RequestOutput
+        seq = self.engine.make_sequence(prompt, params, request_id, speculative)
+        return RequestOutput(seq.request_id, seq.prompt_ids, [5], "w2", "length")
+
+
+@pytest.fixture(scope="module")
+def stage(tiny_dir, tiny_head):
+    from eagle_ray.config import JobConfig
+    from eagle_ray.data.stage import GenerateStage
+    st_ = GenerateStage.__new__(GenerateStage)
+    st_.cfg = JobConfig(input={"uri": "x"}, output={"uri": "y"}, sampling={"max_new_tokens": 4})
+    st_.engine = tiny_engine(tiny_dir, tiny_head, max_model_len=64)
+    st_.queue = ValidatingQueue(st_.engine)
+    st_.target_name, st_.draft_name, st_.tree_json, st_.worker_id = "t", "d", "{}", "w"
+    return st_
+
+
+def test_fuzzed_rows_become_output_rows_or_error_rows_of_a_known_kind(stage):
+    outcomes = collections.Counter()
+
+    @FUZZ
+    @seed(FUZZ_SEED)
+    @given(row_lines())
+    def one(line):
+        rows = list(rows_from_lines([line], "fuzz.jsonl"))
+        if not rows:   # a blank line is no row at all
+            outcomes["blank line"] += 1
+            return
+        (row_in,) = rows
+        row = asyncio.run(stage.process(row_in.as_item()))
+        table = to_table([row])                       # the write a whole batch depends on
+        assert table.num_rows == 1
+        if row["error"] is None:
+            assert row["output"] is not None and row["finish_reason"] == "length"
+            outcomes["output row"] += 1
+        else:
+            assert row["error_kind"] in KINDS, (row["error_kind"], row["error"])
+            assert row["output"] is None
+            outcomes[row["error_kind"]] += 1
+
+    one()
+    print("\nfuzzed rows:", dict(outcomes))
+    assert sum(outcomes.values()) >= CASES and INTERNAL_ERROR not in outcomes
+    assert outcomes["output row"] > 100 and len(outcomes) >= 5
+
+
+REQUEST_FIELDS = {
+    "model": st.sampled_from(["m", "other"]), "prompt": st.one_of(words, st.lists(words, max_size=2),
+                                                                 st.lists(st.integers(-3, 99))),
+    "messages": st.lists(message, max_size=3), "max_tokens": st.integers(-1, 5000),
+    "max_completion_tokens": st.integers(-1, 5000), "temperature": st.floats(-1, 3), "top_p": st.floats(-1, 2),
+    "top_k": st.integers(-2**41, 2**41), "seed": st.integers(-2**65, 2**65), "n": st.integers(-1, 3),
+    "stop": st.one_of(words, st.lists(words, max_size=6)), "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries({"include_usage": maybe(st.booleans())}), "logprobs": st.booleans(),
+    "presence_penalty": st.floats(-2, 2), "ignore_eos": st.booleans()}
+
+
+@st.composite
+def request_bodies(draw) -> tuple[str, bytes]:
+    kind = draw(st.sampled_from(["completion", "chat"]))
+    shape = draw(st.sampled_from(["body", "body", "body", "json", "bytes", "deep"]))
+    if shape == "bytes":
+        return kind, draw(st.binary(max_size=80))
+    if shape == "deep":
+        n = draw(st.integers(30, 200_000))
+        return kind, b'{"model": "m", "prompt": ' + b"[" * n + b"]" * n + b"}"
+    if shape == "json":
+        return kind, json.dumps(draw(any_json), allow_nan=True).encode("utf-8", "surrogatepass")
+    base = {"model": "m", "max_tokens": draw(st.integers(1, 8)), "temperature": draw(st.sampled_from([0, 0.7, 1]))}
+    if kind == "chat":
+        base["messages"] = [{"role": "user", "content": draw(words.filter(bool))}]
+    else:
+        base["prompt"] = draw(words.filter(bool))
+    body = draw(mutated(base, REQUEST_FIELDS))
+    return kind, json.dumps(body, ensure_ascii=draw(st.booleans()), allow_nan=True).encode("utf-8", "surrogatepass")
+
+
+def test_fuzzed_requests_end_as_success_or_an_openai_shaped_4xx(stage):
+    engine = stage.engine
+    outcomes = collections.Counter()
+
+    @FUZZ
+    @seed(FUZZ_SEED)
+    @given(request_bodies())
+    def one(case):
+        kind, raw = case
+        try:
+            req = parse_body(raw, kind, "m", max_tokens_cap=1000, default_max_tokens=16)
+            engine.make_sequence(req.prompt, req.params, "r", True)   # what the handler's worker thread does
+            outcomes["2xx"] += 1
+        except ApiError as e:
+            assert 400 <= e.status < 500
+            body = json.dumps(e.body(), ensure_ascii=False).encode("utf-8")   # what JSONResponse sends
+            assert set(json.loads(body)["error"]) == {"message", "type", "param", "code"}
+            outcomes[str(e.status)] += 1
+        except EagleError as e:   # the handler answers these with a 400
+            json.dumps({"error": {"message": str(e)}}, ensure_ascii=False).encode("utf-8")
+            outcomes["400 (" + type(e).__name__ + ")"] += 1
+
+    one()
+    print("\nfuzzed requests:", dict(outcomes))
+    assert sum(outcomes.values()) >= CASES
+    assert outcomes["2xx"] > 100 and outcomes["400"] > 100 and outcomes["404"] > 0

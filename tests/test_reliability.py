@@ -1,0 +1,354 @@
+"""Bad input and hard load lose nothing: each case here once crashed a job, a replica or every request in flight.
+
+Engine, request parser, row reader and Serve body parser on tiny models; no Ray cluster (the job- and Serve-level
+versions of these cases are in test_job.py and test_serve.py, slow tier).
+"""
+import asyncio
+import json
+import threading
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from test_engine import reference_greedy
+from tiny import save_target, tiny_engine
+
+from eagle_ray.config import SamplingParams, TreeConfig
+from eagle_ray.data.rows import INVALID_JSON, INVALID_ROW, read_input, to_table
+from eagle_ray.engine.request import parse_row
+from eagle_ray.errors import ConfigError, EngineDeadError, InvalidRequestError, PromptTooLongError
+
+
+@pytest.fixture(scope="module")
+def long_ctx(tmp_path_factory):
+    """A tiny target whose context is 2,048 positions, and a transformers copy for the reference."""
+    from transformers import AutoModelForCausalLM
+    path = save_target(tmp_path_factory.mktemp("long-ctx"), max_positions=2048)
+    return path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def random_prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 64, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# ---- long prompts joining running sequences ---------------------------------------------------------------------
+def test_long_prompts_joining_deep_sequences_stay_inside_the_draft_cache(long_ctx, tiny_head):
+    """Two ~1,070-token prompts join a sequence deep in its slot (the shape that overflowed the draft cache:
+    every row's catch-up pass was padded to the longest pending list, so the deep row wrote past its slot)."""
+    path, hf = long_ctx
+    engine = tiny_engine(path, tiny_head, TreeConfig(total_tokens=8, depth=2, top_k=3), max_batch_size=2,
+                         max_model_len=2048)
+    prompts = [random_prompt(211, 1), random_prompt(1066, 2), random_prompt(1066, 3)]
+    lengths = [5, 60, 20]   # the third joins when the first ends, beside a row 1,070 deep
+    outs = engine.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths])
+    for out, prompt, n in zip(outs, prompts, lengths):
+        assert out.token_ids == reference_greedy(hf, prompt, n)
+
+
+def test_prompts_of_100_to_1900_tokens_arrive_while_others_run_near_the_context_end(long_ctx, tiny_head):
+    """Mixed lengths with continuous batching: sequences that fill their slot to the end share steps with
+    prompts arriving in bounded chunks; every output equals the target's greedy output."""
+    path, hf = long_ctx
+    engine = tiny_engine(path, tiny_head, TreeConfig(total_tokens=8, depth=2, top_k=3), max_batch_size=3,
+                         max_model_len=2048)
+    engine.scheduler.step_budget = engine.runner.extend_budget = 512
+    sizes = [1900, 100, 1400, 700, 1850, 300, 1000]
+    prompts = [random_prompt(n, 10 + i) for i, n in enumerate(sizes)]
+    params = [SamplingParams(max_new_tokens=2048, ignore_eos=True) if n in (1900, 1850)
+              else SamplingParams(max_new_tokens=40, ignore_eos=True) for n in sizes]
+    outs = engine.generate(prompts, params)
+    for out, prompt, n in zip(outs, prompts, sizes):
+        if n in (1900, 1850):  # ran to the end of the context
+            assert out.finish_reason == "length" and len(prompt) + len(out.token_ids) > 2048 - 10
+        assert out.token_ids == reference_greedy(hf, prompt, len(out.token_ids))
+
+
+# ---- sampling ---------------------------------------------------------------------------------------------------
+def test_a_seeded_request_gives_the_same_text_alone_in_a_batch_with_or_without_speculation(tiny_dir, tiny_head):
+    engine = tiny_engine(tiny_dir, tiny_head, max_batch_size=4)
+    prompt = random_prompt(9, 4)
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=30, seed=1234, ignore_eos=True)
+    alone = engine.generate([prompt], seeded)[0].token_ids
+    others = [random_prompt(n, 5 + n) for n in (3, 17, 8)]
+    mixed = engine.generate([others[0], prompt, others[1], others[2]],
+                            [SamplingParams(temperature=1.0, max_new_tokens=7, ignore_eos=True), seeded,
+                             SamplingParams(temperature=0.5, max_new_tokens=25), SamplingParams(max_new_tokens=12)])
+    plain = engine.generate([prompt], seeded, speculative=False)[0].token_ids
+    assert mixed[1].token_ids == alone == plain
+    other_seed = engine.generate([prompt], seeded.model_copy(update={"seed": 99}))[0].token_ids
+    assert other_seed != alone
+
+
+# ---- text ---------------------------------------------------------------------------------------------------------
+def test_an_oversized_prompt_is_refused_before_it_is_tokenised(tiny_dir, tiny_head):
+    engine = tiny_engine(tiny_dir, tiny_head, max_model_len=64)
+    calls = []
+    real = engine.codec._tokenize
+    engine.codec._tokenize = lambda p: calls.append(p) or real(p)
+    with pytest.raises(PromptTooLongError, match="bytes"):
+        engine.make_sequence("w1 " * 5_000_000)
+    with pytest.raises(PromptTooLongError, match="bytes"):
+        engine.make_sequence([{"role": "user", "content": "w2 " * 1_000_000}])
+    assert calls == []
+    with pytest.raises(PromptTooLongError, match="tokens"):  # under the byte bound, over the token room
+        engine.make_sequence("w1 " * 60)
+    assert len(calls) == 1
+
+
+def test_text_is_decoded_incrementally_and_equals_the_full_decode(tiny_dir, tiny_head):
+    engine = tiny_engine(tiny_dir, tiny_head)
+    out = engine.generate([random_prompt(6, 8)], SamplingParams(max_new_tokens=40, ignore_eos=True))[0]
+    assert out.text == engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+
+
+def test_embedded_style_tokenizer_streams_the_same_text_it_decodes_at_once():
+    """Byte-level BPE with multi-byte characters: the incremental text holds back half characters and ends
+    equal to the one-shot decode."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from eagle_ray.engine.text import Detokenizer
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())  # one token per byte: characters span tokens
+    tok = Tokenizer(models.BPE({c: i for i, c in enumerate(alphabet)}, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
+    text = "naïve café — 東京 🙂 ok"
+    ids = fast(text)["input_ids"]
+    d = Detokenizer(fast)
+    pieces = [d.add([i]) for i in ids]
+    assert "".join(pieces) == d.text == fast.decode(ids) == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_a_stop_string_cuts_tokens_and_text_once(tiny_dir, tiny_head):
+    engine = tiny_engine(tiny_dir, tiny_head)
+    prompt = random_prompt(5, 9)
+    full = engine.generate([prompt], SamplingParams(max_new_tokens=30, ignore_eos=True))[0]
+    words = full.text.split(" ")
+    stop = " ".join(words[4:6])
+    out = engine.generate([prompt], SamplingParams(max_new_tokens=30, ignore_eos=True, stop=[stop]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == full.text[: full.text.index(stop)]
+    assert engine.tokenizer.decode(out.token_ids, skip_special_tokens=True).startswith(out.text)
+
+
+# ---- the engine thread --------------------------------------------------------------------------------------------
+def test_a_failing_engine_fails_its_requests_refuses_new_ones_and_reports_unhealthy(tiny_dir, tiny_head):
+    from eagle_ray.engine.queue import RequestQueue
+    engine = tiny_engine(tiny_dir, tiny_head)
+    q = RequestQueue(engine)
+    assert q.generate(random_prompt(5, 1), SamplingParams(max_new_tokens=3)).token_ids
+    steps, all_submitted = [], threading.Event()
+
+    def broken():
+        all_submitted.wait(30)   # the three requests are in flight when the device fails
+        steps.append(1)
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    engine.step = broken
+    futures = [q.submit(random_prompt(5, i), SamplingParams(max_new_tokens=8)) for i in range(3)]
+    all_submitted.set()
+    for f in futures:
+        with pytest.raises(EngineDeadError, match="illegal memory access"):
+            f.result(timeout=30)
+    assert not q.healthy and len(steps) == 1  # it stopped stepping at the first failure
+    with pytest.raises(EngineDeadError):
+        q.submit("w1 w2", SamplingParams(max_new_tokens=3))
+    q.shutdown(timeout=10)
+
+
+def test_tokenising_happens_on_the_callers_thread(tiny_dir, tiny_head):
+    import threading
+
+    from eagle_ray.engine.queue import RequestQueue
+    engine = tiny_engine(tiny_dir, tiny_head)
+    threads = []
+    real = engine.codec._tokenize
+    engine.codec._tokenize = lambda p: threads.append(threading.current_thread().name) or real(p)
+    q = RequestQueue(engine)
+    q.generate("w1 w2 w3", SamplingParams(max_new_tokens=3))
+    asyncio.run(q.agenerate("w4 w5", SamplingParams(max_new_tokens=3)))
+    q.shutdown()
+    assert threads[0] == threading.current_thread().name and "eagle-ray-engine" not in threads
+
+
+# ---- rows ---------------------------------------------------------------------------------------------------------
+def write_lines(tmp_path, lines: list[bytes], name="in.jsonl"):
+    path = tmp_path / name
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return str(path)
+
+
+def local_rows(path):
+    from fsspec.implementations.local import LocalFileSystem
+    return read_input(path, LocalFileSystem())
+
+
+def test_bad_lines_become_error_rows_that_name_their_kind(tmp_path):
+    lines = [b'\xef\xbb\xbf{"id": "bom", "prompt": "hello"}',       # a UTF-8 byte order mark: not an error
+             b"null", b"[1, 2]", b"42", b"{broken",
+             b"[" * 100_000 + b"]" * 100_000,                       # nested far too deep
+             json.dumps({"id": "deep", "prompt": "x", "meta": [[[[[[[[1]]]]]]]] * 1}).encode(),
+             json.dumps({"id": "deeper", "prompt": "x", "meta": json.loads("[" * 80 + "]" * 80)}).encode()]
+    rows = local_rows(write_lines(tmp_path, lines))
+    got = [(r.id, r.kind) for r in rows]
+    assert got == [("bom", ""), ("row-1", INVALID_ROW), ("row-2", INVALID_ROW), ("row-3", INVALID_ROW),
+                   ("row-4", INVALID_JSON), ("row-5", INVALID_ROW), ("deep", ""), ("row-7", INVALID_ROW)]
+    assert "got null" in rows[1].error
+
+
+def test_a_lone_surrogate_is_one_error_row_and_every_row_stays_storable(tmp_path):
+    lines = [b'{"id": "p", "prompt": "lone \\ud800 x"}', b'{"id": "q\\udfff", "prompt": "fine"}',
+             b'{"id": "ok", "prompt": "fine"}']
+    rows = local_rows(write_lines(tmp_path, lines))
+    assert [r.kind for r in rows] == ["", "", ""]
+    with pytest.raises(InvalidRequestError, match="lone surrogate"):
+        parse_row(json.loads(rows[0].payload), SamplingParams())
+    parse_row(json.loads(rows[1].payload), SamplingParams())  # a strange id is still an id
+    table = to_table([{"id": r.id, "row_index": r.row_index, "input": r.payload,
+                       "error": "prompt: 'lone \ud800 x'"} for r in rows])
+    assert table.num_rows == 3 and table["id"].to_pylist()[1] == "q\\udfff"
+
+
+def test_null_means_absent_in_parquet_columns_and_structs(tmp_path):
+    path = tmp_path / "in.parquet"
+    pq.write_table(pa.table({
+        "id": ["a", "b", "c"], "prompt": ["hi", None, None],
+        "messages": [None, [{"role": "user", "content": "yo"}], None],
+        "turns": [None, None, ["one", "two"]],
+        "sampling_params": [{"temperature": None, "max_tokens": 5, "seed": None},
+                            {"temperature": 0.5, "max_tokens": None, "seed": 3}, None]}), path)
+    reqs = [parse_row(json.loads(r.payload), SamplingParams(max_new_tokens=9)) for r in local_rows(str(path))]
+    assert [r.kind for r in reqs] == ["prompt", "messages", "turns"]
+    assert [(r.params.temperature, r.params.max_new_tokens, r.params.seed) for r in reqs] == \
+        [(0.0, 5, None), (0.5, 9, 3), (0.0, 9, None)]
+
+
+def test_bad_sampling_values_are_request_errors_naming_the_field():
+    with pytest.raises(InvalidRequestError, match="stop strings must be non-empty"):
+        parse_row({"prompt": "x", "sampling_params": {"stop": [""]}}, SamplingParams())
+    with pytest.raises(InvalidRequestError, match="sampling_params.seed"):
+        parse_row({"prompt": "x", "sampling_params": {"seed": -1}}, SamplingParams())
+    with pytest.raises(InvalidRequestError, match="unknown field"):
+        parse_row({"prompt": "x", "sampling_params": {"temprature": 1}}, SamplingParams())
+    with pytest.raises(InvalidRequestError, match="exactly one of"):
+        parse_row({"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, SamplingParams())
+
+
+def test_input_paths_that_hold_nothing_to_read_are_config_errors(tmp_path):
+    from fsspec.implementations.local import LocalFileSystem
+    fs = LocalFileSystem()
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "a.jsonl").write_text('{"prompt": "x"}\n')
+    with pytest.raises(ConfigError, match="does not exist"):
+        read_input(str(tmp_path / "missing.jsonl"), fs)
+    with pytest.raises(ConfigError, match="no .jsonl"):
+        read_input(str(tmp_path / "empty"), fs)
+    assert len(read_input(str(tmp_path / "s*"), fs)) == 1  # a glob matching a directory reads what is in it
+
+
+# ---- the job's command line and its tuning cache ------------------------------------------------------------------
+ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+
+
+def generate_main(args: list[str]) -> int:
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("generate_job", ROOT / "jobs" / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(args)
+
+
+def test_the_job_cli_answers_bad_paths_with_one_line_and_status_2(tmp_path, capsys):
+    (tmp_path / "in.jsonl").write_text('{"prompt": "w1"}\n')
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file-out").write_text("x")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "part-x-00000.parquet").write_bytes(b"PAR1\x00\x00truncated")
+    cases = {
+        "does not exist": ["--input", str(tmp_path / "nope.jsonl"), "--output", str(tmp_path / "o")],
+        "no .jsonl": ["--input", str(tmp_path / "empty"), "--output", str(tmp_path / "o")],
+        "is a file": ["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "file-out")],
+        "not a section": ["--set", "input.uri.x=1"],
+        "part-x-00000.parquet is not readable Parquet": ["--input", str(tmp_path / "in.jsonl"), "--output",
+                                                          str(tmp_path / "out")],
+    }
+    for reason, args in cases.items():
+        assert generate_main(["--config", str(ROOT / "configs" / "embedded.yaml"), *args]) == 2
+        err = capsys.readouterr().err
+        assert reason in err and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def test_the_tuning_cache_key_follows_the_files_not_their_path_or_mtime(tiny_dir, tiny_head, tmp_path):
+    import os
+    import shutil
+
+    from eagle_ray.engine.tuning import cache_key
+    engine = tiny_engine(tiny_dir, tiny_head)
+    tiny_head.save(tmp_path / "a")
+    engine.target_dir, engine.draft_dir = tiny_dir, tmp_path / "a"
+    key = cache_key(engine, [1, 2])
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    for f in (tmp_path / "b").iterdir():
+        os.utime(f, (1e9, 1e9))
+    engine.draft_dir = tmp_path / "b"
+    assert cache_key(engine, [1, 2]) == key
+    (tmp_path / "b" / "config.json").write_text((tmp_path / "b" / "config.json").read_text() + " ")
+    assert cache_key(engine, [1, 2]) != key
+
+
+def test_summary_counts_errors_by_kind():
+    from eagle_ray.data.job import _error_kinds
+    rows = [{"error": "/data/x.jsonl:3: invalid JSON (Expecting value at column 1)", "error_kind": "invalid_json"},
+            {"error": "/data/x.jsonl:9: invalid JSON (...)", "error_kind": "invalid_json"},
+            {"error": "prompt has 3000 tokens ...", "error_kind": "prompt_too_long"}, {"error": None}]
+    assert _error_kinds(rows) == {"invalid_json": 2, "prompt_too_long": 1}
+
+
+def test_a_serve_replica_without_its_api_key_fails_before_loading_the_model(monkeypatch):
+    from eagle_ray.config import ServeConfig
+    from eagle_ray.engine import engine as engine_module
+    from eagle_ray.serve.app import EagleServer
+    monkeypatch.delenv("EAGLE_RAY_NO_SUCH_KEY", raising=False)
+    monkeypatch.setattr(engine_module.EagleEngine, "from_config",
+                        classmethod(lambda *a, **k: pytest.fail("the model loaded before the key was checked")))
+    cfg = ServeConfig(api_key_env="EAGLE_RAY_NO_SUCH_KEY")
+    cls = EagleServer.func_or_class
+    with pytest.raises(RuntimeError, match="EAGLE_RAY_NO_SUCH_KEY"):
+        asyncio.run(cls.__init__(cls.__new__(cls), cfg.model_dump_json()))  # Serve's ingress __init__ is async
+
+
+def test_the_bearer_scheme_is_case_insensitive():
+    from eagle_ray.serve.openai_api import authorized
+    assert authorized("Bearer k", "k") and authorized("bearer k", "k") and authorized("BEARER  k ", "k")
+    assert not authorized("Basic k", "k") and not authorized(None, "k") and not authorized("Bearer x", "k")
+    assert authorized(None, None)
+
+
+def test_the_engine_failing_ends_the_job_actor_and_fails_serve_health(tiny_dir, tiny_head):
+    from eagle_ray.config import JobConfig
+    from eagle_ray.data.stage import GenerateStage
+    from eagle_ray.engine.queue import RequestQueue
+    stage = GenerateStage.__new__(GenerateStage)
+    stage.cfg = JobConfig(input={"uri": "x"}, output={"uri": "y"})
+    stage.engine = tiny_engine(tiny_dir, tiny_head)
+    stage.queue = RequestQueue(stage.engine)
+    stage.target_name, stage.draft_name, stage.tree_json, stage.worker_id = "t", "d", "{}", "w"
+    died = []
+    stage.die = lambda: died.append(True)
+
+    def broken():
+        raise RuntimeError("device lost")
+    stage.engine.step = broken
+    batch = pa.table({"row_index": [0, 1], "id": ["a", "b"], "payload": ['{"prompt": "w1"}', '{"prompt": "w2"}'],
+                      "error": ["", ""], "error_kind": ["", ""]})
+    out = asyncio.run(stage(batch)).to_pylist()
+    assert [r["error_kind"] for r in out] == ["engine_failed", "engine_failed"] and died == [True]
+
+    from eagle_ray.serve.app import EagleServer
+    server = EagleServer.func_or_class.__new__(EagleServer.func_or_class)
+    server.queue = stage.queue
+    with pytest.raises(RuntimeError, match="device lost"):
+        server.check_health()

@@ -685,10 +685,14 @@ def cmd_eagle_ray(args) -> None:
         tree_equal = (first["tokens"] == rt["tokens"] and first["depths"] == rt["depths"]
                       and first["parents"][1:] == rt["parents"][1:] and score_gap < args.score_tol)
         ref_clean = p["output_ids_clean"]
-        n_common = min(len(ours_steps), len(p["accept_lengths"]))
-        # the reference's last cycle can overshoot max_new_tokens or run past EOS: compare the steps both made
-        steps_equal = ours_steps[:n_common] == p["accept_lengths"][:n_common] and \
-            abs(len(ours_steps) - len(p["accept_lengths"])) <= 1
+        # eagenerate stops only once its counter passes max_new_tokens (the first token, from prefill, is not
+        # counted), so it can run cycles after the output is complete; those are cut from its cleaned output.
+        # Equal: the same accepted length at every step eagle-ray made, and every further reference step starts
+        # after the cleaned output is complete.
+        ref_steps = p["accept_lengths"]
+        made = ref_steps[:len(ours_steps)]
+        covered = 1 + sum(a + 1 for a in made)
+        steps_equal = made == ours_steps and (len(ref_steps) == len(ours_steps) or covered >= len(ref_clean))
         row = {"question_id": p.get("question_id"), "output_equal": out.token_ids == ref_clean,
                "first_tree_equal": tree_equal, "first_tree_max_score_gap": score_gap,
                "accept_lengths_equal": steps_equal, "steps_ours": len(ours_steps),

@@ -6,7 +6,7 @@ JSON, and a prober reads /health. For every stream, the longest gap between two 
 stall (waiting for a free slot before the first token is queueing, reported separately as time to first token).
 After the load, one normal request must be served.
 
-    .venv/bin/python bench/serve_stall.py --duration 120 --out bench/results/serve_stall.json
+    .venv/bin/python bench/serve_stall.py --duration 120 --out bench/results/epyc-avx2-2core/serve_stall.json
 """
 from __future__ import annotations
 

@@ -81,6 +81,7 @@ def test_the_layout_on_disk_is_safailabs(deep, tmp_path):
     cfg = json.loads((tmp_path / "h" / "config.json").read_text())
     assert cfg["draft_vocab_size"] == 64 and cfg["num_hidden_layers"] == 1
     assert "target_hidden_size" not in cfg  # as the reference writes it: the embedding then comes from the target
+    assert cfg["rope_theta"] == hf.config.rope_parameters["rope_theta"]   # read by transformers 4.x readers
     sd = load_file(str(tmp_path / "h" / "model.safetensors"))
     assert sd["fc.weight"].shape == (32, 96) and sd["midlayer.self_attn.q_proj.weight"].shape[1] == 64
 

@@ -69,8 +69,9 @@ def tiny_engine(target_dir: Path, head: DraftHead | None = None, tree: TreeConfi
         torch.manual_seed(1)
         head = DraftHead.for_target(hf.config)
         head.embed_tokens.weight.data.copy_(hf.model.embed_tokens.weight)
+    # a tiny model's step costs next to nothing: a 256-token budget keeps chunking for long prompts, not short ones
     cfg = EngineConfig(tree=tree or TreeConfig(total_tokens=12, depth=3, top_k=3), max_batch_size=max_batch_size,
-                       max_model_len=max_model_len)
+                       max_model_len=max_model_len, max_step_tokens=256)
     return EagleEngine(target, head.to(dtype).eval(), AutoTokenizer.from_pretrained(target_dir), cfg)
 
 

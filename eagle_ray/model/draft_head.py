@@ -96,17 +96,8 @@ class DraftHead(nn.Module):
             if target_embed is None:
                 raise CheckpointError(f"draft head {path} has no embed_tokens.weight and no target to take it from")
             state["embed_tokens.weight"] = target_embed.detach().to(torch.float32).cpu()
-        expected = head.state_dict()
-        missing = sorted(set(expected) - set(state))
-        unexpected = sorted(set(state) - set(expected) - {"layers.0.input_layernorm.weight"})
-        if missing or unexpected:
-            raise CheckpointError(f"draft head {path} keys do not match the EAGLE layout: missing {missing}, "
-                                  f"unexpected {unexpected}")
-        for k, v in expected.items():
-            if tuple(state[k].shape) != tuple(v.shape):
-                raise CheckpointError(f"draft head {path}: {k} has shape {tuple(state[k].shape)}, "
-                                      f"config implies {tuple(v.shape)}")
-        head.load_state_dict({k: state[k] for k in expected}, strict=True)
+        load_checked(head, state, f"draft head {path}", "the EAGLE layout",
+                     ignore={"layers.0.input_layernorm.weight"})
         if (path / "token_map.safetensors").exists():
             from safetensors.torch import load_file
             tm = load_file(str(path / "token_map.safetensors"))["token_map"].long()
@@ -180,6 +171,21 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     if (path / "pytorch_model.bin").exists():
         return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
     raise CheckpointError(f"draft head {path} has neither model.safetensors nor pytorch_model.bin")
+
+
+def load_checked(head: nn.Module, state: dict, name: str, layout: str, ignore: set[str] = frozenset()) -> None:
+    """Load ``state`` into ``head`` strictly, failing first with a message naming missing and unexpected keys
+    (``ignore`` lists keys some writers add and the head does not use) and any tensor whose shape differs from what
+    the config implies."""
+    expected = head.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected) - set(ignore))
+    if missing or unexpected:
+        raise CheckpointError(f"{name} keys do not match {layout}: missing {missing}, unexpected {unexpected}")
+    for k, v in expected.items():
+        if tuple(state[k].shape) != tuple(v.shape):
+            raise CheckpointError(f"{name}: {k} has shape {tuple(state[k].shape)}, config implies {tuple(v.shape)}")
+    head.load_state_dict({k: state[k] for k in expected}, strict=True)
 
 
 def head_kind(path: str | Path) -> str:

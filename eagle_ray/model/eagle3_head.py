@@ -133,7 +133,7 @@ class Eagle3Head(nn.Module):
     @classmethod
     def load(cls, path: str | Path, target_config, target_embed: torch.Tensor | None = None,
              dtype: torch.dtype = torch.float32, device="cpu") -> "Eagle3Head":
-        from eagle_ray.model.draft_head import read_state_dict
+        from eagle_ray.model.draft_head import load_checked, read_state_dict
         path = Path(path)
         raw = json.loads((path / "config.json").read_text())
         check_config(path, raw, target_config)
@@ -146,20 +146,10 @@ class Eagle3Head(nn.Module):
             if target_embed is None:
                 raise CheckpointError(f"EAGLE-3 head {path} has no embed_tokens.weight and no target to take it from")
             state["embed_tokens.weight"] = target_embed.detach().to(torch.float32).cpu()
-        expected = head.state_dict()
         if head.draft_vocab_size == target_config.vocab_size:  # the whole vocabulary: the map may be left out
             state.setdefault("d2t", torch.zeros(head.draft_vocab_size, dtype=torch.long))
             state.setdefault("t2d", torch.ones(target_config.vocab_size, dtype=torch.bool))
-        missing = sorted(set(expected) - set(state))
-        unexpected = sorted(set(state) - set(expected))
-        if missing or unexpected:
-            raise CheckpointError(f"EAGLE-3 head {path} keys do not match the layout: missing {missing}, "
-                                  f"unexpected {unexpected}")
-        for k, v in expected.items():
-            if tuple(state[k].shape) != tuple(v.shape):
-                raise CheckpointError(f"EAGLE-3 head {path}: {k} has shape {tuple(state[k].shape)}, config implies "
-                                      f"{tuple(v.shape)}")
-        head.load_state_dict({k: state[k] for k in expected}, strict=True)
+        load_checked(head, state, f"EAGLE-3 head {path}", "the layout")
         to_target = head.draft_to_target
         if to_target.min() < 0 or to_target.max() >= target_config.vocab_size:
             raise CheckpointError(f"EAGLE-3 head {path}: d2t maps draft ids outside the target vocabulary "

@@ -13,8 +13,8 @@ trainer's (``eagle_ray.train.trainer``); this module supplies the batch and the 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from eagle_ray.train.trainer import unrolled_attention
 
 
 def collate(convs: list[dict], idx: list[int], max_len: int):
@@ -43,29 +43,13 @@ def unrolled(head, tokens: torch.Tensor, feats: torch.Tensor, steps: int) -> lis
     emb = head.embed_tokens(tokens)
     layer = head.midlayer
     attn = layer.self_attn
-    hd = attn.head_dim
     first = head.fc(feats.to(head.fc.weight.dtype))
     cos, sin = head.rotary_emb(first, torch.arange(T).unsqueeze(0).expand(B, T))
     emb_normed = layer.input_layernorm(emb)
-    idx = torch.arange(T)
     keys, values, outs, inp = [], [], [], first
     for s in range(steps):
         x = torch.cat([emb_normed, layer.hidden_norm(inp)], dim=-1)
-        q = attn.q_proj(x).view(B, T, -1, hd).transpose(1, 2)
-        k = attn.k_proj(x).view(B, T, -1, hd).transpose(1, 2)
-        v = attn.v_proj(x).view(B, T, -1, hd).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        keys.append(k)
-        values.append(v)
-        gqa = k.shape[1] != q.shape[1]
-        if s == 0:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=gqa)
-        else:
-            mask = torch.cat([idx.view(-1, 1) - s >= idx.view(1, -1)]
-                             + [idx.view(-1, 1) - (s - r) == idx.view(1, -1) for r in range(1, s + 1)], dim=1)
-            out = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask,
-                                                 scale=attn.scaling, enable_gqa=gqa)
-        h = inp + attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        h = inp + unrolled_attention(attn, x, s, keys, values, cos, sin)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
         outs.append(h)
         inp = torch.cat([first[:, :1], h[:, :-1]], dim=1)

@@ -31,12 +31,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_precision_args(p: argparse.ArgumentParser) -> None:
-    """The precision switches (EngineConfig fields); read them back with :func:`precision_kwargs`."""
-    p.add_argument("--no-fp32-activations", dest="fp32_activations", action="store_false",
+    """The precision switches (EngineConfig fields, ``auto`` unless turned off); read them back with
+    :func:`precision_kwargs`."""
+    p.add_argument("--no-fp32-activations", dest="fp32_activations", action="store_const", const=False,
+                   default="auto",
                    help="bf16/fp16 residual stream and attention (faster on CPU; greedy ties may then flip)")
-    p.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
+    p.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_const", const=False,
+                   default="auto",
                    help="plain CPU kernels instead of row-invariant ones (faster; see EngineConfig.batch_invariant)")
-    p.add_argument("--no-fp32-logits", dest="fp32_logits", action="store_false",
+    p.add_argument("--no-fp32-logits", dest="fp32_logits", action="store_const", const=False,
+                   default="auto",
                    help="logits in the model dtype (no fp32 refinement of the top candidates)")
 
 

@@ -5,7 +5,7 @@ Constructing any of these with a bad value raises :class:`eagle_ray.errors.Confi
 from __future__ import annotations
 
 import contextvars
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -46,7 +46,9 @@ class TreeConfig(StrictModel):
 
     ``dynamic`` is EAGLE-2: ``depth`` expansion steps with a global ``top_k`` frontier ranked by cumulative draft
     log-probability, then the ``total_tokens`` best nodes (root included) are kept. ``static`` is an EAGLE-1 style
-    fixed tree (``static_tree`` paths of sibling ranks), ``chain`` drafts ``depth + 1`` tokens greedily.
+    fixed tree (``static_tree`` paths of sibling ranks), ``chain`` drafts ``depth + 1`` tokens greedily. A tree of
+    ``total_tokens: 1`` is plain decoding (:data:`PLAIN`): the step verifies only its root and drafts nothing, while
+    the head's inputs keep accumulating, so a later step can speculate again.
     Defaults are the ones measured fastest for the embedded pair on a 2-core CPU (see README).
     """
     mode: Literal["dynamic", "static", "chain"] = "dynamic"
@@ -56,6 +58,13 @@ class TreeConfig(StrictModel):
     min_cum_prob: float = Field(0.0, ge=0.0, lt=1.0,
                                 description="drop nodes whose cumulative draft probability is below this")
     static_tree: list[list[int]] | None = Field(None, description="static mode: node paths as sibling ranks")
+
+
+PLAIN = TreeConfig(total_tokens=1, depth=0, top_k=1)
+
+
+def is_plain(tree: TreeConfig) -> bool:
+    return tree.total_tokens == 1
 
 
 class SamplingParams(StrictModel):
@@ -100,11 +109,17 @@ class ModelConfig(StrictModel):
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
     device: str = "auto"
     threads: int | None = Field(None, ge=1, description="torch CPU threads (None = torch default)")
+    compile: Literal["off", "inductor", "cuda-graphs"] = Field(
+        "off", description="run the target's and the head's forwards through torch.compile (inductor), or also "
+        "replay CUDA graphs (cuda-graphs, key lengths bucketed); off by default: see README, Models and devices")
 
 
 class CacheConfig(StrictModel):
     """What the engine holds at once: KV slots, their length, and how much prompt a step may prefill."""
-    max_batch_size: int = Field(8, ge=1, le=1024, description="KV-cache slots: sequences running at once")
+    max_batch_size: Annotated[int, Field(ge=1, le=1024)] | Literal["auto"] = Field(
+        8, description="KV-cache slots: sequences running at once; 'auto': as many as the device's free memory "
+        "holds after weights and workspace (model/memory.py; at most 256 on CUDA, 32 on CPU), resolved to an int "
+        "when the engine loads")
     max_model_len: int = Field(2048, ge=16, description="positions per slot (prompt + output + one verify budget)")
     max_step_tokens: int | None = Field(None, ge=16, description="tokens one step may run: the running sequences' "
                                         "verify tokens plus prompt chunks (at least 16 prompt tokens a step); it "
@@ -129,6 +144,8 @@ class SpeculationConfig(StrictModel):
                                                          "sequences uses the entry of the largest key <= n")
     max_verify_tokens: int | None = Field(None, ge=1, description="cap on tree nodes per verify pass for the whole "
                                           "batch; the most probable nodes across sequences are kept (None: no cap)")
+    verify_budget_by_batch: dict[int, int] | None = Field(None, description="max_verify_tokens per batch size "
+                                                          "(the entry of the largest key <= n; the tuner sets it)")
     draft_vocab_size: int | None = Field(None, ge=0, description="draft proposes only the N most frequent tokens "
                                          "of the head's token_map (None: all of the map, 0: full vocabulary)")
 
@@ -144,14 +161,18 @@ class SpeculationConfig(StrictModel):
         return [self.tree] + list((self.trees_by_batch or {}).values())
 
 
+Switch = bool | Literal["auto"]
+
+
 class PrecisionConfig(StrictModel):
-    """How a bf16/fp16 target computes (fp32 targets ignore these)."""
-    fp32_logits: bool = Field(True, description="make every logit that can decide a token exact fp32 (bf16 "
+    """How a bf16/fp16 target computes (fp32 targets ignore these). ``auto`` (the default) turns each on for a
+    bf16/fp16 target on CPU, where its kernels need them, and off on CUDA (model/device.py ``numerics_for``)."""
+    fp32_logits: Switch = Field("auto", description="make every logit that can decide a token exact fp32 (bf16 "
                               "product, then the top candidates recomputed in fp32 with a proof that no other token "
                               "can win; model/logits.py): greedy near-ties stay stable")
-    fp32_activations: bool = Field(True, description="keep the residual stream, norms and attention in fp32 (the "
+    fp32_activations: Switch = Field("auto", description="keep the residual stream, norms and attention in fp32 (the "
                                    "projections stay low precision), so a tree verify and plain decoding round alike")
-    batch_invariant: bool = Field(True, description="with fp32 activations on CPU, compute every token the same way "
+    batch_invariant: Switch = Field("auto", description="with fp32 activations on CPU, compute every token the same way "
                                   "whatever else is in its forward pass (GEMM rows padded to a multiple of 4, chunked "
                                   "attention), so bf16 speculative and plain output differ only on near-ties; costs "
                                   "a 1-row bf16 decode up to ~2x")
@@ -246,14 +267,27 @@ class OutputConfig(StrictModel):
     rows_per_file: int = Field(256, ge=1, le=1_000_000)
 
 
+def one_gpu_per_engine(num_gpus: float, more: str) -> float:
+    """An engine runs on one device: a second GPU for the same actor or replica would sit idle."""
+    if num_gpus > 1:
+        raise ValueError(f"one engine uses one GPU (eagle-ray does not split a target across GPUs); use "
+                         f"num_gpus <= 1 and more {more} to use more GPUs")
+    return num_gpus
+
+
 class ActorsConfig(StrictModel):
     """The actor pool: one engine (target + draft pair) per actor."""
     num_actors: int = Field(1, ge=1)
     num_cpus: float = Field(1.0, gt=0, description="CPUs per actor (also its torch thread count on CPU)")
-    num_gpus: float = Field(0.0, ge=0, description="GPUs per actor (0 = CPU actors)")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per actor (0 = CPU actors, at most 1)")
     batch_size: int = Field(16, ge=1, description="rows per Ray Data batch handed to an actor")
     max_concurrent_batches: int = Field(4, ge=1, description="batches in flight per actor, all feeding one "
                                         "continuously batched engine")
+
+    @field_validator("num_gpus")
+    @classmethod
+    def _one_gpu(cls, v):
+        return one_gpu_per_engine(v, "num_actors")
 
 
 def _auto_tree_by_default(data):
@@ -312,13 +346,18 @@ class ServeConfig(StrictModel):
     route_prefix: str = "/"
     num_replicas: int = Field(1, ge=1)
     num_cpus: float = Field(1.0, gt=0, description="CPUs per replica (its torch threads on CPU)")
-    num_gpus: float = Field(0.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per replica (at most 1)")
     api_key_env: str | None = Field(None, description="if set, requests need `Authorization: Bearer <value of "
                                     "this environment variable>`")
     max_tokens_cap: int = Field(2048, ge=1, description="largest max_tokens a request may ask for")
     default_max_tokens: int = Field(256, ge=1)
     max_request_bytes: int = Field(4 * 2**20, ge=1024, description="largest request body (413 above it)")
     s3: S3Options = Field(default_factory=S3Options)
+
+    @field_validator("num_gpus")
+    @classmethod
+    def _one_gpu(cls, v):
+        return one_gpu_per_engine(v, "num_replicas")
 
     @classmethod
     def from_yaml(cls, path) -> "ServeConfig":

@@ -23,3 +23,7 @@ class InvalidRequestError(EagleError, ValueError):
 
 class EngineDeadError(EagleError, RuntimeError):
     """The engine failed in a step (a device error, a bug): it serves nothing more and must be replaced."""
+
+
+class InsufficientMemoryError(ConfigError):
+    """The engine's memory plan (weights, KV slots, workspace) does not fit the device's free memory."""

@@ -102,6 +102,9 @@ def measure(engine, records: list[dict], a) -> dict:
         "spec_tok_s": gen_tokens / sum(spec_wall), "plain_tok_s": sum(len(p.token_ids) for p in plain) / sum(plain_wall),
         "time_split": {k: v / step_total for k, v in tot.items()} if step_total else {},
         "overhead_fraction": tot["other_s"] / step_total if step_total else 0.0,
+        # decode-only steps of the speculative run: time outside target and head forwards (trees, acceptance,
+        # bookkeeping, host reads) over step time
+        "non_forward_fraction": 1 - c["decode_forward_s"] / c["decode_step_s"] if c["decode_step_s"] else 0.0,
         "mismatches_vs_plain": mismatches("vs_plain"), "tie_gap": tie,
         "mean_verify_batch": c["decode_sequences"] / max(c["decode_passes"], 1),
         "mean_verify_width": c["verify_tokens"] / max(c["decode_sequences"], 1),

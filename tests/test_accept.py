@@ -15,7 +15,7 @@ def tree_batch(valid_rows=None) -> Tree:
     eye = torch.eye(8, dtype=torch.bool)
     anc = torch.where(valid.unsqueeze(-1), anc, eye)
     return Tree(torch.arange(10, 18).expand(2, 8).clone(), parents, ancestor_mask(parents, 3).sum(-1) - 1, valid, anc,
-                torch.zeros(2, 8))
+                torch.zeros(2, 8), max_depth=3)
 
 
 def choice_for(path_tokens: dict[int, int]) -> torch.Tensor:

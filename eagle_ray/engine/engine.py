@@ -14,12 +14,13 @@ from pathlib import Path
 
 import torch
 
-from eagle_ray.config import EngineConfig, SamplingParams, TreeConfig
+from eagle_ray.config import EngineConfig, SamplingParams, TreeConfig, is_plain
 from eagle_ray.engine.model_runner import ModelRunner, StepOutput
 from eagle_ray.engine.scheduler import Scheduler, StepPlan
 from eagle_ray.engine.sequence import Sequence
 from eagle_ray.engine.text import Detokenizer, StopStrings, TextCodec
 from eagle_ray.errors import InvalidRequestError
+from eagle_ray.model.compiled import compile_forwards
 from eagle_ray.model.device import pick_device, pick_dtype
 from eagle_ray.model.draft_head import DraftHead, check_head, load_head
 from eagle_ray.model.eagle3_head import Eagle3Head
@@ -42,6 +43,14 @@ class RequestOutput:
 RANDOM_HEADS = ("random", "random-eagle3")  # untrained heads (EAGLE-2, EAGLE-3): lossless-test fixtures
 
 
+def by_batch(table: dict, batch: int, below_all):
+    """``table``'s entry for the largest batch size <= ``batch``; the entry for ``below_all`` (None: None) if every
+    key is larger."""
+    fits = [b for b in table if b <= batch]
+    key = max(fits) if fits else below_all
+    return None if key is None else table[key]
+
+
 def tree_budget(tree: TreeConfig) -> int:
     """Verify tokens per sequence (root included) a tree may take."""
     return tree.total_tokens if tree.mode == "dynamic" else len(static_shape(tree)) + 1
@@ -61,14 +70,16 @@ class EagleEngine:
         self.runner = ModelRunner(target, draft, max(budget, 512))
         # lifetime counters: decode passes, sequences they carried (mean verify batch = sequences / passes)
         self.counters = {"decode_passes": 0, "decode_sequences": 0, "verify_tokens": 0, "tree_nodes": 0,
-                         "prefill_passes": 0, "prefill_sequences": 0}
+                         "prefill_passes": 0, "prefill_sequences": 0, "decode_step_s": 0.0, "decode_forward_s": 0.0}
         eos = tokenizer.eos_token_id
         gen_eos = getattr(getattr(target.hf, "generation_config", None), "eos_token_id", None)
         self.eos_ids = frozenset(x for x in ([eos] + (gen_eos if isinstance(gen_eos, list) else [gen_eos]))
                                  if x is not None)
         if draft is not None:
-            draft.bind_lm_head(target.lm_head_weight, config.speculation.draft_vocab_size)
+            draft.bind_lm_head(target.lm_head_weight, config.speculation.draft_vocab_size,
+                               target.numerics.input_major_weights)
             self._allocate_draft_cache(fresh=True)
+        compile_forwards(target, draft, config.model.compile)
 
     # ---- construction -----------------------------------------------------------------------------------------
     @classmethod
@@ -83,7 +94,9 @@ class EagleEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig, storage_options: dict | None = None) -> "EagleEngine":
-        from transformers import AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
+
+        from eagle_ray.engine.sizing import size_engine
 
         m = config.model
         if m.threads:
@@ -92,9 +105,11 @@ class EagleEngine:
         dt = pick_dtype(m.dtype, dev)
         target_dir = resolve_target(m.target, storage_options)
         draft_dir = None if m.draft in ("none",) + RANDOM_HEADS else resolve_draft(m.draft, storage_options)
+        target_config = AutoConfig.from_pretrained(str(target_dir))
         if draft_dir is not None:  # validate the head's config before spending time on the target's weights
-            from transformers import AutoConfig
-            check_head(draft_dir, AutoConfig.from_pretrained(str(target_dir)))
+            check_head(draft_dir, target_config)
+        # plan the memory before allocating any: max_batch_size "auto" becomes an int, one that does not fit fails
+        config = size_engine(config, target_config, draft_dir, dev, dt)
         target = TargetModel.load(target_dir, dt, dev, config.cache.max_batch_size, config.cache.max_model_len,
                                   **config.precision.model_dump())
         draft = None
@@ -112,6 +127,7 @@ class EagleEngine:
             from eagle_ray.engine.tuning import autotune
             engine.tuning = autotune(engine)
             engine.set_trees(trees_by_batch=engine.tuning.trees_by_batch())
+            engine.config = engine.config.replace(verify_budget_by_batch=engine.tuning.verify_budget_by_batch())
         return engine
 
     def reference_model(self):
@@ -130,18 +146,25 @@ class EagleEngine:
         """The tree a step with ``batch`` sequences grows: ``trees_by_batch``'s entry for the largest batch size
         <= ``batch`` (the smallest entry below that), else ``tree``."""
         table = self.config.speculation.trees_by_batch
-        if not table:
-            return self.config.speculation.tree
-        fits = [b for b in table if b <= batch]
-        return table[max(fits) if fits else min(table)]
+        return by_batch(table, batch, min(table)) if table else self.config.speculation.tree
+
+    def verify_budget_for(self, batch: int) -> int | None:
+        """The verify cap of a step with ``batch`` speculative sequences: ``verify_budget_by_batch``'s entry for the
+        largest batch size <= ``batch``, else ``max_verify_tokens``."""
+        c = self.config.speculation
+        return by_batch(c.verify_budget_by_batch or {}, batch, None) or c.max_verify_tokens
 
     def tree_summary(self) -> dict:
         """What trees this engine grows (recorded in job outputs and Serve stats)."""
         c = self.config.speculation
         if not c.trees_by_batch:
             return c.tree.model_dump(exclude_none=True)
-        return {"policy": c.tree_policy, "trees_by_batch": {str(b): t.model_dump(exclude_none=True)
-                                                            for b, t in sorted(c.trees_by_batch.items())}}
+        out = {"policy": c.tree_policy, "trees_by_batch": {str(b): "plain" if is_plain(t) else
+                                                           t.model_dump(exclude_none=True)
+                                                           for b, t in sorted(c.trees_by_batch.items())}}
+        if c.verify_budget_by_batch:
+            out["verify_budget_by_batch"] = {str(b): n for b, n in sorted(c.verify_budget_by_batch.items())}
+        return out
 
     def set_trees(self, tree: TreeConfig | None = None, trees_by_batch: dict[int, TreeConfig] | None = None) -> None:
         """Change the tree shape(s) between steps (benchmarks, the tuner); grows the draft cache if needed."""
@@ -156,10 +179,11 @@ class EagleEngine:
         slots = self.config.cache.max_batch_size
         if cache is None or cache.num_slots != slots or cache.max_len < self.target.max_len + room + 1:
             self.draft.allocate_cache(slots, self.target.max_len + room + 1)
+            self.draft.cache.kv_bucket = self.target.cache.kv_bucket
             if cache is not None and cache.num_slots == slots:  # running sequences keep their draft context
                 self.draft.cache.k[..., : cache.max_len, :] = cache.k[..., : cache.max_len, :]
                 self.draft.cache.v[..., : cache.max_len, :] = cache.v[..., : cache.max_len, :]
-                self.draft.cache.lengths.copy_(cache.lengths)
+                self.draft.cache.lengths[:] = cache.lengths
 
     # ---- requests -------------------------------------------------------------------------------------------------
     def prompt_room(self) -> int:
@@ -225,7 +249,7 @@ class EagleEngine:
         for src, dst in self.scheduler.defragment():  # keep running slots contiguous: KV reads stay slices
             self.runner.move_slot(src, dst)
         plan = self.scheduler.schedule({True: self.max_tree_budget(), False: 1}, self.target.max_len)
-        out = self.runner.run(plan, self.tree_for, self.config.speculation.max_verify_tokens) if not plan.empty else None
+        out = self.runner.run(plan, self.tree_for, self.verify_budget_for) if not plan.empty else None
         touched = self._postprocess(plan, out)
         for seq in self.scheduler.retire_finished():
             self._finalize(seq)
@@ -254,6 +278,9 @@ class EagleEngine:
             self.counters["decode_sequences"] += n
             self.counters["verify_tokens"] += n * (t.verify_width if speculative else 1)
         self.counters["tree_nodes"] += t.tree_nodes
+        if out.decoded and not plan.prefill:  # decode-only steps: what share of a step is not model forwards
+            self.counters["decode_step_s"] += t.total_s
+            self.counters["decode_forward_s"] += t.forward_s
         other = t.total_s - t.prefill_s - t.draft_s - t.verify_s
         for r in out.results:
             seq = r.seq

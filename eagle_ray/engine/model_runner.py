@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eagle_ray.config import TreeConfig
+from eagle_ray.config import TreeConfig, is_plain
 from eagle_ray.engine.scheduler import PrefillChunk, StepPlan
 from eagle_ray.engine.sequence import Sequence
 from eagle_ray.model.draft_head import DraftHead
@@ -42,6 +42,7 @@ class StepTimes:
     draft_s: float = 0.0
     verify_s: float = 0.0
     total_s: float = 0.0
+    forward_s: float = 0.0        # inside model forwards: target verify + logits, head passes + scoring
     verify_width: int = 0         # columns of the speculative verify pass (B x width target tokens)
     tree_nodes: int = 0           # real tree nodes in it
 
@@ -79,12 +80,16 @@ def root_only_tree(roots: torch.Tensor) -> Tree:
                 torch.ones(B, 1, 1, dtype=torch.bool, device=roots.device), torch.zeros(B, 1, device=roots.device))
 
 
+FEED_EVERY = 32  # pending pairs a sequence collects in plain steps before the head consumes them
+
+
 class ModelRunner:
     def __init__(self, target: TargetModel, draft: DraftHead | None, extend_budget: int):
         self.target, self.draft = target, draft
         self.device = target.device
         self.extend_budget = extend_budget
         self.profile = False
+        self.clock, self.times = Clock(self.device), StepTimes()   # the running step's (see run)
         self.trace = None  # a TreeTrace recording verified trees (calibration, tuning); off by default
 
     # ---- slots ---------------------------------------------------------------------------------------------------
@@ -100,16 +105,19 @@ class ModelRunner:
 
     # ---- a step --------------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, plan: StepPlan, tree_for, max_verify_tokens: int | None = None) -> StepOutput:
-        clock = Clock(self.device, self.profile)
+    def run(self, plan: StepPlan, tree_for, budget_for=lambda batch: None) -> StepOutput:
+        """One step: ``tree_for(n)`` / ``budget_for(n)`` give the tree and the verify cap of a step with ``n``
+        speculative sequences."""
+        clock = self.clock = Clock(self.device, self.profile)
         out = StepOutput()
+        self.times = out.times
         t0 = clock()
         if plan.prefill:
             out.results += self.prefill(plan.prefill, out.times, clock)
         spec = [s for s in plan.decode if s.speculative and self.draft is not None]
         plain = [s for s in plan.decode if not (s.speculative and self.draft is not None)]
         if spec:
-            out.results += self.decode_speculative(spec, tree_for(len(spec)), max_verify_tokens, out.times, clock)
+            out.results += self.decode_speculative(spec, tree_for(len(spec)), budget_for(len(spec)), out.times, clock)
             out.decoded[True] = len(spec)
         if plain:
             out.results += self.decode_plain(plain, out.times, clock)
@@ -148,7 +156,7 @@ class ModelRunner:
         t0 = clock()
         hidden, feats = self.target_forward(ids.to(device, non_blocking=True), slots,
                                             torch.arange(W, device=device).expand(R, W), causal_block(n, W, device),
-                                            n_valid=torch.tensor(n))
+                                            n_valid=n)
         done = [r for r, c in enumerate(chunks) if c.completes]
         first: list[int] = []
         if done:
@@ -159,7 +167,7 @@ class ModelRunner:
             positions = torch.tensor([[len(s.prompt_ids)] for s in seqs], device=device)
             first = choose_tokens(logits, SamplingBatch.of(seqs, device), positions)[:, 0].tolist()
         times.prefill_s += clock() - t0
-        target.cache.lengths[slots] += torch.tensor(n)
+        target.cache.lengths[slots] += n
         results, k = [], 0
         for r, c in enumerate(chunks):
             seq = c.seq
@@ -199,10 +207,12 @@ class ModelRunner:
                 tokens[b, : n[b]] = torch.tensor(tok)
                 feats[b, : n[b]] = f
             slots = [s.slot for s in group]
+            t0 = self.clock()
             hidden = self.draft.forward(tokens.to(self.device, non_blocking=True), feats, slots,
                                         torch.arange(width, device=self.device).expand(len(group), width),
-                                        causal_block(n, width, self.device), n_valid=torch.tensor(n))
-            self.draft.cache.lengths[slots] += torch.tensor(n)
+                                        causal_block(n, width, self.device), n_valid=n)
+            self.times.forward_s += self.clock() - t0
+            self.draft.cache.lengths[slots] += n
             for b, s in enumerate(group):
                 if not s.draft_tokens:
                     s.draft_hidden = hidden[b, n[b] - 1]
@@ -213,12 +223,20 @@ class ModelRunner:
         draft, device = self.draft, self.device
         slots = [s.slot for s in seqs]
 
+        clock, times = self.clock, self.times
+
         def topk_fn(hidden, k):
-            return draft.topk(hidden, k)
+            t0 = clock()
+            out = draft.topk(hidden, k)
+            times.forward_s += clock() - t0
+            return out
 
         def draft_fn(tok, feat, level, block_mask, offset):
             depth = torch.full(tok.shape, level, dtype=torch.long, device=device)
-            return draft.forward(tok, feat, slots, depth, block_mask, offset)
+            t0 = clock()
+            out = draft.forward(tok, feat, slots, depth, block_mask, offset)
+            times.forward_s += clock() - t0
+            return out
 
         roots = torch.tensor([s.root for s in seqs]).to(device, non_blocking=True)
         return grow_tree(draft_fn, topk_fn, root_hidden, roots, tree_cfg)
@@ -230,6 +248,8 @@ class ModelRunner:
 
     def decode_speculative(self, seqs: list[Sequence], tree_cfg: TreeConfig, max_verify_tokens: int | None,
                            times: StepTimes, clock: Clock) -> list[SeqResult]:
+        if is_plain(tree_cfg):
+            return self.decode_plain(seqs, times, clock, keep_pairs=True)
         t0 = clock()
         tree = self.grow_trees(seqs, tree_cfg)
         if max_verify_tokens:
@@ -238,9 +258,19 @@ class ModelRunner:
         times.draft_s += clock() - t0
         return self.verify(seqs, tree, times, clock, speculative=True)
 
-    def decode_plain(self, seqs: list[Sequence], times: StepTimes, clock: Clock) -> list[SeqResult]:
+    def decode_plain(self, seqs: list[Sequence], times: StepTimes, clock: Clock,
+                     keep_pairs: bool = False) -> list[SeqResult]:
+        """Verify every sequence's root only. ``keep_pairs``: speculative sequences in a step whose tree is plain
+        keep the head's (feature, token) pairs, fed to the head once a sequence holds ``FEED_EVERY`` (one bounded
+        pass then serves many steps, and the pending features stay small)."""
         roots = torch.tensor([s.root for s in seqs]).to(self.device, non_blocking=True)
-        return self.verify(seqs, root_only_tree(roots), times, clock, speculative=False)
+        results = self.verify(seqs, root_only_tree(roots), times, clock, speculative=keep_pairs)
+        full = [s for s in seqs if keep_pairs and len(s.draft_tokens) >= FEED_EVERY]
+        if full:
+            t = clock()
+            self.draft_extend(full)
+            times.draft_s += clock() - t
+        return results
 
     def verify(self, seqs: list[Sequence], tree: Tree, times: StepTimes, clock: Clock,
                speculative: bool) -> list[SeqResult]:
@@ -255,7 +285,8 @@ class ModelRunner:
             hidden = target.forward(tree.tokens, slots, tree.depth, tree.ancestors)
         logits = target.logits(hidden)
         times.verify_s += clock() - t0
-        base = target.cache.lengths[slots].to(device, non_blocking=True).view(-1, 1)
+        times.forward_s += clock() - t0
+        base = torch.from_numpy(target.cache.lengths[slots]).to(device, non_blocking=True).view(-1, 1)
         choice = choose_tokens(logits, SamplingBatch.of(seqs, device), base + tree.depth + 1)
         acc = accept(tree, choice)
         if self.trace is not None and speculative:
@@ -269,7 +300,7 @@ class ModelRunner:
             src = acc.nodes + base
             target.cache.keep_accepted(slots, src, torch.where(i < acc.count.view(-1, 1), base + i, src))
         counts = [row[0] for row in packed]
-        target.cache.lengths[slots] += torch.tensor(counts)
+        target.cache.lengths[slots] += counts
         if speculative:
             times.verify_width = W
             times.tree_nodes = sum(row[2] for row in packed)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from eagle_ray.config import SamplingParams, TreeConfig
+from eagle_ray.config import PLAIN, SamplingParams, TreeConfig
 from eagle_ray.spec.trace import TreeTrace
 
 GRID_TOTAL = (2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48)
@@ -40,6 +40,7 @@ class BatchChoice:
     step_s: float
     expected_tok_s: float      # batch * tau / step_s
     plain_tok_s: float         # batch / (one-token verify pass): plain decoding on the same runtime
+    max_verify_tokens: int | None = None   # the batch's verify cap (most probable nodes kept), None: no cap
 
 
 @dataclass
@@ -55,6 +56,10 @@ class TuningResult:
 
     def trees_by_batch(self) -> dict[int, TreeConfig]:
         return {b: TreeConfig(**c.tree) for b, c in self.batches.items()}
+
+    def verify_budget_by_batch(self) -> dict[int, int] | None:
+        caps = {b: c.max_verify_tokens for b, c in self.batches.items() if c.max_verify_tokens}
+        return caps or None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -87,7 +92,7 @@ def verify_seconds(engine, batch: int, width: int, context: int = CONTEXT, repea
     target, dev = engine.target, engine.device
     slots = list(range(batch))
     context = max(0, min(context, target.max_len - width))
-    saved = target.cache.lengths.clone()
+    saved = target.cache.lengths.copy()
     target.cache.lengths[slots] = context
     tokens = torch.randint(0, target.vocab_size, (batch, width), device=dev)
     depth = torch.arange(width, device=dev).expand(batch, width)
@@ -96,7 +101,7 @@ def verify_seconds(engine, batch: int, width: int, context: int = CONTEXT, repea
     try:
         return _median_time(lambda: target.logits(target.forward(tokens, slots, depth, mask)), dev, repeats)
     finally:
-        target.cache.lengths.copy_(saved)
+        target.cache.lengths[:] = saved
 
 
 @torch.inference_mode()
@@ -107,7 +112,7 @@ def draft_seconds(engine, batch: int, depth: int, top_k: int, context: int = CON
     draft, dev = engine.draft, engine.device
     d = draft.feature_size
     cfg = TreeConfig(total_tokens=min(512, 1 + top_k * (depth + 1)), depth=depth, top_k=top_k)
-    saved = draft.cache.lengths.clone()
+    saved = draft.cache.lengths.copy()
     context = max(0, min(context, draft.cache.max_len - 2 - top_k * (depth + 1)))
     seqs = [Sequence(str(b), [1], SamplingParams(), frozenset(), 0, slot=b, output_ids=[3]) for b in range(batch)]
 
@@ -119,7 +124,7 @@ def draft_seconds(engine, batch: int, depth: int, top_k: int, context: int = CON
     try:
         return _median_time(run, dev, repeats)
     finally:
-        draft.cache.lengths.copy_(saved)
+        draft.cache.lengths[:] = saved
 
 
 def trace_prompts(n: int) -> list:
@@ -163,19 +168,35 @@ def candidate_trees(max_total: int = TRACE_TREE.total_tokens):
 
 def choose_trees(trace: TreeTrace, verify_s: dict[int, dict[int, float]], draft_s: dict[int, dict[str, float]],
                  ) -> tuple[dict[int, BatchChoice], list[dict]]:
-    """Per batch size the candidate with the highest expected tokens/s; also every candidate's estimate."""
+    """Per batch size the candidate with the highest expected tokens/s, plain decoding (one token per step at the
+    cost of a one-token verify pass) included; also every candidate's estimate."""
     taus = {c: trace.simulated_tau(*c) for c in candidate_trees()}
     choices, table = {}, []
     for b in verify_s:
-        best = None
+        plain_s = verify_s[b][1]
+        best = BatchChoice(PLAIN.model_dump(), 1.0, plain_s, b / plain_s, b / plain_s)
+        table.append({"batch": b, "total_tokens": 1, "depth": 0, "top_k": 1, "tau": 1.0, "step_s": plain_s,
+                      "tok_s": b / plain_s})
         for (t, d, k), tau in taus.items():
             step = draft_s[b][f"{d},{k}"] + verify_s[b][t]
             tok_s = b * tau / step
             table.append({"batch": b, "total_tokens": t, "depth": d, "top_k": k, "tau": tau, "step_s": step,
                           "tok_s": tok_s})
-            if best is None or tok_s > best.expected_tok_s:
+            if tok_s > best.expected_tok_s:
                 best = BatchChoice(TreeConfig(total_tokens=t, depth=d, top_k=k).model_dump(), tau, step, tok_s,
-                                   b / verify_s[b][1])
+                                   b / plain_s)
+        tree = TreeConfig(**best.tree)
+        if b > 1 and tree.total_tokens > 2:  # a cap over the batch: confident sequences keep big trees
+            t, d, k = tree.total_tokens, tree.depth, tree.top_k
+            for per_seq in range(2, t):
+                cap = b * per_seq
+                tau, width = trace.simulated_budget(t, d, k, b, cap)
+                w = next((n for n in sorted(verify_s[b]) if n >= width), max(verify_s[b]))
+                step = draft_s[b][f"{d},{k}"] + verify_s[b][w]
+                table.append({"batch": b, "total_tokens": t, "depth": d, "top_k": k, "max_verify_tokens": cap,
+                              "tau": tau, "step_s": step, "tok_s": b * tau / step})
+                if b * tau / step > best.expected_tok_s:
+                    best = BatchChoice(tree.model_dump(), tau, step, b * tau / step, b / plain_s, cap)
         choices[b] = best
     return choices, table
 
@@ -208,7 +229,7 @@ def cache_key(engine, batch_sizes: list[int]) -> str:
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu{os.cpu_count()}"
     blob = json.dumps([fingerprint(engine.target_dir), fingerprint(getattr(engine, "draft_dir", None)),
                        str(engine.target.dtype), name, torch.get_num_threads(), batch_sizes,
-                       engine.config.speculation.draft_vocab_size, 2], sort_keys=True)
+                       engine.config.speculation.draft_vocab_size, 3], sort_keys=True)
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -23,24 +24,26 @@ class BlockMeta:
     write_pos: torch.Tensor       # [B, T] cache positions written (device)
     key_mask: torch.Tensor        # [B, 1, T, kv_len] bool, True = may attend (device)
     kv_len: int
+    lengths: torch.Tensor         # [B] committed positions of each row's slot (device): rotary positions
     invariant: bool = False       # batch-invariant kernels (fp32 activations on CPU; see pad_rows)
 
 
 def make_block_meta(cache: KVCache, slots: list[int], block_mask: torch.Tensor, offset: int = 0,
-                    invariant: bool = False, n_valid: torch.Tensor | None = None) -> BlockMeta:
+                    invariant: bool = False, n_valid: list[int] | None = None) -> BlockMeta:
     """Meta for a block whose rows attend to their slot's committed prefix plus ``block_mask [B, T, N]``.
 
     The block's columns start at ``lengths[slot]``; the new ``T`` tokens are written at columns
     ``[lengths + offset, lengths + offset + T)``, i.e. the last ``T`` of the ``N`` block columns when
-    ``offset = N - T`` (the draft's tree levels stack up that way). ``n_valid [B]`` (host; ragged blocks with
+    ``offset = N - T`` (the draft's tree levels stack up that way). ``n_valid`` (B host ints; ragged blocks with
     ``T == N``) marks rows ``t >= n_valid[b]`` as padding: they write to the cache's scratch position and see only
     column 0, so they neither overrun a slot nor reach another row's keys.
     """
     device = cache.k.device
     B, T, N = block_mask.shape
-    lengths = cache.lengths[slots]                         # host [B]
-    kv_len = int((lengths + n_valid).max()) if n_valid is not None else int(lengths.max()) + N
-    lengths_d = lengths.to(device, non_blocking=True)
+    lengths = cache.lengths[slots]                         # host [B]: shapes come from the host, no device read
+    kv_len = int((lengths + np.asarray(n_valid)).max()) if n_valid is not None else int(lengths.max()) + N
+    kv_len = min(-(-kv_len // cache.kv_bucket) * cache.kv_bucket, cache.max_len + 1)  # extra columns are masked
+    lengths_d = torch.from_numpy(lengths).to(device, non_blocking=True)
     cols = torch.arange(kv_len, device=device).view(1, -1) - lengths_d.view(-1, 1)  # [B, kv_len] block column
     in_block = (cols >= 0) & (cols < N)
     gathered = block_mask.to(device).gather(2, cols.clamp(0, N - 1).unsqueeze(1).expand(B, T, kv_len))
@@ -48,15 +51,15 @@ def make_block_meta(cache: KVCache, slots: list[int], block_mask: torch.Tensor, 
     t = torch.arange(T, device=device).view(1, -1)
     write_pos = lengths_d.view(-1, 1) + offset + t
     if n_valid is not None:
-        pad = t >= n_valid.to(device, non_blocking=True).view(-1, 1)                 # [B, T]
+        pad = t >= torch.tensor(n_valid).to(device, non_blocking=True).view(-1, 1)   # [B, T]
         write_pos = torch.where(pad, cache.scratch, write_pos)
         first_col = torch.arange(kv_len, device=device) == 0
         key_mask = torch.where(pad.unsqueeze(-1), first_col, key_mask)
     first = slots[0]
     contiguous = slots == list(range(first, first + B))
     slot_index = torch.tensor(slots).to(device, non_blocking=True).view(-1, 1)
-    return BlockMeta(slice(first, first + B) if contiguous else slot_index.view(-1), slot_index, write_pos,
-                     key_mask.unsqueeze(1), kv_len, invariant)
+    return BlockMeta(slice(first, first + B) if contiguous else slot_index.view(-1), slot_index,
+                     write_pos.contiguous(), key_mask.unsqueeze(1).contiguous(), kv_len, lengths_d, invariant)
 
 
 def decoder_layer(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer_idx: int,
@@ -104,9 +107,30 @@ def attention(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache
     else:
         if x.dtype != dt:  # fp32 activations: bf16 SDPA rounds a 1-row and an 8-row block differently
             q, keys, values = q.float(), keys.float(), values.float()
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.key_mask, scale=attn.scaling,
-                                             enable_gqa=keys.shape[1] != q.shape[1])
+        out = masked_sdpa(q, keys, values, meta.key_mask, attn.scaling)
     return attn.o_proj(rows(out.to(dt).transpose(1, 2).reshape(B, T, -1)))[: B * T].view(B, T, -1).to(x.dtype)
+
+
+def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """SDPA with a boolean ``mask [B, 1, T, L]``, grouped-query heads folded into the query rows.
+
+    ``q [B, H, T, D]`` over ``k, v [B, Hkv, L, D]``: the ``H / Hkv`` query heads that share a kv head become
+    ``H / Hkv * T`` rows of one head, so the kernel sees plain multi-head attention with an explicit mask: the form
+    CUDA's memory-efficient kernel accepts (its flash kernel takes no mask, and ``enable_gqa`` is served by flash
+    or the slow math path only). On CPU (bench/sdpa_fold.py, 9 heads over 3, fp32) the fold is faster for tree
+    blocks of several sequences (8 x 8 rows: 3.6 against 4.2 ms; 32 x 8: 11.8 against 14.0 ms) and slower for one
+    sequence or one row (1 x 8: 280 against 252 us; 1 x 1: 169 against 111 us), so the CPU folds only those.
+    """
+    B, H, T, D = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    if Hkv == H:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    if q.device.type == "cpu" and (T == 1 or B == 1):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    rep = H // Hkv
+    mask = mask.unsqueeze(2).expand(B, 1, rep, T, L).reshape(B, 1, rep * T, L)
+    out = F.scaled_dot_product_attention(q.reshape(B, Hkv, rep * T, D), k, v, attn_mask=mask, scale=scale)
+    return out.view(B, H, T, D)
 
 
 GEMM_ROWS = 4

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
@@ -50,6 +51,7 @@ class DraftHead(nn.Module):
         # cheaper on CPU; the target still verifies over its full vocabulary, so output is unchanged.
         self.token_map: torch.Tensor | None = None
         self.lm_weight: torch.Tensor | None = None
+        self.lm_input_major = True
 
     @classmethod
     def for_target(cls, target_config, bias: bool = True, intermediate_size: int | None = None) -> "DraftHead":
@@ -132,34 +134,45 @@ class DraftHead(nn.Module):
         attn = self.layers[0].self_attn
         self.cache = KVCache(1, max_slots, self.config.num_key_value_heads, max_len, attn.head_dim, p.dtype, p.device)
 
-    def bind_lm_head(self, lm_weight: torch.Tensor, draft_vocab_size: int | None) -> None:
+    def bind_lm_head(self, lm_weight: torch.Tensor, draft_vocab_size: int | None, input_major: bool = True) -> None:
         """Score drafts with the target's lm_head, restricted to the first ``draft_vocab_size`` ids of the token
-        map (None: the whole map if the head has one; 0: the full vocabulary)."""
-        # kept as a plain, input-major [hidden, vocab] tensor: never registered as (or saved with) the head's
-        # parameters, and the faster sgemm layout on CPU for the few rows a draft level scores
-        if draft_vocab_size == 0 or (self.token_map is None and not draft_vocab_size):
-            self.token_map, self.lm_weight = None, lm_weight.detach().t().contiguous()
-            return
-        if self.token_map is None:
+        map (None: the whole map if the head has one; 0: the full vocabulary).
+
+        ``input_major`` (CPU): keep a [hidden, vocab] copy, the faster sgemm layout for the few rows a draft level
+        scores. Otherwise the target's own weight is used as is (no copy: it is GBs at a 128k vocabulary). The
+        weight is a plain tensor, never registered as (or saved with) the head's parameters."""
+        full = draft_vocab_size == 0 or (self.token_map is None and not draft_vocab_size)
+        if not full and self.token_map is None:
             raise CheckpointError("draft_vocab_size is set but this draft head has no token_map.safetensors")
-        tm = self.token_map[:draft_vocab_size] if draft_vocab_size else self.token_map
-        self.token_map = tm.to(lm_weight.device)
-        self.lm_weight = lm_weight.detach()[self.token_map].t().contiguous()
+        if full:
+            self.token_map, weight = None, lm_weight.detach()
+        else:
+            tm = self.token_map[:draft_vocab_size] if draft_vocab_size else self.token_map
+            self.token_map = tm.to(lm_weight.device)
+            weight = lm_weight.detach()[self.token_map]
+        self.lm_input_major = input_major
+        self.lm_weight = weight.t().contiguous() if input_major else weight
 
     @torch.inference_mode()
     def topk(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k draft log-probs and target token ids of the draft's next-token distribution."""
-        logp, idx = torch.log_softmax((hidden @ self.lm_weight).float(), dim=-1).topk(k, dim=-1)
+        logits = hidden @ self.lm_weight if self.lm_input_major else F.linear(hidden, self.lm_weight)
+        logp, idx = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
         return logp, (self.token_map[idx] if self.token_map is not None else idx)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, features: torch.Tensor, slots: list[int], depth: torch.Tensor,
-                block_mask: torch.Tensor, offset: int = 0, n_valid: torch.Tensor | None = None) -> torch.Tensor:
+                block_mask: torch.Tensor, offset: int = 0, n_valid: list[int] | None = None) -> torch.Tensor:
         """Predicted next features for pairs ``(features[b, t], tokens[b, t])``; see ``make_block_meta``."""
         assert self.cache is not None, "call allocate_cache() first"
         meta = make_block_meta(self.cache, slots, block_mask, offset, n_valid=n_valid)
+        return self.run_block(tokens.contiguous(), features.contiguous(), depth.to(self.fc.weight.device).contiguous(),
+                              meta)
+
+    def run_block(self, tokens: torch.Tensor, features: torch.Tensor, depth: torch.Tensor, meta) -> torch.Tensor:
+        """The device part of :meth:`forward`: graph-ready like ``TargetModel.run_block``."""
         x = self.fc(torch.cat([self.embed_tokens(tokens), features.to(self.fc.weight.dtype)], dim=-1))
-        positions = self.cache.lengths[slots].to(x.device).view(-1, 1) + depth.to(x.device)
+        positions = meta.lengths.view(-1, 1) + depth
         cos, sin = self.rotary_emb(x, positions)
         return decoder_layer(self.layers[0], x, cos, sin, self.cache, 0, meta)
 

@@ -33,6 +33,8 @@ ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 def capture_layers(num_target_layers: int) -> tuple[int, int, int]:
     """Target layers whose inputs an EAGLE-3 head reads: low, middle and high."""
     L = num_target_layers
+    if L < 3:
+        raise CheckpointError(f"an EAGLE-3 head reads target layers 2, L/2 and L-3; this target has only {L} layers")
     return (2, L // 2, L - 3)
 
 
@@ -167,7 +169,7 @@ class Eagle3Head(nn.Module):
         attn = self.midlayer.self_attn
         self.cache = KVCache(1, max_slots, self.config.num_key_value_heads, max_len, attn.head_dim, p.dtype, p.device)
 
-    def bind_lm_head(self, lm_weight: torch.Tensor, draft_vocab_size: int | None) -> None:
+    def bind_lm_head(self, lm_weight: torch.Tensor, draft_vocab_size: int | None, input_major: bool = True) -> None:
         """EAGLE-3 heads score with their own lm_head over their own draft vocabulary."""
         self.to_target = self.draft_to_target
 
@@ -180,17 +182,22 @@ class Eagle3Head(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, features: torch.Tensor, slots: list[int], depth: torch.Tensor,
-                block_mask: torch.Tensor, offset: int = 0, n_valid: torch.Tensor | None = None) -> torch.Tensor:
+                block_mask: torch.Tensor, offset: int = 0, n_valid: list[int] | None = None) -> torch.Tensor:
         """The head's output (before its norm) for pairs ``(features[b, t], tokens[b, t])``: ``features`` are the
         target's fused states (3 x d_target wide, through ``fc``) or the head's own outputs (d wide)."""
         assert self.cache is not None, "call allocate_cache() first"
         meta = make_block_meta(self.cache, slots, block_mask, offset, n_valid=n_valid)
+        return self.run_block(tokens.contiguous(), features.contiguous(), depth.to(self.fc.weight.device).contiguous(),
+                              meta)
+
+    def run_block(self, tokens: torch.Tensor, features: torch.Tensor, depth: torch.Tensor, meta) -> torch.Tensor:
+        """The device part of :meth:`forward`: graph-ready like ``TargetModel.run_block``."""
         w = self.fc.weight.dtype
         emb = self.embed_tokens(tokens)
         hidden = features.to(w)
         if hidden.shape[-1] != emb.shape[-1]:
             hidden = self.fc(hidden)
-        positions = self.cache.lengths[slots].to(hidden.device).view(-1, 1) + depth.to(hidden.device)
+        positions = meta.lengths.view(-1, 1) + depth
         cos, sin = self.rotary_emb(hidden, positions)
         layer = self.midlayer
         x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(hidden)], dim=-1)

@@ -8,6 +8,7 @@ which would otherwise land past the end of a slot whose row is deep in its conte
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -17,8 +18,11 @@ class KVCache:
         shape = (num_layers, num_slots, num_kv_heads, max_len + 1, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.lengths = torch.zeros(num_slots, dtype=torch.long)  # host copy: shapes are decided on the host
+        # committed positions per slot, on the host: shapes are decided there, and reading them never waits for
+        # the device (each forward uploads its rows' lengths)
+        self.lengths = np.zeros(num_slots, dtype=np.int64)
         self.max_len = max_len
+        self.kv_bucket = 1      # key lengths a forward reads are rounded up to this (masked; CUDA graph replay)
         self.scratch = max_len  # never committed, never read by a real row
 
     @property

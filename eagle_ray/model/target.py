@@ -12,6 +12,7 @@ import torch
 
 from eagle_ray.errors import CheckpointError
 from eagle_ray.model.attention import decoder_layer, make_block_meta, pad_rows
+from eagle_ray.model.device import numerics_for
 from eagle_ray.model.kv_cache import KVCache
 from eagle_ray.model.logits import RefinedLogits
 
@@ -19,44 +20,46 @@ SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 
 
 class TargetModel:
-    def __init__(self, hf_model, max_slots: int, max_len: int, fp32_logits: bool = True,
-                 fp32_activations: bool = True, batch_invariant: bool = True):
+    def __init__(self, hf_model, max_slots: int, max_len: int, fp32_logits="auto", fp32_activations="auto",
+                 batch_invariant="auto"):
+        """The precision switches are True, False or "auto" (resolved for the device by ``numerics_for``)."""
         cfg = hf_model.config
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             raise CheckpointError(f"target model_type '{cfg.model_type}' is not supported; eagle-ray runs "
                                   f"Llama-family decoders: {sorted(SUPPORTED_MODEL_TYPES)}")
         self.hf = hf_model.eval()
         self.config = cfg
-        if next(hf_model.parameters()).device.type == "cpu":
+        param = next(hf_model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.numerics = numerics_for(self.device, self.dtype, fp32_logits, fp32_activations, batch_invariant)
+        if self.numerics.input_major_weights:
             use_input_major_linears(hf_model)  # faster small-M GEMMs on CPU (see InputMajorLinear)
         self.model = hf_model.model
         self.layers = list(self.model.layers)
         self.lm_head = hf_model.lm_head
-        param = next(hf_model.parameters())
-        self.device, self.dtype = param.device, param.dtype
         self.max_len = min(max_len, cfg.max_position_embeddings)
+        self.capture_layers: tuple[int, ...] = ()   # layers whose inputs forward(capture=...) returns
         # bf16 logits tie often (8 significant bits): a last-bit difference in a hidden state then flips a
         # greedy choice between verify and plain decoding. ``fp32_logits`` makes every logit that can decide the
         # choice exact fp32 (see logits.RefinedLogits); ``False`` keeps the model dtype's logits.
         self._refined = None
-        if fp32_logits and self.dtype != torch.float32:
+        if self.numerics.fp32_logits:
             self._refined = RefinedLogits(self.lm_head_weight, pad=self.device.type == "cpu")
         # bf16 SDPA rounds a 1-row decode and an 8-row tree block differently (a few of 576 outputs per layer
         # differ in the last bit), and a bf16 residual stream carries every such flip on; over 30 layers greedy
         # choices with logit gaps up to ~0.15 flip. fp32 activations (residual, norms, attention; the projections
         # stay bf16) make verify and plain decoding agree. See decoder_layer.
-        self.fp32_activations = fp32_activations and self.dtype != torch.float32
+        self.fp32_activations = self.numerics.fp32_activations
         # Tokens computed the same whatever shares the pass (CPU kernels; see attention.pad_rows and
         # invariant_attention): bf16 verify and plain decoding then differ only on last-bit near-ties.
-        self.batch_invariant = batch_invariant and self.fp32_activations and self.device.type == "cpu"
+        self.batch_invariant = self.numerics.batch_invariant
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.cache = KVCache(len(self.layers), max_slots, cfg.num_key_value_heads, self.max_len, head_dim,
                              self.dtype, self.device)
 
     @classmethod
     def load(cls, path: str | Path, dtype: torch.dtype, device, max_slots: int, max_len: int,
-             fp32_logits: bool = True, fp32_activations: bool = True,
-             batch_invariant: bool = True) -> "TargetModel":
+             fp32_logits="auto", fp32_activations="auto", batch_invariant="auto") -> "TargetModel":
         from transformers import AutoModelForCausalLM
 
         try:
@@ -80,7 +83,7 @@ class TargetModel:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, slots: list[int], depth: torch.Tensor,
-                block_mask: torch.Tensor, n_valid: torch.Tensor | None = None,
+                block_mask: torch.Tensor, n_valid: list[int] | None = None,
                 capture: tuple[int, ...] | None = None):
         """Run ``tokens [B, T]`` on top of each slot's committed prefix; returns post-norm hidden ``[B, T, d]``.
 
@@ -91,15 +94,25 @@ class TargetModel:
         concatenated ``[B, T, len(capture) * d]`` (an EAGLE-3 head's features), from the same pass.
         """
         meta = make_block_meta(self.cache, slots, block_mask, invariant=self.batch_invariant, n_valid=n_valid)
-        positions = self.cache.lengths[slots].to(self.device).view(-1, 1) + depth.to(self.device)
-        hidden = self.model.embed_tokens(tokens.to(self.device))
+        if capture:
+            self.capture_layers = tuple(capture)  # an attribute, not an argument: traced as a constant
+        return self.run_block(tokens.to(self.device).contiguous(), depth.to(self.device).contiguous(), meta,
+                              bool(capture))
+
+    def run_block(self, tokens: torch.Tensor, depth: torch.Tensor, meta, capture: bool = False):
+        """The device part of :meth:`forward`: tensors in, tensors out, no host reads and no Python state
+        changes (the K/V writes are in-place tensor updates), so it traces into one graph."""
+        layers = self.capture_layers if capture else ()
+        positions = meta.lengths.view(-1, 1) + depth
+        hidden = self.model.embed_tokens(tokens)
         cos, sin = self.model.rotary_emb(hidden, positions)  # in the model dtype, like q and k
         if self.fp32_activations:
             hidden = hidden.float()
-        captured = []
+        captured = [hidden] * len(layers)
         for i, layer in enumerate(self.layers):
-            if capture and i in capture:
-                captured.append(hidden)
+            for j, wanted in enumerate(layers):
+                if wanted == i:
+                    captured[j] = hidden
             hidden = decoder_layer(layer, hidden, cos, sin, self.cache, i, meta)
         if capture:
             return self.model.norm(hidden), torch.cat(captured, dim=-1)

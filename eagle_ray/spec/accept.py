@@ -21,7 +21,8 @@ from eagle_ray.spec.tree import Tree
 
 @dataclass
 class Acceptance:
-    nodes: torch.Tensor   # [B, A] accepted node indices, root first, padded by repeating the last one
+    nodes: torch.Tensor   # [B, A] accepted node indices, root first, padded by repeating the last one;
+                          # A = the tree's max_depth + 1, whatever was accepted
     count: torch.Tensor   # [B] number of accepted nodes (root included) = accepted drafts + 1
     bonus: torch.Tensor   # [B] the token the target emits after the accepted path
 
@@ -39,7 +40,6 @@ def accept(tree: Tree, target_choice: torch.Tensor) -> Acceptance:
     on_path = tree.ancestors.gather(1, best.view(B, 1, 1).expand(B, 1, T)).squeeze(1)
     idx = torch.arange(T, device=tree.tokens.device).expand(B, T)
     order = torch.where(on_path, idx, T).sort(1).values
-    A = int(count.max())
-    nodes = order[:, :A]
+    nodes = order[:, : tree.max_depth + 1]          # a static width: no read of the longest accepted path
     nodes = torch.where(nodes >= T, best.unsqueeze(1), nodes)
     return Acceptance(nodes, count, target_choice.gather(1, best.unsqueeze(1)).squeeze(1))

@@ -11,27 +11,41 @@ import torch
 
 @dataclass
 class SamplingBatch:
-    """Sampling parameters of B sequences as tensors (rows of a [B, T, V] logits block share their sequence's)."""
+    """Sampling parameters of B sequences as tensors (rows of a [B, T, V] logits block share their sequence's).
+
+    Which rows sample, and whether any uses top-k or top-p, are host facts taken from the requests: deciding them
+    never reads the device."""
     temperature: torch.Tensor  # [B] float, 0 = greedy
     top_k: torch.Tensor        # [B] long, 0 = off
     top_p: torch.Tensor        # [B] float, 1 = off
     seed: torch.Tensor         # [B] long: with the position, keys the sampling noise
+    sampled_rows: list[int] | None = None   # rows with temperature > 0 (None: read from ``temperature``)
+    need_k: bool | None = None
+    need_p: bool | None = None
+
+    def __post_init__(self):
+        if self.sampled_rows is None:  # built from tensors (tests): the flags come from them once
+            t = self.temperature.tolist()
+            self.sampled_rows = [i for i, x in enumerate(t) if x >= 1e-5]
+            self.need_k = bool((self.top_k > 0).any())
+            self.need_p = bool((self.top_p < 1.0).any())
 
     @property
     def all_greedy(self) -> bool:
-        return bool((self.temperature < 1e-5).all())
+        return not self.sampled_rows
 
     @classmethod
     def of(cls, seqs: list, device) -> "SamplingBatch":
-        """From sequences' ``params`` and ``seed`` (one host-to-device copy)."""
-        rows = torch.tensor([[s.params.temperature, s.params.top_k, s.params.top_p, s.seed] for s in seqs],
-                            dtype=torch.float64)
-        if not bool((rows[:, 0] >= 1e-5).any()):  # all greedy: nothing else is read
+        """From sequences' ``params`` and ``seed`` (one host-to-device copy when any row samples)."""
+        sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if not sampled:  # all greedy: nothing else is read
             zeros = torch.zeros(len(seqs), device=device)
-            return cls(zeros, zeros.long(), zeros + 1, zeros.long())
-        seeds = torch.tensor([s.seed for s in seqs], dtype=torch.long)
-        return cls(rows[:, 0].float().to(device), rows[:, 1].long().to(device), rows[:, 2].float().to(device),
-                   seeds.to(device))
+            return cls(zeros, zeros.long(), zeros + 1, zeros.long(), [], False, False)
+        rows = torch.tensor([[s.params.temperature, s.params.top_k, s.params.top_p] for s in seqs],
+                            dtype=torch.float64).to(device, non_blocking=True)
+        seeds = torch.tensor([s.seed for s in seqs], dtype=torch.long).to(device, non_blocking=True)
+        return cls(rows[:, 0].float(), rows[:, 1].long(), rows[:, 2].float(), seeds, sampled,
+                   any(s.params.top_k > 0 for s in seqs), any(s.params.top_p < 1.0 for s in seqs))
 
 
 _M1, _M2 = -4658895280553007687, -7723592293110705685   # splitmix64's odd multipliers as signed 64-bit
@@ -63,15 +77,16 @@ def position_noise(seed: torch.Tensor, position: torch.Tensor, vocab: int) -> to
 
 
 def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                    top_p: torch.Tensor) -> torch.Tensor:
+                    top_p: torch.Tensor, need_k: bool | None = None, need_p: bool | None = None) -> torch.Tensor:
     """Target distribution after temperature, then top-k, then top-p (the order of HF and the EAGLE reference).
 
     ``logits [N, V]`` float32, parameters ``[N]``. Top-p keeps the smallest prefix of the sorted distribution whose
-    mass reaches ``top_p`` (at least one token).
+    mass reaches ``top_p`` (at least one token). ``need_k`` / ``need_p``: whether any row uses top-k / top-p, when
+    the caller knows (None: read from the tensors).
     """
     logits = logits / temperature.clamp(min=1e-5).unsqueeze(-1)
-    need_k = bool((top_k > 0).any())
-    need_p = bool((top_p < 1.0).any())
+    need_k = bool((top_k > 0).any()) if need_k is None else need_k
+    need_p = bool((top_p < 1.0).any()) if need_p is None else need_p
     if need_k or need_p:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         V = logits.shape[-1]
@@ -98,12 +113,12 @@ def choose_tokens(logits: torch.Tensor, sampling: SamplingBatch, positions: torc
     greedy = logits.argmax(-1)
     if sampling.all_greedy:
         return greedy
-    rows = (sampling.temperature >= 1e-5).nonzero().flatten()
-    rep = lambda x: x[rows].repeat_interleave(T)  # noqa: E731
+    rows = torch.tensor(sampling.sampled_rows).to(logits.device, non_blocking=True)
+    rep = lambda x: x[rows].unsqueeze(1).expand(-1, T).reshape(-1)  # noqa: E731
     probs = processed_probs(logits[rows].reshape(-1, V).float(), rep(sampling.temperature), rep(sampling.top_k),
-                            rep(sampling.top_p))
+                            rep(sampling.top_p), sampling.need_k, sampling.need_p)
     noise = position_noise(rep(sampling.seed), positions[rows].reshape(-1), V)
-    sampled = (probs / noise).argmax(-1).view(len(rows), T)
+    sampled = (probs / noise).argmax(-1).view(len(sampling.sampled_rows), T)
     out = greedy.clone()
     out[rows] = sampled
     return out

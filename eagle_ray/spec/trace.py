@@ -88,6 +88,34 @@ class TreeTrace:
         Trees recorded with a larger budget are needed for larger cuts; missing nodes count as absent.
         """
         t = self.stacked()
+        return float(((self._cut(total_tokens, depth, top_k) & t["accepted"]).sum(1) + 1).float().mean())
+
+    def simulated_budget(self, total_tokens: int, depth: int, top_k: int, batch: int,
+                         max_verify_tokens: int) -> tuple[float, float]:
+        """(tau, mean verify width) had the cut trees of every ``batch`` consecutive sequence-steps shared a verify
+        pass capped at ``max_verify_tokens`` nodes: the roots, then the best-scoring draft nodes across the batch
+        (``spec.tree.fit_batch_budget``). The width is the largest kept tree of each group, as ``drop_padding``
+        makes it."""
+        t = self.stacked()
+        chosen = self._cut(total_tokens, depth, top_k)
+        N = chosen.shape[0] // batch * batch
+        if N == 0:
+            return 1.0, 1.0
+        chosen, accepted = chosen[:N].view(-1, batch * chosen.shape[1]), t["accepted"][:N].view(N // batch, -1)
+        key = torch.where(chosen, t["scores"][:N].view(N // batch, -1), float("-inf"))
+        kept = torch.zeros_like(chosen)
+        budget = max_verify_tokens - batch
+        if budget > 0:
+            top = key.topk(min(budget, key.shape[1]), dim=1)
+            kept.scatter_(1, top.indices, top.values > float("-inf"))
+        per_seq = kept.view(N, -1)
+        tau = float(((per_seq & accepted.view(N, -1)).sum(1) + 1).float().mean())
+        width = float((per_seq.sum(1).view(-1, batch).max(1).values + 1).float().mean())
+        return tau, width
+
+    def _cut(self, total_tokens: int, depth: int, top_k: int) -> torch.Tensor:
+        """[N, W] the draft nodes a ``(total_tokens, depth, top_k)`` tree keeps of each recorded tree."""
+        t = self.stacked()
         scores, parents, valid = t["scores"], t["parents"], t["valid"]
         W = scores.shape[1]
         keep = valid & (t["sibling_rank"] < top_k) & (t["depth"] <= depth + 1)
@@ -100,4 +128,4 @@ class TreeTrace:
         if n_keep > 0:
             top = key.topk(n_keep, dim=1)
             chosen.scatter_(1, top.indices, top.values > float("-inf"))
-        return float(((chosen & t["accepted"]).sum(1) + 1).float().mean())
+        return chosen

@@ -12,7 +12,8 @@ ordered so that a parent always precedes its children; padding nodes (``valid ==
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -36,6 +37,9 @@ class Tree:
     valid: torch.Tensor      # [B, T] bool
     ancestors: torch.Tensor  # [B, T, T] bool, row i = i and its ancestors (the verify attention mask)
     scores: torch.Tensor     # [B, T] cumulative draft log-prob (root 0, padding -inf)
+    # host facts known from the tree's shape, so no step reads the device to learn them
+    max_depth: int = 0       # deepest a node can be (an accepted path has at most max_depth + 1 nodes)
+    padded: bool = False     # some nodes may be invalid (min_cum_prob, a batch budget): see drop_padding
 
     @property
     def size(self) -> torch.Tensor:
@@ -66,7 +70,7 @@ def root_to_leaf_paths(tree: Tree) -> list[list[list[int]]]:
 
 
 def _pool_to_tree(root_tokens, pool_tokens, pool_scores, pool_parents, pool_depth, keep: int,
-                  min_cum_prob: float) -> Tree:
+                  min_cum_prob: float, max_depth: int) -> Tree:
     """Keep the ``keep`` best-scoring pool nodes per sequence (ascending pool order) and connect them.
 
     A child's cumulative log-prob never exceeds its parent's and pool ids grow with depth, so ranking by
@@ -75,6 +79,7 @@ def _pool_to_tree(root_tokens, pool_tokens, pool_scores, pool_parents, pool_dept
     B, P = pool_scores.shape
     device = pool_scores.device
     keep = min(keep, P)
+    max_depth = min(max_depth, keep)
     pool_ids = torch.arange(P, device=device)
     key = pool_scores.double() - pool_ids.double() * 1e-9
     chosen = key.topk(keep, dim=1).indices.sort(dim=1).values                       # [B, keep]
@@ -87,16 +92,15 @@ def _pool_to_tree(root_tokens, pool_tokens, pool_scores, pool_parents, pool_dept
     depth = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=device), pool_depth.gather(1, chosen)], dim=1)
     valid = torch.ones_like(tokens, dtype=torch.bool)
     if min_cum_prob > 0:
-        valid = scores >= torch.log(torch.tensor(min_cum_prob))
+        valid = scores >= math.log(min_cum_prob)
         valid[:, 0] = True
-    max_depth = int(depth.max()) if depth.numel() else 0
     parents = torch.where(valid, parents, torch.arange(parents.shape[1], device=device).expand_as(parents))
     parents[:, 0] = 0
     anc = ancestor_mask(parents, max_depth)
     eye = torch.eye(anc.shape[1], dtype=torch.bool, device=device)
     anc = torch.where(valid.unsqueeze(-1), anc, eye)
     return Tree(tokens, parents, torch.where(valid, depth, 0), valid, anc,
-                torch.where(valid, scores, float("-inf")))
+                torch.where(valid, scores, float("-inf")), max_depth, min_cum_prob > 0)
 
 
 def grow_dynamic(draft_fn, topk_fn, root_hidden: torch.Tensor, root_tokens: torch.Tensor, cfg: TreeConfig) -> Tree:
@@ -134,7 +138,7 @@ def grow_dynamic(draft_fn, topk_fn, root_hidden: torch.Tensor, root_tokens: torc
         base += k * k
     return _pool_to_tree(root_tokens, torch.cat(pool_tokens, 1), torch.cat(pool_scores, 1),
                          torch.cat(pool_parents, 1), torch.cat(pool_depth, 1), cfg.total_tokens - 1,
-                         cfg.min_cum_prob)
+                         cfg.min_cum_prob, cfg.depth + 1)
 
 
 def static_shape(cfg: TreeConfig) -> list[list[int]]:
@@ -190,7 +194,8 @@ def grow_static(draft_fn, topk_fn, root_hidden: torch.Tensor, root_tokens: torch
         cr = torch.tensor([shape[j][-1] for j in children], device=device)
         pool_tokens[:, children] = tk[:, rows, cr]
         pool_scores[:, children] = pool_scores[:, [index[tuple(shape[j][:-1])] for j in children]] + lp[:, rows, cr].float()
-    return _pool_to_tree(root_tokens, pool_tokens, pool_scores, pool_parents, pool_depth, P, cfg.min_cum_prob)
+    return _pool_to_tree(root_tokens, pool_tokens, pool_scores, pool_parents, pool_depth, P, cfg.min_cum_prob,
+                         max(levels))
 
 
 def _ancestors(path: list[int], index: dict) -> list[int]:
@@ -216,7 +221,7 @@ def fit_batch_budget(tree: Tree, max_tokens: int) -> Tree:
     an unsure one shrinks to its root. Parents outrank their children, so every tree stays connected."""
     B, T = tree.tokens.shape
     budget = max_tokens - B
-    if int(tree.valid.sum()) <= max_tokens:
+    if B * T <= max_tokens:  # decided from the shape: counting valid nodes would read the device
         return tree
     idx = torch.arange(T, device=tree.tokens.device)
     key = torch.where(tree.valid, tree.scores.double(), float("-inf")) - idx.double() * 1e-9
@@ -234,14 +239,16 @@ def _with_valid(tree: Tree, valid: torch.Tensor) -> Tree:
     eye = torch.eye(T, dtype=torch.bool, device=valid.device)
     idx = torch.arange(T, device=valid.device).expand_as(tree.parents)
     return Tree(tree.tokens, torch.where(valid, tree.parents, idx), torch.where(valid, tree.depth, 0), valid,
-                torch.where(valid.unsqueeze(-1), tree.ancestors, eye), torch.where(valid, tree.scores, float("-inf")))
+                torch.where(valid.unsqueeze(-1), tree.ancestors, eye), torch.where(valid, tree.scores, float("-inf")),
+                tree.max_depth, True)
 
 
 def drop_padding(tree: Tree) -> Tree:
     """Move each tree's valid nodes to the front (keeping their order, so parents still precede children) and
-    drop the all-padding columns: the verify pass is as wide as the largest tree, not the widest budget."""
+    drop the all-padding columns: the verify pass is as wide as the largest tree, not the widest budget.
+    Only a tree that may hold padding pays the one read of its width."""
     B, T = tree.tokens.shape
-    if bool(tree.valid.all()):
+    if not tree.padded:
         return tree
     idx = torch.arange(T, device=tree.tokens.device).expand(B, T)
     order = torch.where(tree.valid, idx, idx + T).argsort(dim=1)        # valid first, stable
@@ -253,5 +260,5 @@ def drop_padding(tree: Tree) -> Tree:
     parents = new_of_old.gather(1, tree.parents.gather(1, order))
     parents = torch.where(valid, parents, torch.arange(W, device=idx.device).expand(B, W))
     anc = tree.ancestors.gather(1, order.unsqueeze(-1).expand(B, W, T)).gather(2, order.unsqueeze(1).expand(B, W, W))
-    return Tree(tree.tokens.gather(1, order), parents, tree.depth.gather(1, order), valid, anc,
-                tree.scores.gather(1, order))
+    return replace(tree, tokens=tree.tokens.gather(1, order), parents=parents, depth=tree.depth.gather(1, order),
+                   valid=valid, ancestors=anc, scores=tree.scores.gather(1, order))

@@ -1,0 +1,34 @@
+"""Compiled forwards: the target's and the head's device parts (``run_block``) through ``torch.compile``.
+
+``run_block`` takes tensors and a :class:`BlockMeta` and neither reads the device nor changes Python state, so each
+traces into one graph (``fullgraph=True``: a graph break is an error, not a silent slow path). Block widths and the
+key length vary every step, so the graphs are compiled with dynamic shapes; ``cuda-graphs`` also rounds the key
+length up to :data:`KV_BUCKET` columns (masked) so that a recorded CUDA graph can be replayed across steps.
+"""
+from __future__ import annotations
+
+import torch
+
+MODES = ("off", "inductor", "cuda-graphs")
+KV_BUCKET = 256
+
+
+def compile_forwards(target, draft, mode: str, backend: str = "inductor") -> None:
+    """Replace ``run_block`` of the target and the head with compiled versions (``mode`` in :data:`MODES`).
+    ``backend``: ``inductor`` generates kernels; ``aot_eager`` traces the same graphs without codegen (tests)."""
+    if mode == "off":
+        return
+    if mode not in MODES:
+        raise ValueError(f"compile mode must be one of {MODES}, got {mode!r}")
+    # a graph per (contiguous slots or not) x (one row or more) x (one sequence or more) x (EAGLE-3 capture)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    torch.fx.experimental._config.use_duck_shape = False   # equal sizes by chance are not a rule
+    options = {"fullgraph": True, "dynamic": True, "backend": backend}
+    if mode == "cuda-graphs":
+        options["mode"] = "reduce-overhead"
+    for model in (target, draft):
+        if model is None:
+            continue
+        model.run_block = torch.compile(model.run_block, **options)
+        if mode == "cuda-graphs":
+            model.cache.kv_bucket = KV_BUCKET

@@ -1,0 +1,285 @@
+"""What an engine will hold in device memory, computed before anything is allocated.
+
+Weights are the parameter and buffer bytes of the modules built from their configs on the ``meta`` device (no
+memory, exact shapes, tied embeddings counted once); KV caches follow :class:`eagle_ray.model.kv_cache.KVCache`'s
+layout; logits and workspace are estimates with the sizes written below. A plan has a fixed part (weights, lm_head
+copies, workspace) and a per-slot part (target KV, draft KV, logits rows), so ``total(n)`` is linear in the slot
+count and ``max_slots(free)`` inverts it.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from eagle_ray.errors import InsufficientMemoryError
+from eagle_ray.model.device import numerics_for
+
+GiB = 2**30
+
+# Activations and scratch not held by any named tensor: cuBLAS/cuBLASLt and SDPA workspaces, the caching
+# allocator's block rounding and fragmentation, the sampler's temporaries, tokenizer and Python objects. A few
+# hundred MiB on a GPU in practice; 512 MiB keeps a plan that "just fits" from failing at its first step.
+WORKSPACE_FIXED = 512 * 2**20
+# Verify logits are fp32 [rows, vocab]; the sampler's softmax (or RefinedLogits' bf16 product before its exact
+# rows are scattered in) is a second tensor of the same size alive at the same time.
+LOGITS_COPIES = 2
+# "auto" slot counts stop here: beyond 256 sequences a step's verify pass is compute-bound on any current GPU, and
+# on a CPU a step's cost grows with every running sequence (batch 8 already takes ~0.5 s a step on 2 cores).
+AUTO_MAX_SLOTS = {"cuda": 256, "cpu": 32}
+
+# Usable memory of common GPUs: the total nvidia-smi reports (MiB), less CUDA_CONTEXT for the CUDA context and
+# driver reservations, which torch.cuda.mem_get_info already excludes on a live device.
+GPU_TOTAL_MIB = {"A10G": 23028, "L4": 23034, "L40S": 46068, "A100-40GB": 40960, "A100-80GB": 81920,
+                 "H100-80GB": 81559}
+CUDA_CONTEXT = 1 * GiB
+
+
+def gpu_usable_bytes(gpu: str) -> int:
+    """What an engine can plan for on a GPU of this type (see ``GPU_TOTAL_MIB``)."""
+    return GPU_TOTAL_MIB[gpu] * 2**20 - CUDA_CONTEXT
+
+
+@dataclass(frozen=True)
+class Copies:
+    """lm_head copies an engine keeps besides the modules' own weights."""
+    fp32_lm_head: bool       # RefinedLogits.weight_fp32: [vocab, hidden] fp32, for rows its bound cannot settle
+    out_major_lm_head: bool  # RefinedLogits.weight: its own [vocab, hidden] copy in the model dtype
+    input_major: bool        # every linear stored [in, out] (target.InputMajorLinear): a tied lm_head gets its own
+    #                          transposed copy, and the draft's [hidden, vocab] scoring matrix is that tensor itself
+
+
+def copies_for(device_type: str, dtype: torch.dtype | str, precision=None) -> Copies:
+    """The one rule for lm_head copies, read off the target's numerics (``device.numerics_for``).
+
+    CPU: linears are stored input-major (faster few-row sgemm), so RefinedLogits keeps its own out-major copy plus
+    the fp32 one when a bf16/fp16 target has ``fp32_logits`` on (``auto``: on), and the draft head scores with the
+    input-major lm_head itself. CUDA: native bf16 (``fp32_logits: auto`` is off), logits from the model-dtype
+    lm_head with fp32 accumulation, the draft scoring with the target's own weight: no copies, unless
+    ``fp32_logits: true`` asks for the fp32 one (the nn.Linear weight is already out-major).
+    """
+    switches = {k: _switch(precision, k) for k in ("fp32_logits", "fp32_activations", "batch_invariant")}
+    n = numerics_for(torch.device(device_type), _dtype(dtype), **switches)
+    return Copies(fp32_lm_head=n.fp32_logits, out_major_lm_head=n.fp32_logits and n.input_major_weights,
+                  input_major=n.input_major_weights)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes an engine needs; ``total(n)`` for ``n`` KV slots."""
+    device_type: str
+    dtype: str
+    max_len: int               # positions per slot (max_model_len clipped to the target's max_position_embeddings)
+    target_weights: int
+    draft_weights: int
+    lm_head_copies: int        # per ``copies_for``, plus the draft's gathered rows when it scores a token map
+    workspace: int             # WORKSPACE_FIXED + one step's activations
+    kv_per_slot: int           # target: layers x 2 x kv_heads x (max_len + 1) x head_dim x dtype size
+    draft_kv_per_slot: int     # draft: 1 layer, max_len + tree room + 1 positions (+1 scratch)
+    logits_per_slot: int       # verify rows x vocab x 4 x LOGITS_COPIES + draft top-k rows x draft vocab x 4
+
+    @property
+    def weights(self) -> int:
+        return self.target_weights + self.draft_weights + self.lm_head_copies
+
+    @property
+    def fixed(self) -> int:
+        return self.weights + self.workspace
+
+    @property
+    def per_slot(self) -> int:
+        return self.kv_per_slot + self.draft_kv_per_slot + self.logits_per_slot
+
+    def total(self, num_slots: int) -> int:
+        return self.fixed + num_slots * self.per_slot
+
+    def max_slots(self, free_bytes: int) -> int:
+        """The most slots whose total fits ``free_bytes`` (0 if the fixed part alone does not)."""
+        return max(0, (free_bytes - self.fixed) // self.per_slot)
+
+    def breakdown(self, num_slots: int) -> str:
+        g = _gib
+        return (f"{g(self.total(num_slots))} = target weights {g(self.target_weights)} + draft head "
+                f"{g(self.draft_weights)} + lm_head copies {g(self.lm_head_copies)} + workspace {g(self.workspace)} "
+                f"+ {num_slots} slots x {g(self.per_slot)} (KV {g(self.kv_per_slot)}, draft KV "
+                f"{g(self.draft_kv_per_slot)}, logits {g(self.logits_per_slot)}) at max_model_len {self.max_len}")
+
+    def as_dict(self, *slot_counts: int) -> dict:
+        return {**asdict(self), "fixed": self.fixed, "per_slot": self.per_slot,
+                "total": {str(n): self.total(n) for n in slot_counts}}
+
+
+# ---- the plan -------------------------------------------------------------------------------------------------
+def plan_memory(target_config, head_kind: str | None, head_config: dict | None, dtype: torch.dtype | str,
+                device_type: str, max_model_len: int, tree_budget: int, *, draft_room: int | None = None,
+                top_k: int = 1, precision=None, draft_vocab: int | None = None,
+                step_tokens: int = 0) -> MemoryPlan:
+    """What an engine with this target, head and cache shape needs.
+
+    ``head_kind``: ``eagle2``, ``eagle3`` or None (no head); ``head_config``: the head checkpoint's config.json
+    (None: the head ``for_target`` would build). ``tree_budget``: verify tokens per sequence (root included);
+    ``draft_room``: tree tokens stacked on a slot's draft cache (default ``tree_budget``); ``top_k``: draft rows a
+    sequence scores per level; ``draft_vocab``: rows of a token-mapped EAGLE-2 draft vocabulary (None: the full
+    vocabulary); ``step_tokens``: tokens one step may run (the cache config's step budget).
+    """
+    dt = _dtype(dtype)
+    size = dt.itemsize
+    cfg = target_config
+    hidden, vocab = cfg.hidden_size, cfg.vocab_size
+    max_len = min(max_model_len, getattr(cfg, "max_position_embeddings", None) or max_model_len)
+    head_dim = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
+    kv_width = cfg.num_key_value_heads * head_dim
+
+    copies = copies_for(device_type, dt, precision)
+    lm_copies = vocab * hidden * (4 * copies.fp32_lm_head + size * copies.out_major_lm_head)
+    if copies.input_major and getattr(cfg, "tie_word_embeddings", False):
+        lm_copies += vocab * hidden * size
+
+    draft_weights = draft_kv = draft_scoring = 0
+    if head_kind is not None:
+        head = _head_on_meta(head_kind, cfg, head_config)
+        draft_weights = module_bytes(head.to(dt))
+        attn = (head.midlayer if head_kind == "eagle3" else head.layers[0]).self_attn
+        room = tree_budget if draft_room is None else draft_room
+        draft_kv = 2 * head.config.num_key_value_heads * (max_len + room + 2) * attn.head_dim * size
+        if head_kind == "eagle3":
+            scored = head.draft_vocab_size       # its own lm_head: part of its weights
+            lm_copies += scored * 8              # bind_lm_head's draft-to-target id map (int64)
+        else:
+            scored = vocab if draft_vocab is None else draft_vocab
+            if draft_vocab is not None:          # bind_lm_head gathers the map's rows, and keeps the map
+                lm_copies += draft_vocab * (hidden * size + 8)
+        draft_scoring = top_k * scored * 4
+
+    workspace = WORKSPACE_FIXED + step_tokens * _activation_bytes_per_token(cfg, kv_width, size)
+    return MemoryPlan(
+        device_type=device_type, dtype=str(dt).removeprefix("torch."), max_len=max_len,
+        target_weights=target_weight_bytes(cfg, dt), draft_weights=draft_weights, lm_head_copies=lm_copies,
+        workspace=workspace,
+        kv_per_slot=cfg.num_hidden_layers * 2 * (max_len + 1) * kv_width * size,
+        draft_kv_per_slot=draft_kv,
+        logits_per_slot=tree_budget * vocab * 4 * LOGITS_COPIES + draft_scoring)
+
+
+def target_weight_bytes(target_config, dtype: torch.dtype | str) -> int:
+    """Parameter and buffer bytes of the target built from its config on the meta device."""
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(target_config, dtype=_dtype(dtype))
+    return module_bytes(model)
+
+
+def module_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a module's parameters and buffers, each shared tensor once."""
+    tensors = {id(t): t for t in list(module.parameters()) + list(module.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _head_on_meta(kind: str, target_config, head_config: dict | None):
+    """The draft head module, on the meta device, as the engine would build or load it."""
+    from transformers import LlamaConfig
+
+    from eagle_ray.model.draft_head import DraftHead
+    from eagle_ray.model.eagle3_head import ARCHITECTURES, Eagle3Head
+    with torch.device("meta"):
+        if head_config is None:
+            if kind == "eagle2":
+                return DraftHead.for_target(target_config)
+            # Eagle3Head.for_target fills its vocabulary map with ops meta tensors lack (unique): build the same
+            # module from the same config without it
+            cfg = DraftHead.for_target(target_config).config
+            cfg.architectures = [ARCHITECTURES[0]]
+            cfg.draft_vocab_size, cfg.target_hidden_size = target_config.vocab_size, target_config.hidden_size
+            return Eagle3Head(cfg, target_config.num_hidden_layers)
+        raw = {k: v for k, v in head_config.items() if k not in ("architectures", "model_type", "transformers_version")}
+        raw["num_hidden_layers"] = 1
+        if kind == "eagle3":
+            return Eagle3Head(LlamaConfig(**raw), target_config.num_hidden_layers)
+        bias, qkv_bias = bool(raw.pop("bias", True)), bool(raw.pop("qkv_bias", False))
+        return DraftHead(LlamaConfig(**raw), bias=bias, qkv_bias=qkv_bias)
+
+
+def _activation_bytes_per_token(cfg, kv_width: int, size: int) -> int:
+    """Live activations per token of one decoder layer (layers run one after another): the fp32 residual stream,
+    its normed copy, the attention output and the layer's sum (4 x hidden x 4 bytes), q/k/v/o in the model dtype,
+    and the MLP's gate, up and gated product."""
+    q_width = cfg.num_attention_heads * (getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    return 16 * cfg.hidden_size + (2 * q_width + 2 * kv_width) * size + 3 * cfg.intermediate_size * size
+
+
+# ---- the device ---------------------------------------------------------------------------------------------------
+def free_memory(device) -> int:
+    """Bytes free for a new engine: CUDA's free memory on the device, or the host's available memory (the smaller
+    of /proc/meminfo's MemAvailable and what a cgroup v2 limit leaves)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    return _host_available()
+
+
+def _host_available() -> int:
+    avail = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+                break
+    except OSError:
+        pass
+    if avail is None:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    cg = Path("/sys/fs/cgroup")
+    try:
+        limit = (cg / "memory.max").read_text().strip()
+        if limit != "max":
+            stat = dict(line.split() for line in (cg / "memory.stat").read_text().splitlines())
+            used = int((cg / "memory.current").read_text()) - int(stat.get("inactive_file", 0))  # page cache: reclaimable
+            avail = min(avail, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return max(0, avail)
+
+
+# ---- the decision -------------------------------------------------------------------------------------------------
+def fit_slots(plan: MemoryPlan, max_batch_size: int | str, free_bytes: int) -> int:
+    """The KV slot count to allocate: ``max_batch_size`` if its plan fits ``free_bytes``, for ``"auto"`` the most
+    slots that fit (at most ``AUTO_MAX_SLOTS``); else :class:`InsufficientMemoryError` naming both numbers."""
+    where = "one GPU" if plan.device_type == "cuda" else f"this {plan.device_type} device"
+    if plan.fixed > free_bytes:
+        split = (" eagle-ray runs one engine per GPU and does not split a target across GPUs (no tensor or "
+                 "pipeline parallelism): use a smaller target or a GPU with more memory."
+                 if plan.device_type == "cuda" else " Use a smaller target or free some memory.")
+        raise InsufficientMemoryError(
+            f"the target does not fit {where}: weights alone need {_gib(plan.weights)} (plus {_gib(plan.workspace)} "
+            f"workspace) but {_gib(free_bytes)} is free.{split}")
+    fits = plan.max_slots(free_bytes)
+    if max_batch_size == "auto":
+        if fits < 1:
+            raise InsufficientMemoryError(
+                f"max_batch_size=auto: not even one KV slot fits: needs {plan.breakdown(1)}, {_gib(free_bytes)} "
+                f"free; lower max_model_len")
+        return min(fits, AUTO_MAX_SLOTS.get(plan.device_type, AUTO_MAX_SLOTS["cuda"]))
+    n = int(max_batch_size)
+    if plan.total(n) > free_bytes:
+        hint = f"max_batch_size <= {fits} fits" if fits else "not even one slot fits at this max_model_len"
+        raise InsufficientMemoryError(
+            f"max_batch_size={n} does not fit {where}: needs {plan.breakdown(n)}, but {_gib(free_bytes)} is free "
+            f"({hint}); lower max_batch_size or max_model_len, or set max_batch_size: auto")
+    return n
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def _dtype(dtype) -> torch.dtype:
+    return getattr(torch, dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
+
+
+def _switch(precision, name: str):
+    """A precision switch (True, False or "auto") from a PrecisionConfig, a dict or None (all "auto")."""
+    value = precision.get(name) if isinstance(precision, dict) else getattr(precision, name, None)
+    return "auto" if value is None else value

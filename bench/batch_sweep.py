@@ -1,8 +1,12 @@
 """Batching: greedy output at max batch 1/4/8/16 must equal batch-1 output token for token, and throughput per
-max batch size for EAGLE-2 and plain batched decoding on the same runtime, all in one run -> JSON.
+max batch size for EAGLE-2 and plain batched decoding on the same runtime, all in one run -> JSON. With
+``--tree-policy auto`` each row also carries the tuner's predicted tokens/s (its choice, plain included, and plain
+decoding), and ``--plot`` draws measured and predicted curves.
 
     .venv/bin/python bench/batch_sweep.py --dtype float32 --num-prompts 64 --max-new-tokens 96 \
         --batch-sizes 1 4 8 16 --out bench/results/batch_lossless_fp32.json
+    .venv/bin/python bench/batch_sweep.py --dtype auto --num-prompts 64 --max-new-tokens 128 --plain \
+        --tree-policy auto --batch-sizes 1 2 4 8 16 32 64 --out bench/results/<hardware>/plain_curve.json --plot
 """
 import argparse
 import json
@@ -41,6 +45,7 @@ def main() -> None:
                    help="auto: the tree the engine tunes for this device per batch size (what the job and Serve use)")
     add_precision_args(p)
     p.add_argument("--out", default=None)
+    p.add_argument("--plot", action="store_true", help="also write <out>.png: tokens/s against max batch")
     a = p.parse_args()
     prompts = mixed_prompts(a.num_prompts)
     params = SamplingParams(max_new_tokens=a.max_new_tokens)
@@ -69,12 +74,39 @@ def main() -> None:
                    "differs_from_batch1_spec": [i for i, x in enumerate(ids) if x != reference[i]],
                    "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                    "kv_cache_mib": engine.target.cache.nbytes() / 2**20}
+            if engine.tuning is not None:
+                choice = engine.tuning.batches[max(b for b in engine.tuning.batches if b <= bs)]
+                row["predicted_tok_s"] = choice.expected_tok_s if speculative else choice.plain_tok_s
+                row["max_verify_tokens"] = engine.verify_budget_for(bs) if speculative else None
             print(json.dumps(row), flush=True)
             runs.append(row)
         del engine
     result = {"dtype": a.dtype, "cpu": cpu_model(), **precision_kwargs(a), "prompts": a.num_prompts, "max_new_tokens": a.max_new_tokens, "runs": runs}
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1))
+        if a.plot:
+            plot(runs, Path(a.out).with_suffix(".png"))
+
+
+def plot(runs: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for speculative, label in ((True, "EAGLE (tuned)"), (False, "plain")):
+        rs = [r for r in runs if r["speculative"] == speculative]
+        if not rs:
+            continue
+        line, = ax.plot([r["max_batch"] for r in rs], [r["tok_s"] for r in rs], "o-", label=f"{label}, measured")
+        if all("predicted_tok_s" in r for r in rs):
+            ax.plot([r["max_batch"] for r in rs], [r["predicted_tok_s"] for r in rs], "x--", color=line.get_color(),
+                    label=f"{label}, predicted")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("max batch")
+    ax.set_ylabel("tokens/s")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

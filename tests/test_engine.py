@@ -226,7 +226,6 @@ def test_chat_messages_and_strings_are_accepted(tiny_dir, tiny_head):
 def test_tree_scores_equal_the_draft_head_recomputed_along_each_path(tiny_dir, tiny_hf, tiny_head, tree):
     """The batched tree drafting (draft KV cache, per-level masks, positions) gives every node the cumulative
     log-prob that a cache-free recomputation of the head along the node's path gives."""
-    from eagle_ray.engine.model_runner import Clock, StepTimes
     from eagle_ray.engine.scheduler import PrefillChunk
     from eagle_ray.train.trainer import head_forward_train
 
@@ -236,8 +235,7 @@ def test_tree_scores_equal_the_draft_head_recomputed_along_each_path(tiny_dir, t
     with torch.inference_mode():
         for slot, s in enumerate(seqs):
             s.slot = slot
-        for r in engine.runner.prefill([PrefillChunk(s, 0, len(s.prompt_ids)) for s in seqs], StepTimes(),
-                                       Clock(engine.device)):
+        for r in engine.runner.prefill([PrefillChunk(s, 0, len(s.prompt_ids)) for s in seqs]):
             r.seq.append(r.tokens)
         features = [s.draft_features.clone() for s in seqs]
         t = engine.runner.grow_trees(seqs, engine.config.speculation.tree)

@@ -113,14 +113,14 @@ class ModelRunner:
         self.times = out.times
         t0 = clock()
         if plan.prefill:
-            out.results += self.prefill(plan.prefill, out.times, clock)
+            out.results += self.prefill(plan.prefill)
         spec = [s for s in plan.decode if s.speculative and self.draft is not None]
         plain = [s for s in plan.decode if not (s.speculative and self.draft is not None)]
         if spec:
-            out.results += self.decode_speculative(spec, tree_for(len(spec)), budget_for(len(spec)), out.times, clock)
+            out.results += self.decode_speculative(spec, tree_for(len(spec)), budget_for(len(spec)))
             out.decoded[True] = len(spec)
         if plain:
-            out.results += self.decode_plain(plain, out.times, clock)
+            out.results += self.decode_plain(plain)
             out.decoded[False] = len(plain)
         if self.draft is not None:  # prompts in progress: the head catches up on their chunks in bounded passes
             catching_up = [c.seq for c in plan.prefill if c.seq.speculative and c.seq.draft_tokens]
@@ -141,8 +141,9 @@ class ModelRunner:
         return hidden, hidden
 
     # ---- prefill -------------------------------------------------------------------------------------------------
-    def prefill(self, chunks: list[PrefillChunk], times: StepTimes, clock: Clock) -> list[SeqResult]:
+    def prefill(self, chunks: list[PrefillChunk]) -> list[SeqResult]:
         """One padded pass over this step's prompt chunks; prompts that complete emit their first token."""
+        times, clock = self.times, self.clock
         target, device = self.target, self.device
         n = [c.end - c.start for c in chunks]
         R, W = len(chunks), max(n)
@@ -246,25 +247,26 @@ class ModelRunner:
         self.draft_extend(seqs)
         return self.grow_from(seqs, torch.stack([s.draft_hidden for s in seqs]), tree_cfg)
 
-    def decode_speculative(self, seqs: list[Sequence], tree_cfg: TreeConfig, max_verify_tokens: int | None,
-                           times: StepTimes, clock: Clock) -> list[SeqResult]:
+    def decode_speculative(self, seqs: list[Sequence], tree_cfg: TreeConfig,
+                           max_verify_tokens: int | None) -> list[SeqResult]:
+        times, clock = self.times, self.clock
         if is_plain(tree_cfg):
-            return self.decode_plain(seqs, times, clock, keep_pairs=True)
+            return self.decode_plain(seqs, keep_pairs=True)
         t0 = clock()
         tree = self.grow_trees(seqs, tree_cfg)
         if max_verify_tokens:
             tree = fit_batch_budget(tree, max_verify_tokens)
         tree = drop_padding(tree)
         times.draft_s += clock() - t0
-        return self.verify(seqs, tree, times, clock, speculative=True)
+        return self.verify(seqs, tree, speculative=True)
 
-    def decode_plain(self, seqs: list[Sequence], times: StepTimes, clock: Clock,
-                     keep_pairs: bool = False) -> list[SeqResult]:
+    def decode_plain(self, seqs: list[Sequence], keep_pairs: bool = False) -> list[SeqResult]:
         """Verify every sequence's root only. ``keep_pairs``: speculative sequences in a step whose tree is plain
         keep the head's (feature, token) pairs, fed to the head once a sequence holds ``FEED_EVERY`` (one bounded
         pass then serves many steps, and the pending features stay small)."""
         roots = torch.tensor([s.root for s in seqs]).to(self.device, non_blocking=True)
-        results = self.verify(seqs, root_only_tree(roots), times, clock, speculative=keep_pairs)
+        results = self.verify(seqs, root_only_tree(roots), speculative=keep_pairs)
+        times, clock = self.times, self.clock
         full = [s for s in seqs if keep_pairs and len(s.draft_tokens) >= FEED_EVERY]
         if full:
             t = clock()
@@ -272,9 +274,9 @@ class ModelRunner:
             times.draft_s += clock() - t
         return results
 
-    def verify(self, seqs: list[Sequence], tree: Tree, times: StepTimes, clock: Clock,
-               speculative: bool) -> list[SeqResult]:
+    def verify(self, seqs: list[Sequence], tree: Tree, speculative: bool) -> list[SeqResult]:
         """One target pass over every tree, acceptance, and the accepted path's K/V moved next to the prefix."""
+        times, clock = self.times, self.clock
         target, device = self.target, self.device
         slots = [s.slot for s in seqs]
         B, W = tree.tokens.shape

@@ -1,7 +1,9 @@
 """Batching: greedy output at max batch 1/4/8/16 must equal batch-1 output token for token, and throughput per
 max batch size for EAGLE-2 and plain batched decoding on the same runtime, all in one run -> JSON. With
 ``--tree-policy auto`` each row also carries the tuner's predicted tokens/s (its choice, plain included, and plain
-decoding), and ``--plot`` draws measured and predicted curves.
+decoding), and ``--plot`` draws measured and predicted curves. Sizes run largest first, so the tuner measures
+every size once and the smaller engines read that result from its cache. ``--compare-cap`` also runs, wherever
+the tuner chose a verify cap, the same trees without it (the cap's measured worth).
 
     .venv/bin/python bench/batch_sweep.py --dtype float32 --num-prompts 64 --max-new-tokens 96 \
         --batch-sizes 1 4 8 16 --out bench/results/batch_lossless_fp32.json
@@ -46,42 +48,57 @@ def main() -> None:
     add_precision_args(p)
     p.add_argument("--out", default=None)
     p.add_argument("--plot", action="store_true", help="also write <out>.png: tokens/s against max batch")
+    p.add_argument("--compare-cap", action="store_true", help="where the tuner chose a verify cap, also run without")
+    p.add_argument("--plain-first", action="store_true", help="run plain before EAGLE at each size (a second run in "
+                   "this order shows how much the first run's warm-up costs it)")
     a = p.parse_args()
     prompts = mixed_prompts(a.num_prompts)
     params = SamplingParams(max_new_tokens=a.max_new_tokens)
-    runs, reference = [], None
-    for bs in a.batch_sizes:
+    runs = []
+    for bs in sorted(a.batch_sizes, reverse=True):
         engine = EagleEngine.from_config(EngineConfig(draft=a.draft, dtype=a.dtype, max_batch_size=bs,
                                                       threads=a.threads, tree_policy=a.tree_policy,
                                                       **precision_kwargs(a)))
         engine.generate(prompts[:1], SamplingParams(max_new_tokens=4))
-        for speculative in ([True, False] if a.plain else [True]):
+        modes = [("spec", True)] + ([("plain", False)] if a.plain else [])
+        if a.compare_cap and engine.verify_budget_for(bs):
+            modes.insert(1, ("spec_uncapped", True))
+        if a.plain_first:
+            modes.reverse()
+        caps = engine.config.speculation.verify_budget_by_batch
+        for mode, speculative in modes:
+            engine.config = engine.config.replace(verify_budget_by_batch=None if mode == "spec_uncapped" else caps)
             for k in engine.counters:
                 engine.counters[k] = 0
             t0 = time.perf_counter()
             outs = engine.generate(prompts, params, speculative=speculative)
             wall = time.perf_counter() - t0
             ids = [o.token_ids for o in outs]
-            if reference is None and speculative:
-                reference = ids
             c = engine.counters
-            row = {"max_batch": bs, "speculative": speculative, "wall_s": wall,
+            row = {"max_batch": bs, "speculative": speculative, "mode": mode, "wall_s": wall,
                    "tokens": sum(map(len, ids)), "tok_s": sum(map(len, ids)) / wall,
                    "trees": engine.tree_summary() if speculative else None,
                    "tau": sum(o.stats.step_tokens for o in outs) / max(sum(o.stats.verify_steps for o in outs), 1),
                    "mean_verify_batch": c["decode_sequences"] / max(c["decode_passes"], 1),
                    "mean_verify_width": c["verify_tokens"] / max(c["decode_sequences"], 1),
-                   "differs_from_batch1_spec": [i for i, x in enumerate(ids) if x != reference[i]],
                    "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                   "kv_cache_mib": engine.target.cache.nbytes() / 2**20}
+                   "kv_cache_mib": engine.target.cache.nbytes() / 2**20, "_ids": ids}
             if engine.tuning is not None:
                 choice = engine.tuning.batches[max(b for b in engine.tuning.batches if b <= bs)]
-                row["predicted_tok_s"] = choice.expected_tok_s if speculative else choice.plain_tok_s
+                row["predicted_tok_s"] = {"spec": choice.expected_tok_s, "plain": choice.plain_tok_s}.get(mode)
                 row["max_verify_tokens"] = engine.verify_budget_for(bs) if speculative else None
-            print(json.dumps(row), flush=True)
+                if mode == "spec":
+                    row["best_cap"], row["best_cap_predicted_tok_s"] = choice.best_cap, choice.best_cap_tok_s
+            print(json.dumps({k: v for k, v in row.items() if k != "_ids"}), flush=True)
             runs.append(row)
         del engine
-    result = {"dtype": a.dtype, "cpu": cpu_model(), **precision_kwargs(a), "prompts": a.num_prompts, "max_new_tokens": a.max_new_tokens, "runs": runs}
+    runs.sort(key=lambda r: (r["max_batch"], r["mode"] != "spec", r["mode"]))
+    reference = next(r["_ids"] for r in runs if r["mode"] == "spec")   # the smallest batch's speculative output
+    for r in runs:
+        ids = r.pop("_ids")
+        r["differs_from_batch1_spec"] = [i for i, x in enumerate(ids) if x != reference[i]]
+    result = {"dtype": a.dtype, "cpu": cpu_model(), **precision_kwargs(a), "prompts": a.num_prompts,
+              "max_new_tokens": a.max_new_tokens, "plain_first": a.plain_first, "runs": runs}
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1))
         if a.plot:
@@ -93,8 +110,8 @@ def plot(runs: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
-    for speculative, label in ((True, "EAGLE (tuned)"), (False, "plain")):
-        rs = [r for r in runs if r["speculative"] == speculative]
+    for mode, label in (("spec", "EAGLE (tuned)"), ("plain", "plain")):
+        rs = [r for r in runs if r.get("mode", "spec" if r["speculative"] else "plain") == mode]
         if not rs:
             continue
         line, = ax.plot([r["max_batch"] for r in rs], [r["tok_s"] for r in rs], "o-", label=f"{label}, measured")

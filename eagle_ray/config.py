@@ -165,8 +165,8 @@ Switch = bool | Literal["auto"]
 
 
 class PrecisionConfig(StrictModel):
-    """How a bf16/fp16 target computes (fp32 targets ignore these). ``auto`` (the default) turns each on for a
-    bf16/fp16 target on CPU, where its kernels need them, and off on CUDA (model/device.py ``numerics_for``)."""
+    """How a target computes. ``auto`` (the default) turns each numeric switch on for a bf16/fp16 target on CPU, where
+    its kernels need them (fp32 targets ignore them), and off on CUDA (model/device.py ``numerics_for``)."""
     fp32_logits: Switch = Field("auto", description="make every logit that can decide a token exact fp32 (bf16 "
                               "product, then the top candidates recomputed in fp32 with a proof that no other token "
                               "can win; model/logits.py): greedy near-ties stay stable")
@@ -176,6 +176,9 @@ class PrecisionConfig(StrictModel):
                                   "whatever else is in its forward pass (GEMM rows padded to a multiple of 4, chunked "
                                   "attention), so bf16 speculative and plain output differ only on near-ties; costs "
                                   "a 1-row bf16 decode up to ~2x")
+    cpu_linears: Literal["auto", "native", "input_major", "packed"] = Field(
+        "auto", description="layout of the target's linears on CPU (model/linears.py); auto: oneDNN-packed for fp32 "
+        "(input-major when model.compile is on), input-major for bf16/fp16; CUDA keeps them as loaded")
 
 
 ENGINE_PARTS = {"model": ModelConfig, "cache": CacheConfig, "speculation": SpeculationConfig,

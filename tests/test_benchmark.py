@@ -76,6 +76,8 @@ def test_autotune_picks_trees_that_stay_lossless_and_caches_them(tiny_dir, tiny_
     assert all(c.expected_tau >= 1.0 and c.step_s > 0 for c in result.batches.values())
     assert len(list((tmp_path / "tuning").glob("*.json"))) == 1
     assert autotune(engine, batch_sizes=[1, 2], prompts=prompts).to_dict() == result.to_dict()  # from the cache
+    only_one = autotune(engine, batch_sizes=[1], prompts=prompts)  # a smaller engine is served by the same file
+    assert only_one.batches == {1: result.batches[1]} and list(only_one.costs["verify"]) == ["1"]
     engine.set_trees(trees_by_batch=result.trees_by_batch())
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     assert [o.token_ids for o in engine.generate(prompts, params)] == \

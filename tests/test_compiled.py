@@ -20,7 +20,8 @@ def outputs(engine, speculative=True):
 
 def compiled_engine(target_dir, head, backend):
     torch._dynamo.reset()
-    engine = EagleEngine.from_pretrained(str(target_dir), head, dtype="float32", max_batch_size=4, tree=TREE)
+    engine = EagleEngine.from_pretrained(str(target_dir), head, dtype="float32", max_batch_size=4, tree=TREE,
+                                         cpu_linears="input_major")   # what model.compile chooses on CPU
     eager = (outputs(engine), outputs(engine, speculative=False))
     compile_forwards(engine.target, engine.draft, "inductor", backend=backend)
     return engine, eager
@@ -40,6 +41,16 @@ def test_inductor_kernels_match_eager(tiny_dir):
     engine, (spec, plain) = compiled_engine(tiny_dir, "random", backend="inductor")
     assert outputs(engine) == spec
     assert outputs(engine, speculative=False) == plain
+
+
+def test_compiling_refuses_packed_weights_and_the_engine_avoids_them(tiny_dir):
+    engine = EagleEngine.from_pretrained(str(tiny_dir), "random", dtype="float32", max_batch_size=2, tree=TREE)
+    assert engine.target.numerics.cpu_linears == "packed"   # fp32 on CPU
+    with pytest.raises(ValueError, match="cpu_linears"):
+        compile_forwards(engine.target, engine.draft, "inductor")
+    compiled = EagleEngine.from_pretrained(str(tiny_dir), "random", dtype="float32", max_batch_size=2, tree=TREE,
+                                           compile="inductor")   # traced lazily: nothing compiles here
+    assert compiled.target.numerics.cpu_linears == "input_major"
 
 
 def test_cuda_graph_mode_buckets_key_lengths_without_changing_tokens(tiny_dir):

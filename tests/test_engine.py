@@ -264,8 +264,8 @@ def test_a_draft_vocabulary_changes_speed_not_output(tiny_dir, tiny_hf, tiny_hea
     head = copy.deepcopy(tiny_head)
     head.token_map = torch.arange(63, 3, -2)  # 30 ids, most "frequent" first
     engine = tiny_engine(tiny_dir, head)
-    engine.draft.bind_lm_head(engine.target.lm_head_weight, 20)
-    assert engine.draft.lm_weight.shape == (32, 20)
+    engine.draft.bind_lm_head(engine.target.lm_head, 20)
+    assert engine.draft.lm_score(torch.randn(3, 32)).shape == (3, 20)
     prompts = mixed_prompts(4, seed=13)
     seqs = engine.generate(prompts, SamplingParams(max_new_tokens=30, ignore_eos=True))
     for out, prompt in zip(seqs, prompts):

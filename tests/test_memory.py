@@ -15,6 +15,7 @@ from eagle_ray.errors import ConfigError, InsufficientMemoryError
 from eagle_ray.model.draft_head import DraftHead
 from eagle_ray.model.eagle3_head import Eagle3Head
 from eagle_ray.model.kv_cache import KVCache
+from eagle_ray.model.linears import packed_available
 from eagle_ray.model.memory import (AUTO_MAX_SLOTS, GiB, MemoryPlan, copies_for, fit_slots, free_memory,
                                     gpu_usable_bytes, module_bytes, plan_memory)
 from eagle_ray.model.target import TargetModel
@@ -38,7 +39,9 @@ def held_bytes(*roots) -> int:
         if id(x) in seen or isinstance(x, KVCache):
             return
         seen.add(id(x))
-        if isinstance(x, torch.Tensor):
+        if isinstance(x, torch.Tensor) and x.is_mkldnn:   # oneDNN's opaque layout: its elements
+            storages[id(x)] = x.numel() * x.element_size()
+        elif isinstance(x, torch.Tensor):
             storages[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
         elif isinstance(x, dict):
             for v in x.values():
@@ -98,7 +101,8 @@ def test_plan_equals_the_bytes_a_tiny_engine_allocates(case, tmp_path):
     assert plan.weights == held_bytes(engine.target, engine.draft)  # target, head, lm_head copies, each tensor once
     assert plan.kv_per_slot * 3 == engine.target.cache.nbytes()
     assert plan.draft_kv_per_slot * 3 == engine.draft.cache.nbytes()
-    expected_copies = {"fp32": 0, "bf16-tied": 64 * 32 * (4 + 2 + 2),  # fp32 + out-major + the tied lm_head's own
+    packed = 64 * 32 * 4 if packed_available() else 0   # fp32 on CPU: the packed lm_head beside its dense weight
+    expected_copies = {"fp32": packed, "bf16-tied": 64 * 32 * (4 + 2 + 2),  # fp32 + out-major + the tied lm_head's own
                        "bf16-token-map": 64 * 32 * (4 + 2) + 40 * (32 * 2 + 8),  # + the gathered rows and the map
                       "eagle3": 64 * 32 * (4 + 2) + 64 * 8}                        # + its draft-to-target ids
     assert plan.lm_head_copies == expected_copies[case]
@@ -122,13 +126,14 @@ def test_weights_come_from_the_config_built_on_meta():
 def test_copies_rule():
     assert copies_for("cuda", torch.bfloat16) == copies_for("cuda", torch.bfloat16, {"fp32_logits": "auto"})
     assert copies_for("cuda", torch.bfloat16).__dict__ == {"fp32_lm_head": False, "out_major_lm_head": False,
-                                                           "input_major": False}
+                                                           "input_major": False, "packed": False}
     assert copies_for("cpu", torch.bfloat16).__dict__ == {"fp32_lm_head": True, "out_major_lm_head": True,
-                                                          "input_major": True}
+                                                          "input_major": True, "packed": False}
     assert copies_for("cpu", torch.bfloat16, {"fp32_logits": False}).fp32_lm_head is False
     assert copies_for("cpu", torch.float32).fp32_lm_head is False
+    assert copies_for("cpu", torch.float32).packed is packed_available()
     assert copies_for("cuda", torch.bfloat16, {"fp32_logits": True}).__dict__ == {
-        "fp32_lm_head": True, "out_major_lm_head": False, "input_major": False}
+        "fp32_lm_head": True, "out_major_lm_head": False, "input_major": False, "packed": False}
 
 
 def test_tree_demand_covers_the_tuner():

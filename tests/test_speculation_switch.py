@@ -76,3 +76,19 @@ def test_the_tuned_verify_budget_applies_per_batch_size(tiny_dir, tiny_head):
     engine.set_trees(trees_by_batch={1: TREE, 4: PLAIN})
     assert engine.tree_summary()["trees_by_batch"]["4"] == "plain"
     assert engine.tree_summary()["verify_budget_by_batch"] == {"2": 6, "4": 10}
+
+
+def test_prompt_chunks_get_the_room_a_plain_batch_leaves(tiny_dir, tiny_head):
+    """The step budget counts the tree the step runs: four sequences decoding plain leave 256 - 4 prompt tokens,
+    not 256 - 4 x 12 (the largest tree's reservation)."""
+    engine = tiny_engine(tiny_dir, tiny_head, TREE, max_batch_size=5, max_model_len=512)
+    engine.set_trees(trees_by_batch={1: TREE, 4: PLAIN})
+    for i in range(4):
+        engine.add_request([5 + i, 9, 10], SamplingParams(max_new_tokens=50, ignore_eos=True))
+    while engine.scheduler.prefilling or engine.scheduler.waiting:
+        engine.step()
+    engine.add_request([3 + i % 60 for i in range(300)], SamplingParams(max_new_tokens=5))
+    room = {True: engine.max_tree_budget(), False: 1}
+    plan = engine.scheduler.schedule(room, engine.target.max_len, spec_tokens=engine.step_tree_tokens)
+    assert len(plan.decode) == 4 and [c.end - c.start for c in plan.prefill] == [256 - 4]
+    assert engine.step_tree_tokens(1) == 12 and engine.step_tree_tokens(4) == 1

@@ -76,8 +76,7 @@ class EagleEngine:
         self.eos_ids = frozenset(x for x in ([eos] + (gen_eos if isinstance(gen_eos, list) else [gen_eos]))
                                  if x is not None)
         if draft is not None:
-            draft.bind_lm_head(target.lm_head_weight, config.speculation.draft_vocab_size,
-                               target.numerics.input_major_weights)
+            draft.bind_lm_head(target.lm_head, config.speculation.draft_vocab_size, target.numerics.cpu_linears)
             self._allocate_draft_cache(fresh=True)
         compile_forwards(target, draft, config.model.compile)
 
@@ -108,6 +107,8 @@ class EagleEngine:
         target_config = AutoConfig.from_pretrained(str(target_dir))
         if draft_dir is not None:  # validate the head's config before spending time on the target's weights
             check_head(draft_dir, target_config)
+        if m.compile != "off" and config.precision.cpu_linears == "auto":
+            config = config.replace(cpu_linears="input_major")   # dense weights trace; oneDNN's packed ones do not
         # plan the memory before allocating any: max_batch_size "auto" becomes an int, one that does not fit fails
         config = size_engine(config, target_config, draft_dir, dev, dt)
         target = TargetModel.load(target_dir, dt, dev, config.cache.max_batch_size, config.cache.max_model_len,
@@ -147,6 +148,12 @@ class EagleEngine:
         <= ``batch`` (the smallest entry below that), else ``tree``."""
         table = self.config.speculation.trees_by_batch
         return by_batch(table, batch, min(table)) if table else self.config.speculation.tree
+
+    def step_tree_tokens(self, batch: int) -> int:
+        """Verify tokens per sequence of a step with ``batch`` speculative sequences (its tree, under its cap)."""
+        per_seq = tree_budget(self.tree_for(batch))
+        cap = self.verify_budget_for(batch)
+        return min(per_seq, -(-cap // batch)) if cap else per_seq
 
     def verify_budget_for(self, batch: int) -> int | None:
         """The verify cap of a step with ``batch`` speculative sequences: ``verify_budget_by_batch``'s entry for the
@@ -248,7 +255,8 @@ class EagleEngine:
         sequence, retire finished ones. Returns the sequences that emitted tokens or finished (for streaming)."""
         for src, dst in self.scheduler.defragment():  # keep running slots contiguous: KV reads stay slices
             self.runner.move_slot(src, dst)
-        plan = self.scheduler.schedule({True: self.max_tree_budget(), False: 1}, self.target.max_len)
+        plan = self.scheduler.schedule({True: self.max_tree_budget(), False: 1}, self.target.max_len,
+                                       spec_tokens=self.step_tree_tokens if self.draft is not None else None)
         out = self.runner.run(plan, self.tree_for, self.verify_budget_for) if not plan.empty else None
         touched = self._postprocess(plan, out)
         for seq in self.scheduler.retire_finished():

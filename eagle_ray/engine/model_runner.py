@@ -12,14 +12,15 @@ results), never over tree nodes, and a decode pass reads its results back to the
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from eagle_ray.config import TreeConfig, is_plain
 from eagle_ray.engine.scheduler import PrefillChunk, StepPlan
 from eagle_ray.engine.sequence import Sequence
+from eagle_ray.model.device import Clock, resolve_times, uploads_for
 from eagle_ray.model.draft_head import DraftHead
 from eagle_ray.model.target import TargetModel
 from eagle_ray.spec.accept import accept
@@ -54,18 +55,6 @@ class StepOutput:
     decoded: dict[bool, int] = field(default_factory=dict)   # sequences per decode pass, by speculative
 
 
-class Clock:
-    """Wall time of phases; on CUDA it synchronises only when ``sync`` (profiling), so a step stays asynchronous."""
-
-    def __init__(self, device: torch.device, sync: bool = False):
-        self.sync = sync and device.type == "cuda"
-
-    def __call__(self) -> float:
-        if self.sync:
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
-
 def causal_block(lengths: list[int], width: int, device) -> torch.Tensor:
     """[B, W, W] causal masks for ragged blocks (rows past a sequence's length are padding)."""
     idx = torch.arange(width, device=device)
@@ -81,6 +70,38 @@ def root_only_tree(roots: torch.Tensor) -> Tree:
 
 
 FEED_EVERY = 32  # pending pairs a sequence collects in plain steps before the head consumes them
+
+
+def extend_passes(pending: list[int], budget: int) -> list[list[tuple[int, int]]]:
+    """How the head consumes pending pairs in passes of at most ``budget`` padded tokens: per pass, (index into
+    ``pending``, pairs taken). Shortest first, so a decode step's few pairs share one pass and a new prompt's
+    thousands take the following ones."""
+    left = {i: n for i, n in enumerate(pending) if n}
+    todo, passes = list(left), []
+    while todo:
+        todo.sort(key=lambda i: left[i])
+        group, width = [], 0
+        for i in todo:
+            w = max(width, min(left[i], budget))
+            if group and (len(group) + 1) * w > budget:
+                break
+            group.append(i)
+            width = w
+        taken = [(i, min(left[i], width)) for i in group]
+        for i, n in taken:
+            left[i] -= n
+        passes.append(taken)
+        todo = [i for i in todo if left[i]]
+    return passes
+
+
+def extend_tokens(seqs: list[Sequence], taken: list[tuple[int, int]]) -> np.ndarray:
+    """One extend pass's token block ``[G, width]`` (zero padded), read from the sequences' pending tokens."""
+    width = max(n for _, n in taken)
+    tokens = np.zeros((len(taken), width), dtype=np.int64)
+    for row, (i, n) in enumerate(taken):
+        tokens[row, :n] = seqs[i].draft_tokens[:n]
+    return tokens
 
 
 class ModelRunner:
@@ -116,6 +137,7 @@ class ModelRunner:
             out.results += self.prefill(plan.prefill)
         spec = [s for s in plan.decode if s.speculative and self.draft is not None]
         plain = [s for s in plan.decode if not (s.speculative and self.draft is not None)]
+        self.stage_decode(spec, plain)
         if spec:
             out.results += self.decode_speculative(spec, tree_for(len(spec)), budget_for(len(spec)))
             out.decoded[True] = len(spec)
@@ -129,7 +151,34 @@ class ModelRunner:
                 self.draft_extend(catching_up)
                 out.times.draft_s += clock() - t
         out.times.total_s = clock() - t0
+        uploads_for(self.device).clear()
+        resolve_times(out.times)
         return out
+
+    def stage_decode(self, spec: list[Sequence], plain: list[Sequence]) -> None:
+        """Send the decode passes' small inputs to the device in one copy (see ``Uploads``): slots, target and head
+        cache lengths, roots, the head's first extend pass, and the sampling rows."""
+        arrays = []
+        target_len, upload = self.target.cache.lengths, uploads_for(self.device)
+        for seqs, speculative in ((spec, True), (plain, False)):
+            if not seqs:
+                continue
+            slots = [s.slot for s in seqs]
+            arrays += [slots, target_len[slots], [s.root for s in seqs]]
+            if speculative:
+                pending = [len(s.draft_tokens) for s in seqs]
+                draft_len = self.draft.cache.lengths
+                arrays.append(draft_len[slots] + pending)                  # where the tree levels sit
+                passes = extend_passes(pending, self.extend_budget)
+                if passes:
+                    first = passes[0]
+                    group = [seqs[i].slot for i, _ in first]
+                    arrays += [group, draft_len[group], [n for _, n in first], extend_tokens(seqs, first)]
+            sampled_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+            if sampled_rows:
+                arrays += [upload.float_bits(SamplingBatch.params_of(seqs)), SamplingBatch.seeds_of(seqs),
+                           sampled_rows]
+        upload.stage(arrays)
 
     def target_forward(self, tokens, slots, depth, mask, n_valid=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's final hidden states and the features its head reads (the same tensor for an EAGLE-2
@@ -189,27 +238,19 @@ class ModelRunner:
         """Feed every pending (feature, token) pair of ``seqs`` to the head, committing them to its cache, in passes
         of at most ``extend_budget`` padded tokens (a new prompt brings thousands of pairs, a decode step a few).
         Each sequence keeps the head's output at its last pair (``draft_hidden``): its next tree grows from it."""
-        todo = [s for s in seqs if s.draft_tokens]
-        while todo:
-            todo.sort(key=lambda s: len(s.draft_tokens))
-            group, width = [], 0
-            for s in todo:
-                w = max(width, min(len(s.draft_tokens), self.extend_budget))
-                if group and (len(group) + 1) * w > self.extend_budget:
-                    break
-                group.append(s)
-                width = w
-            n = [min(len(s.draft_tokens), width) for s in group]
-            tokens = torch.zeros(len(group), width, dtype=torch.long)
+        upload = uploads_for(self.device)
+        for taken in extend_passes([len(s.draft_tokens) for s in seqs], self.extend_budget):
+            group = [seqs[i] for i, _ in taken]
+            n = [k for _, k in taken]
+            width = max(n)
+            tokens = upload.ints(extend_tokens(seqs, taken))
             feats = torch.zeros(len(group), width, self.draft.feature_size, dtype=group[0].draft_features.dtype,
                                 device=self.device)
             for b, s in enumerate(group):
-                tok, f = s.take_pending(n[b])
-                tokens[b, : n[b]] = torch.tensor(tok)
-                feats[b, : n[b]] = f
+                feats[b, : n[b]] = s.take_pending(n[b])[1]
             slots = [s.slot for s in group]
             t0 = self.clock()
-            hidden = self.draft.forward(tokens.to(self.device, non_blocking=True), feats, slots,
+            hidden = self.draft.forward(tokens, feats, slots,
                                         torch.arange(width, device=self.device).expand(len(group), width),
                                         causal_block(n, width, self.device), n_valid=n)
             self.times.forward_s += self.clock() - t0
@@ -217,7 +258,6 @@ class ModelRunner:
             for b, s in enumerate(group):
                 if not s.draft_tokens:
                     s.draft_hidden = hidden[b, n[b] - 1]
-            todo = [s for s in todo if s.draft_tokens]
 
     def grow_from(self, seqs: list[Sequence], root_hidden: torch.Tensor, tree_cfg: TreeConfig) -> Tree:
         """Grow every sequence's tree from its root (one batched head call per level)."""
@@ -239,7 +279,7 @@ class ModelRunner:
             times.forward_s += clock() - t0
             return out
 
-        roots = torch.tensor([s.root for s in seqs]).to(device, non_blocking=True)
+        roots = uploads_for(device).ints([s.root for s in seqs])
         return grow_tree(draft_fn, topk_fn, root_hidden, roots, tree_cfg)
 
     def grow_trees(self, seqs: list[Sequence], tree_cfg: TreeConfig) -> Tree:
@@ -264,7 +304,7 @@ class ModelRunner:
         """Verify every sequence's root only. ``keep_pairs``: speculative sequences in a step whose tree is plain
         keep the head's (feature, token) pairs, fed to the head once a sequence holds ``FEED_EVERY`` (one bounded
         pass then serves many steps, and the pending features stay small)."""
-        roots = torch.tensor([s.root for s in seqs]).to(self.device, non_blocking=True)
+        roots = uploads_for(self.device).ints([s.root for s in seqs])
         results = self.verify(seqs, root_only_tree(roots), speculative=keep_pairs)
         times, clock = self.times, self.clock
         full = [s for s in seqs if keep_pairs and len(s.draft_tokens) >= FEED_EVERY]
@@ -288,7 +328,7 @@ class ModelRunner:
         logits = target.logits(hidden)
         times.verify_s += clock() - t0
         times.forward_s += clock() - t0
-        base = torch.from_numpy(target.cache.lengths[slots]).to(device, non_blocking=True).view(-1, 1)
+        base = uploads_for(device).ints(target.cache.lengths[slots]).view(-1, 1)
         choice = choose_tokens(logits, SamplingBatch.of(seqs, device), base + tree.depth + 1)
         acc = accept(tree, choice)
         if self.trace is not None and speculative:

@@ -74,10 +74,13 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, room: dict[bool, int], max_len: int) -> StepPlan:
+    def schedule(self, room: dict[bool, int], max_len: int, spec_tokens=None) -> StepPlan:
         """Admit waiting requests, then plan this step: a decode step for every sequence past its prompt and prompt
         chunks in the rest of the step's budget. ``room[speculative]`` is the most verify tokens a sequence's step
-        takes; a sequence whose next step could overrun its slot finishes with ``length`` instead."""
+        takes; a sequence whose next step could overrun its slot finishes with ``length`` instead.
+        ``spec_tokens(n)``: the verify tokens per sequence of a step with ``n`` speculative sequences (its tree;
+        default ``room[True]``): the budget left to prompt chunks counts the tree this step runs, so a batch size
+        that decodes plain leaves prompts as much room as plain decoding does."""
         self._admit()
         decode = []
         for s in self.running:
@@ -89,7 +92,9 @@ class Scheduler:
                 decode.append(s)
         if not self.prefilling:
             return StepPlan([], decode)
-        budget = max(MIN_PREFILL, self.step_budget - sum(room[s.speculative] for s in decode))
+        n_spec = sum(s.speculative for s in decode)
+        per_spec = spec_tokens(n_spec) if spec_tokens is not None and n_spec else room[True]
+        budget = max(MIN_PREFILL, self.step_budget - n_spec * per_spec - (len(decode) - n_spec) * room[False])
         return StepPlan(plan_chunks(self.prefilling, budget), decode)
 
     def _admit(self) -> None:

@@ -9,7 +9,8 @@ its token budget, ``total_token=-1``); here both sides are estimated per batch s
   read off those trees (:meth:`TreeTrace.simulated_tau`).
 
 The shape with the highest expected tokens/s per batch size wins. The result is cached on disk per (models, dtype,
-device, threads, batch sizes), so a job or a Serve replica pays for the measurement once per machine type.
+device, threads); a cached result that covers the batch sizes asked for serves them (each batch size's costs are
+measured on their own), so a job or a Serve replica pays for the measurement once per machine type.
 """
 from __future__ import annotations
 
@@ -41,6 +42,10 @@ class BatchChoice:
     expected_tok_s: float      # batch * tau / step_s
     plain_tok_s: float         # batch / (one-token verify pass): plain decoding on the same runtime
     max_verify_tokens: int | None = None   # the batch's verify cap (most probable nodes kept), None: no cap
+    best_tree: dict | None = None          # the best speculative tree and its best cap, chosen or not: the report
+    best_tree_tok_s: float | None = None   # shows why plain or a cap was or was not taken
+    best_cap: int | None = None
+    best_cap_tok_s: float | None = None
 
 
 @dataclass
@@ -63,6 +68,14 @@ class TuningResult:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def covering(self, batch_sizes: list[int]) -> "TuningResult | None":
+        """This result restricted to ``batch_sizes``, or None if it lacks one of them."""
+        if not set(batch_sizes) <= set(self.batches):
+            return None
+        costs = {kind: {b: c for b, c in by_b.items() if int(b) in batch_sizes} for kind, by_b in self.costs.items()}
+        return TuningResult(self.device, self.dtype, self.threads, {b: self.batches[b] for b in batch_sizes},
+                            self.trace_steps, self.trace_tau, self.seconds, costs)
 
     @classmethod
     def from_dict(cls, d: dict) -> "TuningResult":
@@ -174,20 +187,22 @@ def choose_trees(trace: TreeTrace, verify_s: dict[int, dict[int, float]], draft_
     choices, table = {}, []
     for b in verify_s:
         plain_s = verify_s[b][1]
-        best = BatchChoice(PLAIN.model_dump(), 1.0, plain_s, b / plain_s, b / plain_s)
+        plain = BatchChoice(PLAIN.model_dump(), 1.0, plain_s, b / plain_s, b / plain_s)
         table.append({"batch": b, "total_tokens": 1, "depth": 0, "top_k": 1, "tau": 1.0, "step_s": plain_s,
                       "tok_s": b / plain_s})
+        tree = None   # the best speculative tree
         for (t, d, k), tau in taus.items():
             step = draft_s[b][f"{d},{k}"] + verify_s[b][t]
             tok_s = b * tau / step
             table.append({"batch": b, "total_tokens": t, "depth": d, "top_k": k, "tau": tau, "step_s": step,
                           "tok_s": tok_s})
-            if tok_s > best.expected_tok_s:
-                best = BatchChoice(TreeConfig(total_tokens=t, depth=d, top_k=k).model_dump(), tau, step, tok_s,
+            if tree is None or tok_s > tree.expected_tok_s:
+                tree = BatchChoice(TreeConfig(total_tokens=t, depth=d, top_k=k).model_dump(), tau, step, tok_s,
                                    b / plain_s)
-        tree = TreeConfig(**best.tree)
-        if b > 1 and tree.total_tokens > 2:  # a cap over the batch: confident sequences keep big trees
-            t, d, k = tree.total_tokens, tree.depth, tree.top_k
+        capped = None
+        shape = TreeConfig(**tree.tree)
+        if b > 1 and shape.total_tokens > 2:  # a cap over the batch: confident sequences keep big trees
+            t, d, k = shape.total_tokens, shape.depth, shape.top_k
             for per_seq in range(2, t):
                 cap = b * per_seq
                 tau, width = trace.simulated_budget(t, d, k, b, cap)
@@ -195,8 +210,12 @@ def choose_trees(trace: TreeTrace, verify_s: dict[int, dict[int, float]], draft_
                 step = draft_s[b][f"{d},{k}"] + verify_s[b][w]
                 table.append({"batch": b, "total_tokens": t, "depth": d, "top_k": k, "max_verify_tokens": cap,
                               "tau": tau, "step_s": step, "tok_s": b * tau / step})
-                if b * tau / step > best.expected_tok_s:
-                    best = BatchChoice(tree.model_dump(), tau, step, b * tau / step, b / plain_s, cap)
+                if capped is None or b * tau / step > capped.expected_tok_s:
+                    capped = BatchChoice(shape.model_dump(), tau, step, b * tau / step, b / plain_s, cap)
+        best = max([plain, tree] + ([capped] if capped else []), key=lambda c: c.expected_tok_s)
+        best.best_tree, best.best_tree_tok_s = tree.tree, tree.expected_tok_s
+        if capped is not None:
+            best.best_cap, best.best_cap_tok_s = capped.max_verify_tokens, capped.expected_tok_s
         choices[b] = best
     return choices, table
 
@@ -224,12 +243,12 @@ def fingerprint(path) -> str:
     return h.hexdigest()
 
 
-def cache_key(engine, batch_sizes: list[int]) -> str:
+def cache_key(engine) -> str:
     dev = engine.device
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu{os.cpu_count()}"
     blob = json.dumps([fingerprint(engine.target_dir), fingerprint(getattr(engine, "draft_dir", None)),
-                       str(engine.target.dtype), name, torch.get_num_threads(), batch_sizes,
-                       engine.config.speculation.draft_vocab_size, 3], sort_keys=True)
+                       str(engine.target.dtype), name, torch.get_num_threads(), engine.target.numerics.cpu_linears,
+                       engine.config.speculation.draft_vocab_size, 4], sort_keys=True)
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
 
 
@@ -245,9 +264,14 @@ def autotune(engine, batch_sizes: list[int] | None = None, num_prompts: int = 4,
         raise ValueError("tree tuning needs a draft head")
     if batch_sizes is None:
         batch_sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= engine.config.cache.max_batch_size]
-    path = cache_dir() / f"{cache_key(engine, batch_sizes)}.json"
+    requested = list(batch_sizes)
+    path = cache_dir() / f"{cache_key(engine)}.json"
     if use_cache and path.exists():
-        return TuningResult.from_dict(json.loads(path.read_text()))
+        cached = TuningResult.from_dict(json.loads(path.read_text()))
+        hit = cached.covering(batch_sizes)
+        if hit is not None:
+            return hit
+        batch_sizes = sorted(set(batch_sizes) | set(cached.batches))  # measure the union once; serve both
     t0 = time.perf_counter()
     say = log or (lambda m: None)
     trace = collect_trace(engine, prompts or trace_prompts(num_prompts), max_new_tokens)
@@ -266,7 +290,7 @@ def autotune(engine, batch_sizes: list[int] | None = None, num_prompts: int = 4,
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(result.to_dict(), indent=1))
         os.replace(tmp, path)
-    return result
+    return result.covering(requested)
 
 
 def _shape(tree: TreeConfig) -> tuple[int, int, int]:

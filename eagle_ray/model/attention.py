@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from eagle_ray.model.device import uploads_for
 from eagle_ray.model.kv_cache import KVCache
 
 
@@ -43,7 +44,8 @@ def make_block_meta(cache: KVCache, slots: list[int], block_mask: torch.Tensor, 
     lengths = cache.lengths[slots]                         # host [B]: shapes come from the host, no device read
     kv_len = int((lengths + np.asarray(n_valid)).max()) if n_valid is not None else int(lengths.max()) + N
     kv_len = min(-(-kv_len // cache.kv_bucket) * cache.kv_bucket, cache.max_len + 1)  # extra columns are masked
-    lengths_d = torch.from_numpy(lengths).to(device, non_blocking=True)
+    upload = uploads_for(device)
+    lengths_d = upload.ints(lengths)
     cols = torch.arange(kv_len, device=device).view(1, -1) - lengths_d.view(-1, 1)  # [B, kv_len] block column
     in_block = (cols >= 0) & (cols < N)
     gathered = block_mask.to(device).gather(2, cols.clamp(0, N - 1).unsqueeze(1).expand(B, T, kv_len))
@@ -51,13 +53,13 @@ def make_block_meta(cache: KVCache, slots: list[int], block_mask: torch.Tensor, 
     t = torch.arange(T, device=device).view(1, -1)
     write_pos = lengths_d.view(-1, 1) + offset + t
     if n_valid is not None:
-        pad = t >= torch.tensor(n_valid).to(device, non_blocking=True).view(-1, 1)   # [B, T]
+        pad = t >= upload.ints(n_valid).view(-1, 1)   # [B, T]
         write_pos = torch.where(pad, cache.scratch, write_pos)
         first_col = torch.arange(kv_len, device=device) == 0
         key_mask = torch.where(pad.unsqueeze(-1), first_col, key_mask)
     first = slots[0]
     contiguous = slots == list(range(first, first + B))
-    slot_index = torch.tensor(slots).to(device, non_blocking=True).view(-1, 1)
+    slot_index = upload.ints(slots).view(-1, 1)
     return BlockMeta(slice(first, first + B) if contiguous else slot_index.view(-1), slot_index,
                      write_pos.contiguous(), key_mask.unsqueeze(1).contiguous(), kv_len, lengths_d, invariant)
 
@@ -81,7 +83,8 @@ def row_view(meta: BlockMeta):
 def mlp(layer, hidden: torch.Tensor, meta: BlockMeta) -> torch.Tensor:
     """The layer's MLP on its post-attention norm of ``hidden [B, T, d]``."""
     B, T, _ = hidden.shape
-    x = row_view(meta)(layer.post_attention_layernorm(hidden).to(next(layer.mlp.parameters()).dtype))
+    norm = layer.post_attention_layernorm
+    x = row_view(meta)(norm(hidden).to(norm.weight.dtype))   # the projections run in the model dtype
     return layer.mlp(x)[: B * T].view(B, T, -1)
 
 

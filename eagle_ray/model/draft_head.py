@@ -12,7 +12,6 @@ import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
@@ -20,6 +19,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 from eagle_ray.errors import CheckpointError
 from eagle_ray.model.attention import decoder_layer, make_block_meta
 from eagle_ray.model.kv_cache import KVCache
+from eagle_ray.model.linears import Scorer, scorer
 
 CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                "hidden_act", "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling",
@@ -50,8 +50,7 @@ class DraftHead(nn.Module):
         # token_map / EAGLE-3's d2t idea). Scoring 8k instead of 49k rows makes each draft level several times
         # cheaper on CPU; the target still verifies over its full vocabulary, so output is unchanged.
         self.token_map: torch.Tensor | None = None
-        self.lm_weight: torch.Tensor | None = None
-        self.lm_input_major = True
+        self.lm_score = None   # hidden -> logits over the scored vocabulary (bind_lm_head)
 
     @classmethod
     def for_target(cls, target_config, bias: bool = True, intermediate_size: int | None = None) -> "DraftHead":
@@ -134,29 +133,27 @@ class DraftHead(nn.Module):
         attn = self.layers[0].self_attn
         self.cache = KVCache(1, max_slots, self.config.num_key_value_heads, max_len, attn.head_dim, p.dtype, p.device)
 
-    def bind_lm_head(self, lm_weight: torch.Tensor, draft_vocab_size: int | None, input_major: bool = True) -> None:
+    def bind_lm_head(self, lm_head, draft_vocab_size: int | None, layout: str = "native") -> None:
         """Score drafts with the target's lm_head, restricted to the first ``draft_vocab_size`` ids of the token
         map (None: the whole map if the head has one; 0: the full vocabulary).
 
-        ``input_major`` (CPU): keep a [hidden, vocab] copy, the faster sgemm layout for the few rows a draft level
-        scores. Otherwise the target's own weight is used as is (no copy: it is GBs at a 128k vocabulary). The
-        weight is a plain tensor, never registered as (or saved with) the head's parameters."""
+        The full vocabulary is scored by the target's ``lm_head`` module itself (no copy: it is GBs at a 128k
+        vocabulary); a draft vocabulary's rows are gathered once, in the CPU ``layout`` the target's linears use
+        (``model/linears.py``). Neither is registered as (or saved with) the head's parameters."""
         full = draft_vocab_size == 0 or (self.token_map is None and not draft_vocab_size)
         if not full and self.token_map is None:
             raise CheckpointError("draft_vocab_size is set but this draft head has no token_map.safetensors")
         if full:
-            self.token_map, weight = None, lm_weight.detach()
+            self.token_map, self.lm_score = None, Scorer(lm_head)
         else:
             tm = self.token_map[:draft_vocab_size] if draft_vocab_size else self.token_map
-            self.token_map = tm.to(lm_weight.device)
-            weight = lm_weight.detach()[self.token_map]
-        self.lm_input_major = input_major
-        self.lm_weight = weight.t().contiguous() if input_major else weight
+            self.token_map = tm.to(lm_head.weight.device)
+            self.lm_score = scorer(lm_head.weight.detach()[self.token_map], layout)
 
     @torch.inference_mode()
     def topk(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k draft log-probs and target token ids of the draft's next-token distribution."""
-        logits = hidden @ self.lm_weight if self.lm_input_major else F.linear(hidden, self.lm_weight)
+        logits = self.lm_score(hidden)
         logp, idx = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
         return logp, (self.token_map[idx] if self.token_map is not None else idx)
 

@@ -169,7 +169,7 @@ class Eagle3Head(nn.Module):
         attn = self.midlayer.self_attn
         self.cache = KVCache(1, max_slots, self.config.num_key_value_heads, max_len, attn.head_dim, p.dtype, p.device)
 
-    def bind_lm_head(self, lm_weight: torch.Tensor, draft_vocab_size: int | None, input_major: bool = True) -> None:
+    def bind_lm_head(self, lm_head, draft_vocab_size: int | None, layout: str = "native") -> None:
         """EAGLE-3 heads score with their own lm_head over their own draft vocabulary."""
         self.to_target = self.draft_to_target
 

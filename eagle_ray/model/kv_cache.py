@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from eagle_ray.model.device import uploads_for
+
 
 class KVCache:
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int, head_dim: int,
@@ -47,7 +49,7 @@ class KVCache:
         Used after verification to place the accepted tree path right after the committed prefix. Entries with
         ``src == dst`` are no-ops, so callers pad ragged rows that way.
         """
-        bi = torch.tensor(slots).to(self.k.device, non_blocking=True).view(-1, 1).expand_as(src)
+        bi = uploads_for(self.k.device).ints(slots).view(-1, 1).expand_as(src)
         src, dst = src.to(self.k.device), dst.to(self.k.device)
         for cache in (self.k, self.v):
             cache[:, bi, :, dst] = cache[:, bi, :, src]

@@ -47,8 +47,9 @@ class Copies:
     """lm_head copies an engine keeps besides the modules' own weights."""
     fp32_lm_head: bool       # RefinedLogits.weight_fp32: [vocab, hidden] fp32, for rows its bound cannot settle
     out_major_lm_head: bool  # RefinedLogits.weight: its own [vocab, hidden] copy in the model dtype
-    input_major: bool        # every linear stored [in, out] (target.InputMajorLinear): a tied lm_head gets its own
-    #                          transposed copy, and the draft's [hidden, vocab] scoring matrix is that tensor itself
+    input_major: bool        # every linear in a CPU layout (model/linears.py): a tied lm_head gets its own copy,
+    #                          and the draft scores the full vocabulary with that lm_head itself
+    packed: bool = False     # oneDNN-packed: the lm_head keeps its dense weight beside the packed one, tied or not
 
 
 def copies_for(device_type: str, dtype: torch.dtype | str, precision=None) -> Copies:
@@ -60,10 +61,11 @@ def copies_for(device_type: str, dtype: torch.dtype | str, precision=None) -> Co
     lm_head with fp32 accumulation, the draft scoring with the target's own weight: no copies, unless
     ``fp32_logits: true`` asks for the fp32 one (the nn.Linear weight is already out-major).
     """
-    switches = {k: _switch(precision, k) for k in ("fp32_logits", "fp32_activations", "batch_invariant")}
+    switches = {k: _switch(precision, k) for k in ("fp32_logits", "fp32_activations", "batch_invariant",
+                                                   "cpu_linears")}
     n = numerics_for(torch.device(device_type), _dtype(dtype), **switches)
     return Copies(fp32_lm_head=n.fp32_logits, out_major_lm_head=n.fp32_logits and n.input_major_weights,
-                  input_major=n.input_major_weights)
+                  input_major=n.input_major_weights, packed=n.cpu_linears == "packed")
 
 
 @dataclass(frozen=True)
@@ -134,7 +136,7 @@ def plan_memory(target_config, head_kind: str | None, head_config: dict | None, 
 
     copies = copies_for(device_type, dt, precision)
     lm_copies = vocab * hidden * (4 * copies.fp32_lm_head + size * copies.out_major_lm_head)
-    if copies.input_major and getattr(cfg, "tie_word_embeddings", False):
+    if copies.packed or (copies.input_major and getattr(cfg, "tie_word_embeddings", False)):
         lm_copies += vocab * hidden * size
 
     draft_weights = draft_kv = draft_scoring = 0

@@ -14,6 +14,7 @@ from eagle_ray.errors import CheckpointError
 from eagle_ray.model.attention import decoder_layer, make_block_meta, pad_rows
 from eagle_ray.model.device import numerics_for
 from eagle_ray.model.kv_cache import KVCache
+from eagle_ray.model.linears import lay_out_linears
 from eagle_ray.model.logits import RefinedLogits
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
@@ -21,7 +22,7 @@ SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 
 class TargetModel:
     def __init__(self, hf_model, max_slots: int, max_len: int, fp32_logits="auto", fp32_activations="auto",
-                 batch_invariant="auto"):
+                 batch_invariant="auto", cpu_linears="auto"):
         """The precision switches are True, False or "auto" (resolved for the device by ``numerics_for``)."""
         cfg = hf_model.config
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
@@ -31,9 +32,9 @@ class TargetModel:
         self.config = cfg
         param = next(hf_model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.numerics = numerics_for(self.device, self.dtype, fp32_logits, fp32_activations, batch_invariant)
-        if self.numerics.input_major_weights:
-            use_input_major_linears(hf_model)  # faster small-M GEMMs on CPU (see InputMajorLinear)
+        self.numerics = numerics_for(self.device, self.dtype, fp32_logits, fp32_activations, batch_invariant,
+                                     cpu_linears)
+        lay_out_linears(hf_model, self.numerics.cpu_linears, keep_dense=("lm_head",))  # see model/linears.py
         self.model = hf_model.model
         self.layers = list(self.model.layers)
         self.lm_head = hf_model.lm_head
@@ -59,14 +60,15 @@ class TargetModel:
 
     @classmethod
     def load(cls, path: str | Path, dtype: torch.dtype, device, max_slots: int, max_len: int,
-             fp32_logits="auto", fp32_activations="auto", batch_invariant="auto") -> "TargetModel":
+             fp32_logits="auto", fp32_activations="auto", batch_invariant="auto",
+             cpu_linears="auto") -> "TargetModel":
         from transformers import AutoModelForCausalLM
 
         try:
             hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa")
         except OSError as e:
             raise CheckpointError(f"cannot load target from {path}: {e}") from e
-        return cls(hf.to(device), max_slots, max_len, fp32_logits, fp32_activations, batch_invariant)
+        return cls(hf.to(device), max_slots, max_len, fp32_logits, fp32_activations, batch_invariant, cpu_linears)
 
     @property
     def hidden_size(self) -> int:
@@ -79,7 +81,7 @@ class TargetModel:
     @property
     def lm_head_weight(self) -> torch.Tensor:
         """[vocab, hidden], whichever layout the lm_head module stores."""
-        return self.lm_head.weight if hasattr(self.lm_head, "weight") else self.lm_head.weight_t.t()
+        return self.lm_head.weight
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, slots: list[int], depth: torch.Tensor,
@@ -137,31 +139,3 @@ class TargetModel:
         causal = (idx.view(-1, 1) >= idx.view(1, -1)).unsqueeze(0)
         hidden = self.forward(torch.tensor([ids], device=self.device), [slot], idx.view(1, -1), causal)
         return self.logits(hidden[0, -1])
-
-
-class InputMajorLinear(torch.nn.Module):
-    """``y = x @ W^T + b`` with ``W^T`` stored contiguous (input-major).
-
-    On CPU, MKL's sgemm is several times faster for the 4-32 row products of a verify pass when the weight is
-    stored [in, out] instead of nn.Linear's [out, in] (measured on a 2-core Intel Xeon: 8 rows x 576 x 1536,
-    ~0.2 ms against ~0.6 ms); single-row decode is no slower. CUDA keeps nn.Linear.
-    """
-
-    def __init__(self, linear: torch.nn.Linear):
-        super().__init__()
-        self.weight_t = torch.nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)
-        self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x @ self.weight_t
-        return y if self.bias is None else y + self.bias
-
-
-def use_input_major_linears(module: torch.nn.Module) -> None:
-    """Swap every nn.Linear under ``module`` for :class:`InputMajorLinear` (in place)."""
-    for name, child in list(module.named_children()):
-        if isinstance(child, torch.nn.Linear):
-            setattr(module, name, InputMajorLinear(child))
-        else:
-            use_input_major_linears(child)

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from eagle_ray.model.device import uploads_for
+
 
 @dataclass
 class SamplingBatch:
@@ -34,6 +36,14 @@ class SamplingBatch:
     def all_greedy(self) -> bool:
         return not self.sampled_rows
 
+    @staticmethod
+    def params_of(seqs: list) -> list[list[float]]:
+        return [[s.params.temperature, s.params.top_k, s.params.top_p] for s in seqs]
+
+    @staticmethod
+    def seeds_of(seqs: list) -> list[int]:
+        return [s.seed for s in seqs]
+
     @classmethod
     def of(cls, seqs: list, device) -> "SamplingBatch":
         """From sequences' ``params`` and ``seed`` (one host-to-device copy when any row samples)."""
@@ -41,9 +51,9 @@ class SamplingBatch:
         if not sampled:  # all greedy: nothing else is read
             zeros = torch.zeros(len(seqs), device=device)
             return cls(zeros, zeros.long(), zeros + 1, zeros.long(), [], False, False)
-        rows = torch.tensor([[s.params.temperature, s.params.top_k, s.params.top_p] for s in seqs],
-                            dtype=torch.float64).to(device, non_blocking=True)
-        seeds = torch.tensor([s.seed for s in seqs], dtype=torch.long).to(device, non_blocking=True)
+        upload = uploads_for(device)
+        rows = upload.floats(cls.params_of(seqs))
+        seeds = upload.ints(cls.seeds_of(seqs))
         return cls(rows[:, 0].float(), rows[:, 1].long(), rows[:, 2].float(), seeds, sampled,
                    any(s.params.top_k > 0 for s in seqs), any(s.params.top_p < 1.0 for s in seqs))
 
@@ -113,7 +123,7 @@ def choose_tokens(logits: torch.Tensor, sampling: SamplingBatch, positions: torc
     greedy = logits.argmax(-1)
     if sampling.all_greedy:
         return greedy
-    rows = torch.tensor(sampling.sampled_rows).to(logits.device, non_blocking=True)
+    rows = uploads_for(logits.device).ints(sampling.sampled_rows)
     rep = lambda x: x[rows].unsqueeze(1).expand(-1, T).reshape(-1)  # noqa: E731
     probs = processed_probs(logits[rows].reshape(-1, V).float(), rep(sampling.temperature), rep(sampling.top_k),
                             rep(sampling.top_p), sampling.need_k, sampling.need_p)

@@ -1,0 +1,41 @@
+"""The CPU layouts of the target's linears compute nn.Linear's product, and each device and dtype gets its own."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eagle_ray.model.device import numerics_for
+from eagle_ray.model.linears import InputMajorLinear, PackedLinear, lay_out_linears, packed_available, scorer
+
+needs_onednn = pytest.mark.skipif(not packed_available(), reason="torch built without oneDNN")
+
+
+@pytest.mark.parametrize("layout", [InputMajorLinear, pytest.param(PackedLinear, marks=needs_onednn)])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_a_layout_computes_the_linear(layout, rows):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(48, 20)
+    x = torch.randn(2, rows, 48)
+    assert torch.allclose(layout(linear.weight, linear.bias)(x), linear(x), atol=1e-5)
+
+
+@needs_onednn
+def test_laying_out_a_model_swaps_every_linear_and_keeps_the_named_dense_weight():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+    model.lm_head = torch.nn.Linear(8, 5, bias=False)
+    dense = model.lm_head.weight
+    lay_out_linears(model, "packed", keep_dense=("lm_head",))
+    assert isinstance(model[0], PackedLinear) and not hasattr(model[0], "weight")
+    assert isinstance(model.lm_head, PackedLinear) and model.lm_head.weight is not None
+    assert torch.equal(model.lm_head.weight, dense)
+    h = torch.randn(3, 8)
+    assert torch.allclose(scorer(dense, "packed")(h), F.linear(h, dense), atol=1e-5)
+    assert torch.equal(scorer(dense, "native")(h), F.linear(h, dense))
+
+
+def test_each_device_and_dtype_gets_its_layout():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert numerics_for(cpu, torch.float32).cpu_linears == ("packed" if packed_available() else "input_major")
+    assert numerics_for(cpu, torch.bfloat16).cpu_linears == "input_major"
+    assert numerics_for(cuda, torch.bfloat16).cpu_linears == "native"
+    assert numerics_for(cuda, torch.float32, cpu_linears="packed").cpu_linears == "native"   # a CPU-only switch
+    assert numerics_for(cpu, torch.float32, cpu_linears="native").cpu_linears == "native"

@@ -108,7 +108,7 @@ class EagleEngine:
         if draft_dir is not None:  # validate the head's config before spending time on the target's weights
             check_head(draft_dir, target_config)
         if m.compile != "off" and config.precision.cpu_linears == "auto":
-            config = config.replace(cpu_linears="input_major")   # dense weights trace; oneDNN's packed ones do not
+            config = config.replace(cpu_linears="input_major")   # Inductor lowers dense weights, not packed ones
         # plan the memory before allocating any: max_batch_size "auto" becomes an int, one that does not fit fails
         config = size_engine(config, target_config, draft_dir, dev, dt)
         target = TargetModel.load(target_dir, dt, dev, config.cache.max_batch_size, config.cache.max_model_len,

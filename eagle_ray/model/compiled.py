@@ -21,7 +21,7 @@ def compile_forwards(target, draft, mode: str, backend: str = "inductor") -> Non
     if mode not in MODES:
         raise ValueError(f"compile mode must be one of {MODES}, got {mode!r}")
     if target.numerics.cpu_linears == "packed":
-        raise ValueError("compiled forwards need dense weights: oneDNN-packed ones do not trace; use "
+        raise ValueError("compiled forwards need dense weights: Inductor cannot lower oneDNN-packed ones; use "
                          "cpu_linears: input_major (what cpu_linears: auto picks when model.compile is on)")
     # a graph per (contiguous slots or not) x (one row or more) x (one sequence or more) x (EAGLE-3 capture)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)

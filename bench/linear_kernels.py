@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import eagle_ray.model.device as device_mod
 from eagle_ray.config import EngineConfig
 from eagle_ray.engine.engine import EagleEngine
 from eagle_ray.engine.tuning import verify_seconds
@@ -54,12 +53,8 @@ def linear_table(shapes, rows, reps: int) -> list[dict]:
 
 
 def engine_with(layout: str, max_batch: int) -> EagleEngine:
-    original = device_mod.cpu_linears_for
-    device_mod.cpu_linears_for = lambda device, dtype: layout
-    try:
-        return EagleEngine.from_config(EngineConfig(dtype="float32", max_batch_size=max_batch, threads=2))
-    finally:
-        device_mod.cpu_linears_for = original
+    return EagleEngine.from_config(EngineConfig(dtype="float32", max_batch_size=max_batch, threads=2,
+                                                cpu_linears=layout))
 
 
 def verify_table(blocks, reps: int, rounds: int) -> list[dict]:

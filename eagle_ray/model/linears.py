@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-KINDS = ("native", "input_major", "packed")
 
 
 def packed_available() -> bool:
@@ -64,11 +63,14 @@ class PackedLinear(torch.nn.Module):
         return new
 
 
+LAYOUTS = {"input_major": InputMajorLinear, "packed": PackedLinear}   # the CPU layouts by name ("native": none)
+
+
 def laid_out(linear: torch.nn.Linear, kind: str, keep_dense: bool = False) -> torch.nn.Module:
     """``linear`` in layout ``kind``."""
     if kind == "native":
         return linear
-    return {"input_major": InputMajorLinear, "packed": PackedLinear}[kind](linear.weight, linear.bias, keep_dense)
+    return LAYOUTS[kind](linear.weight, linear.bias, keep_dense)
 
 
 def lay_out_linears(module: torch.nn.Module, kind: str, keep_dense: tuple[str, ...] = ()) -> None:
@@ -101,4 +103,4 @@ def scorer(weight: torch.Tensor, kind: str) -> Scorer:
     """Scores against a [rows, hidden] matrix, laid out like the target's linears (``kind``)."""
     if kind == "native":
         return Scorer(weight=weight)
-    return Scorer({"input_major": InputMajorLinear, "packed": PackedLinear}[kind](weight, None))
+    return Scorer(LAYOUTS[kind](weight, None))

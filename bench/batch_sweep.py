@@ -3,16 +3,20 @@ max batch size for EAGLE-2 and plain batched decoding on the same runtime, all i
 ``--tree-policy auto`` each row also carries the tuner's predicted tokens/s (its choice, plain included, and plain
 decoding), and ``--plot`` draws measured and predicted curves. Sizes run largest first, so the tuner measures
 every size once and the smaller engines read that result from its cache. ``--compare-cap`` also runs, wherever
-the tuner chose a verify cap, the same trees without it (the cap's measured worth).
+the tuner chose a verify cap, the same trees without it (the cap's measured worth). ``--repeats 2`` times each
+mode twice per size in the order A B B A after warming both, so the first run of an engine does not pay the
+warm-up alone and a drift over the run cancels.
 
     .venv/bin/python bench/batch_sweep.py --dtype float32 --num-prompts 64 --max-new-tokens 96 \
         --batch-sizes 1 4 8 16 --out bench/results/batch_lossless_fp32.json
     .venv/bin/python bench/batch_sweep.py --dtype auto --num-prompts 64 --max-new-tokens 128 --plain \
-        --tree-policy auto --batch-sizes 1 2 4 8 16 32 64 --out bench/results/<hardware>/plain_curve.json --plot
+        --tree-policy auto --batch-sizes 1 2 4 8 16 32 64 --repeats 2 --out bench/results/<hardware>/plain_curve.json \
+        --plot
 """
 import argparse
 import json
 import resource
+import statistics
 import time
 from pathlib import Path
 
@@ -51,6 +55,9 @@ def main() -> None:
     p.add_argument("--compare-cap", action="store_true", help="where the tuner chose a verify cap, also run without")
     p.add_argument("--plain-first", action="store_true", help="run plain before EAGLE at each size (a second run in "
                    "this order shows how much the first run's warm-up costs it)")
+    p.add_argument("--repeats", type=int, default=1, help="timed runs of each mode per size, the order reversed every "
+                   "other repeat (A B B A ...), after one short warm-up run of each mode; rows carry their repeat "
+                   "and `summary` the medians")
     a = p.parse_args()
     prompts = mixed_prompts(a.num_prompts)
     params = SamplingParams(max_new_tokens=a.max_new_tokens)
@@ -59,14 +66,17 @@ def main() -> None:
         engine = EagleEngine.from_config(EngineConfig(draft=a.draft, dtype=a.dtype, max_batch_size=bs,
                                                       threads=a.threads, tree_policy=a.tree_policy,
                                                       **precision_kwargs(a)))
-        engine.generate(prompts[:1], SamplingParams(max_new_tokens=4))
         modes = [("spec", True)] + ([("plain", False)] if a.plain else [])
+        for _, speculative in modes:   # shapes of this batch size warmed in every mode before any timing
+            engine.generate(prompts[:min(bs, 8)], SamplingParams(max_new_tokens=16 if a.repeats > 1 else 4),
+                            speculative=speculative)
         if a.compare_cap and engine.verify_budget_for(bs):
             modes.insert(1, ("spec_uncapped", True))
         if a.plain_first:
             modes.reverse()
         caps = engine.config.speculation.verify_budget_by_batch
-        for mode, speculative in modes:
+        order = [(rep, m) for rep in range(a.repeats) for m in (modes if rep % 2 == 0 else modes[::-1])]
+        for rep, (mode, speculative) in order:
             engine.config = engine.config.replace(verify_budget_by_batch=None if mode == "spec_uncapped" else caps)
             for k in engine.counters:
                 engine.counters[k] = 0
@@ -75,7 +85,7 @@ def main() -> None:
             wall = time.perf_counter() - t0
             ids = [o.token_ids for o in outs]
             c = engine.counters
-            row = {"max_batch": bs, "speculative": speculative, "mode": mode, "wall_s": wall,
+            row = {"max_batch": bs, "speculative": speculative, "mode": mode, "repeat": rep, "wall_s": wall,
                    "tokens": sum(map(len, ids)), "tok_s": sum(map(len, ids)) / wall,
                    "trees": engine.tree_summary() if speculative else None,
                    "tau": sum(o.stats.step_tokens for o in outs) / max(sum(o.stats.verify_steps for o in outs), 1),
@@ -97,8 +107,17 @@ def main() -> None:
     for r in runs:
         ids = r.pop("_ids")
         r["differs_from_batch1_spec"] = [i for i, x in enumerate(ids) if x != reference[i]]
+    summary = []
+    for bs in sorted({r["max_batch"] for r in runs}):
+        med = {m: statistics.median(r["tok_s"] for r in runs if r["max_batch"] == bs and r["mode"] == m)
+               for m in dict.fromkeys(r["mode"] for r in runs if r["max_batch"] == bs)}
+        row = {"max_batch": bs, "median_tok_s": med}
+        if "plain" in med and "spec" in med:
+            row["spec_over_plain"] = med["spec"] / med["plain"]
+        summary.append(row)
     result = {"dtype": a.dtype, "cpu": cpu_model(), **precision_kwargs(a), "prompts": a.num_prompts,
-              "max_new_tokens": a.max_new_tokens, "plain_first": a.plain_first, "runs": runs}
+              "max_new_tokens": a.max_new_tokens, "plain_first": a.plain_first, "repeats": a.repeats,
+              "summary": summary, "runs": runs}
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1))
         if a.plot:
@@ -114,9 +133,12 @@ def plot(runs: list[dict], path: Path) -> None:
         rs = [r for r in runs if r.get("mode", "spec" if r["speculative"] else "plain") == mode]
         if not rs:
             continue
-        line, = ax.plot([r["max_batch"] for r in rs], [r["tok_s"] for r in rs], "o-", label=f"{label}, measured")
+        sizes = sorted({r["max_batch"] for r in rs})
+        by_size = [[r for r in rs if r["max_batch"] == b] for b in sizes]
+        line, = ax.plot(sizes, [statistics.median(r["tok_s"] for r in g) for g in by_size], "o-",
+                        label=f"{label}, measured")
         if all("predicted_tok_s" in r for r in rs):
-            ax.plot([r["max_batch"] for r in rs], [r["predicted_tok_s"] for r in rs], "x--", color=line.get_color(),
+            ax.plot(sizes, [g[0]["predicted_tok_s"] for g in by_size], "x--", color=line.get_color(),
                     label=f"{label}, predicted")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("max batch")

@@ -180,7 +180,9 @@ def main(argv=None) -> int:
     m.add_argument("--temperature", type=float, default=0.0)
     m.add_argument("--compare-hf", action="store_true", help="also run transformers generate() (greedy)")
     m.add_argument("--skip-plain", action="store_true", help="do not run plain decoding (speed ratios then read 1)")
-    m.add_argument("--tie-gap", type=float, default=None, help="top-2 logit gap that counts as a near-tie")
+    m.add_argument("--tie-gap", type=float, default=None,
+                   help="top-2 logit gap under which a divergence counts as a near-tie (default: 1e-3 for fp32; for "
+                   "bf16/fp16 one unit of the dtype at the top logit's size)")
     m.add_argument("--out", default=None)
     m.set_defaults(func=cmd_measure)
     bm = sub.add_parser("benchmark", help="EAGLE-2 Table 1 on this machine: methods x tasks x T -> Parquet + report")

@@ -121,8 +121,9 @@ class CacheConfig(StrictModel):
         "holds after weights and workspace (model/memory.py; at most 256 on CUDA, 32 on CPU), resolved to an int "
         "when the engine loads")
     max_model_len: int = Field(2048, ge=16, description="positions per slot (prompt + output + one verify budget)")
-    max_step_tokens: int | None = Field(None, ge=16, description="tokens one step may run: the running sequences' "
-                                        "verify tokens plus prompt chunks (at least 16 prompt tokens a step); it "
+    max_step_tokens: int | None = Field(None, ge=16, description="tokens one step may run: a token of every "
+                                        "running sequence, prompt chunks (at least 16 tokens), then draft tree tokens "
+                                        "in what is left; it "
                                         "bounds how long a step stalls the running streams (None: 48 on CPU, 8192 "
                                         "on CUDA)")
 

@@ -57,6 +57,25 @@ def test_the_tuner_can_choose_plain():
     assert {"total_tokens": 1, "tau": 1.0}.items() <= table[0].items()
 
 
+def test_a_tree_must_be_predicted_clearly_faster_than_plain():
+    """Costs and trace are estimates: a tree predicted under ``MIN_GAIN`` x plain's tokens/s loses to plain."""
+    from eagle_ray.engine.tuning import MIN_GAIN, choose_trees
+    from eagle_ray.spec.trace import TreeTrace
+
+    class Accepts(TreeTrace):
+        def __init__(self, tau):
+            super().__init__()
+            self.tau = tau
+
+        def simulated_tau(self, *shape):
+            return self.tau if shape[0] > 1 else 1.0
+    verify = {1: {n: 0.01 for n in (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48)}}
+    draft = {1: {f"{d},{k}": 0.0 for d in range(6) for k in (1, 2, 3, 4, 6, 8)}}
+    assert TreeConfig(**choose_trees(Accepts(MIN_GAIN - 0.01), verify, draft)[0][1].tree) == PLAIN
+    chosen = choose_trees(Accepts(MIN_GAIN + 0.01), verify, draft)[0][1]
+    assert chosen.tree["total_tokens"] > 1 and chosen.expected_tau == MIN_GAIN + 0.01
+
+
 def test_a_simulated_batch_budget_spans_roots_only_to_uncapped(tiny_dir, tiny_head):
     from eagle_ray.engine.tuning import TRACE_TREE, collect_trace
     engine = tiny_engine(tiny_dir, tiny_head, TREE, max_batch_size=4)
@@ -78,17 +97,45 @@ def test_the_tuned_verify_budget_applies_per_batch_size(tiny_dir, tiny_head):
     assert engine.tree_summary()["verify_budget_by_batch"] == {"2": 6, "4": 10}
 
 
-def test_prompt_chunks_get_the_room_a_plain_batch_leaves(tiny_dir, tiny_head):
-    """The step budget counts the tree the step runs: four sequences decoding plain leave 256 - 4 prompt tokens,
-    not 256 - 4 x 12 (the largest tree's reservation)."""
+def test_prompt_chunks_come_first_and_trees_take_the_room_left(tiny_dir, tiny_head):
+    """Decoding sequences take one token each, prompt chunks the rest; trees get only what the prompts leave, as a
+    verify cap on the step (a cap under two tokens a sequence runs the step plain, without drafting)."""
     engine = tiny_engine(tiny_dir, tiny_head, TREE, max_batch_size=5, max_model_len=512)
-    engine.set_trees(trees_by_batch={1: TREE, 4: PLAIN})
     for i in range(4):
         engine.add_request([5 + i, 9, 10], SamplingParams(max_new_tokens=50, ignore_eos=True))
     while engine.scheduler.prefilling or engine.scheduler.waiting:
         engine.step()
-    engine.add_request([3 + i % 60 for i in range(300)], SamplingParams(max_new_tokens=5))
     room = {True: engine.max_tree_budget(), False: 1}
-    plan = engine.scheduler.schedule(room, engine.target.max_len, spec_tokens=engine.step_tree_tokens)
+    engine.add_request([3 + i % 60 for i in range(262)], SamplingParams(max_new_tokens=5))
+    plan = engine.scheduler.schedule(room, engine.target.max_len)
     assert len(plan.decode) == 4 and [c.end - c.start for c in plan.prefill] == [256 - 4]
-    assert engine.step_tree_tokens(1) == 12 and engine.step_tree_tokens(4) == 1
+    assert plan.verify_room == 4 and engine.step_verify_cap(4, plan.verify_room) == 4
+    before = dict(engine.counters)
+    engine.step()                                      # the prompt's first 252 tokens; the four decode plain
+    assert engine.counters["verify_tokens"] - before["verify_tokens"] == 4
+    assert engine.counters["tree_nodes"] - before["tree_nodes"] == 4          # roots only: no draft token
+    plan = engine.scheduler.schedule(room, engine.target.max_len)
+    assert [c.end - c.start for c in plan.prefill] == [10] and plan.verify_room == 256 - 10
+    assert engine.step_verify_cap(4, plan.verify_room) is None     # four 12-node trees fit: no cap
+    assert engine.step_verify_cap(4, 30) == 30
+
+
+def test_trees_trimmed_to_the_room_prompts_leave_keep_the_greedy_output(tiny_dir, tiny_hf, tiny_head):
+    """Prompts arriving while others decode: steps run plain, trimmed trees (the room as a verify cap) and whole
+    trees, and every output is still the target's greedy output."""
+    engine = tiny_engine(tiny_dir, tiny_head, TREE, max_batch_size=3)
+    engine.scheduler.step_budget = 16     # prompts of 1-23 tokens next to one or two decoding sequences
+    caps = []
+    step_cap = engine.step_verify_cap
+
+    def spy(batch, room):
+        caps.append((batch, room, step_cap(batch, room)))
+        return caps[-1][2]
+    engine.step_verify_cap = spy
+    prompts = mixed_prompts(7, seed=5)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [reference_greedy(tiny_hf, p, 24) for p in prompts]
+    trimmed = [c for b, room, c in caps if room is not None and c is not None and 2 * b <= c < 12 * b]
+    plain = [c for b, room, c in caps if c is not None and c < 2 * b]
+    whole = [c for b, room, c in caps if c is None]
+    assert trimmed and plain and whole

@@ -149,17 +149,19 @@ class EagleEngine:
         table = self.config.speculation.trees_by_batch
         return by_batch(table, batch, min(table)) if table else self.config.speculation.tree
 
-    def step_tree_tokens(self, batch: int) -> int:
-        """Verify tokens per sequence of a step with ``batch`` speculative sequences (its tree, under its cap)."""
-        per_seq = tree_budget(self.tree_for(batch))
-        cap = self.verify_budget_for(batch)
-        return min(per_seq, -(-cap // batch)) if cap else per_seq
-
     def verify_budget_for(self, batch: int) -> int | None:
         """The verify cap of a step with ``batch`` speculative sequences: ``verify_budget_by_batch``'s entry for the
         largest batch size <= ``batch``, else ``max_verify_tokens``."""
         c = self.config.speculation
         return by_batch(c.verify_budget_by_batch or {}, batch, None) or c.max_verify_tokens
+
+    def step_verify_cap(self, batch: int, room: int | None) -> int | None:
+        """The verify cap of a step with ``batch`` speculative sequences: the tuned or configured cap, lowered to the
+        ``room`` that the step's prompt chunks leave (see ``Scheduler``); None where nothing limits the trees."""
+        cap = self.verify_budget_for(batch)
+        if room is None or room >= batch * tree_budget(self.tree_for(batch)):
+            return cap
+        return min(cap, room) if cap else room
 
     def tree_summary(self) -> dict:
         """What trees this engine grows (recorded in job outputs and Serve stats)."""
@@ -255,9 +257,9 @@ class EagleEngine:
         sequence, retire finished ones. Returns the sequences that emitted tokens or finished (for streaming)."""
         for src, dst in self.scheduler.defragment():  # keep running slots contiguous: KV reads stay slices
             self.runner.move_slot(src, dst)
-        plan = self.scheduler.schedule({True: self.max_tree_budget(), False: 1}, self.target.max_len,
-                                       spec_tokens=self.step_tree_tokens if self.draft is not None else None)
-        out = self.runner.run(plan, self.tree_for, self.verify_budget_for) if not plan.empty else None
+        plan = self.scheduler.schedule({True: self.max_tree_budget(), False: 1}, self.target.max_len)
+        out = self.runner.run(plan, self.tree_for, lambda n: self.step_verify_cap(n, plan.verify_room)) \
+            if not plan.empty else None
         touched = self._postprocess(plan, out)
         for seq in self.scheduler.retire_finished():
             self._finalize(seq)

@@ -290,8 +290,8 @@ class ModelRunner:
     def decode_speculative(self, seqs: list[Sequence], tree_cfg: TreeConfig,
                            max_verify_tokens: int | None) -> list[SeqResult]:
         times, clock = self.times, self.clock
-        if is_plain(tree_cfg):
-            return self.decode_plain(seqs, keep_pairs=True)
+        if is_plain(tree_cfg) or (max_verify_tokens is not None and max_verify_tokens < 2 * len(seqs)):
+            return self.decode_plain(seqs, keep_pairs=True)   # no room for a draft token: skip the drafting
         t0 = clock()
         tree = self.grow_trees(seqs, tree_cfg)
         if max_verify_tokens:

@@ -1,10 +1,13 @@
 """Continuous batching: which sequences hold a KV slot, and what each of them does this step.
 
 Waiting requests take free slots between steps. A prompt is prefilled in chunks: a step runs at most
-``step_budget`` tokens, the running sequences' verify tokens first and prompt chunks (oldest first, padded) in what
-is left, at least ``MIN_PREFILL`` a step, so a 2,000-token prompt arriving mid-stream delays the running streams by
-a bounded chunk per step, never by its whole prefill. Finished or aborted sequences leave at once. Memory is bounded up front: the KV cache has
-``num_slots`` rows of ``max_len`` positions, and a request that cannot fit one row is refused when it is added.
+``step_budget`` tokens: one token of every decoding sequence, prompt chunks (oldest first, padded) in what is left
+(at least ``MIN_PREFILL``), and draft tree tokens only in the room the prompts leave. A 2,000-token prompt arriving
+mid-stream so delays the running streams by a bounded chunk per step, never by its whole prefill; and tree tokens
+never displace prompt tokens: in a full pass, where a token costs about the same wherever it sits, a tree of ``t``
+nodes buys ``tau < t`` tokens with ``t - 1`` prompt tokens that must run later anyway, a loss. Finished or
+aborted sequences leave at once. Memory is bounded up front: the KV cache has ``num_slots`` rows of ``max_len``
+positions, and a request that cannot fit one row is refused when it is added.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ class PrefillChunk:
 class StepPlan:
     prefill: list[PrefillChunk]
     decode: list[Sequence]
+    verify_room: int | None = None   # verify tokens the speculative sequences may take in all (None: no limit)
 
     @property
     def empty(self) -> bool:
@@ -74,13 +78,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, room: dict[bool, int], max_len: int, spec_tokens=None) -> StepPlan:
+    def schedule(self, room: dict[bool, int], max_len: int) -> StepPlan:
         """Admit waiting requests, then plan this step: a decode step for every sequence past its prompt and prompt
         chunks in the rest of the step's budget. ``room[speculative]`` is the most verify tokens a sequence's step
-        takes; a sequence whose next step could overrun its slot finishes with ``length`` instead.
-        ``spec_tokens(n)``: the verify tokens per sequence of a step with ``n`` speculative sequences (its tree;
-        default ``room[True]``): the budget left to prompt chunks counts the tree this step runs, so a batch size
-        that decodes plain leaves prompts as much room as plain decoding does."""
+        takes; a sequence whose next step could overrun its slot finishes with ``length`` instead. With prompt
+        chunks in the step, ``verify_room`` is what they leave the speculative sequences (their roots included)."""
         self._admit()
         decode = []
         for s in self.running:
@@ -92,10 +94,11 @@ class Scheduler:
                 decode.append(s)
         if not self.prefilling:
             return StepPlan([], decode)
+        chunks = plan_chunks(self.prefilling, max(MIN_PREFILL, self.step_budget - len(decode)))
         n_spec = sum(s.speculative for s in decode)
-        per_spec = spec_tokens(n_spec) if spec_tokens is not None and n_spec else room[True]
-        budget = max(MIN_PREFILL, self.step_budget - n_spec * per_spec - (len(decode) - n_spec) * room[False])
-        return StepPlan(plan_chunks(self.prefilling, budget), decode)
+        prompt_tokens = len(chunks) * max(c.end - c.start for c in chunks)   # the pass is padded
+        left = self.step_budget - prompt_tokens - (len(decode) - n_spec)
+        return StepPlan(chunks, decode, max(n_spec, left) if n_spec else None)
 
     def _admit(self) -> None:
         """Waiting sequences enter free slots, lowest slot first (batches stay contiguous when they can)."""

@@ -68,7 +68,7 @@ def slots_on(plan: MemoryPlan, gpu: str) -> int:
 
 
 def table(targets: dict) -> tuple[str, list[dict]]:
-    head = ["target", "max_model_len", "weights (target + head)", "workspace", "per slot (KV + draft KV + logits)",
+    head = ["target", "max_model_len", "weights (target + head)", "workspace", "per slot (KV + draft KV + logits + pending head inputs)",
             *[f"total @ {b}" for b in BATCHES], *[f"slots on {g}" for g in GPUS]]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     rows = []
@@ -79,7 +79,8 @@ def table(targets: dict) -> tuple[str, list[dict]]:
             cells = [name, str(max_len), f"{gib(plan.target_weights)} + {gib(plan.draft_weights)}",
                      gib(plan.workspace),
                      f"{plan.per_slot / 2**20:.0f} MiB ({plan.kv_per_slot / 2**20:.0f} + "
-                     f"{plan.draft_kv_per_slot / 2**20:.0f} + {plan.logits_per_slot / 2**20:.0f})",
+                     f"{plan.draft_kv_per_slot / 2**20:.0f} + {plan.logits_per_slot / 2**20:.0f} + "
+                     f"{plan.pending_per_slot / 2**20:.0f})",
                      *[gib(plan.total(b)) for b in BATCHES],
                      *[str(n) if n else "no" for n in slots.values()]]
             lines.append("| " + " | ".join(cells) + " |")

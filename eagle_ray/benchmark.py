@@ -143,7 +143,8 @@ def run_benchmark(engine, spec: BenchmarkSpec, log=print) -> tuple[list[dict], d
               "tau_vs_budget": budget_curve(trace) if len(trace) else [],
               "engine": {"dtype": str(engine.target.dtype).replace("torch.", ""), "device": str(engine.device),
                          "cpu": cpu_model(), "threads": torch.get_num_threads(), "tree": engine.config.speculation.tree.model_dump(),
-                         "trees_by_batch": engine.tree_summary().get("trees_by_batch", {})},
+                         "trees_by_batch": engine.tree_summary().get("trees_by_batch", {}),
+                         "measured_choice": engine.tree_summary().get("measured", {})},
               "tuning": engine.tuning.to_dict() if getattr(engine, "tuning", None) else None,
               "spec": asdict(spec)}
     return rows, extras

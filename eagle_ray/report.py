@@ -167,6 +167,17 @@ def calibration_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def choice_table(trees: dict, measured: dict) -> str:
+    """What a step with each batch size runs ("plain": no drafting), and the tokens/s the engine measured for both
+    modes there when it chose by measurement."""
+    lines = ["| batch size | runs | measured tree tok/s | measured plain tok/s |", "|---|---|---|---|"]
+    for b, tree in sorted(trees.items(), key=lambda kv: int(kv[0])):
+        shape = tree if tree == "plain" else f"tree {tree['total_tokens']}/{tree['depth']}/{tree['top_k']}"
+        m = measured.get(b, {})
+        lines.append(f"| {b} | {shape} | {_fmt(m.get('tree_tok_s'))} | {_fmt(m.get('plain_tok_s'))} |")
+    return "\n".join(lines)
+
+
 def write_report(out_dir: str | Path, command: str = "") -> Path:
     out = Path(out_dir)
     summary = json.loads((out / "summary.json").read_text())
@@ -196,6 +207,9 @@ def write_report(out_dir: str | Path, command: str = "") -> Path:
             lines.append(f"| {c['batch_size']} | {c['temperature']:g} | {c['task']} | {c['method']} | "
                          f"{c['tok_s']:.1f} | {c['tau']:.2f} | {_fmt(c['speedup_vs_plain'])}x |")
         parts.append("## Batched throughput\n\n" + "\n".join(lines))
+    if eng.get("trees_by_batch"):
+        parts.append("## Speculation per batch size\n\n" + choice_table(eng["trees_by_batch"],
+                                                                     eng.get("measured_choice") or {}))
     if summary.get("calibration"):
         parts.append("## Draft calibration (EAGLE-2 trees, T=0)\n\n" + calibration_table(summary["calibration"]))
     if summary.get("tau_vs_budget"):

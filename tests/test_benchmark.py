@@ -141,3 +141,12 @@ def test_a_benchmark_cell_runs_at_its_batch_size(tiny_dir, tiny_head, tmp_path):
     assert len(rows) == 6 and engine.scheduler.max_running is None
     assert engine.counters["decode_sequences"] <= 2 * engine.counters["decode_passes"]
     assert engine.counters["prefill_sequences"] == 6
+
+
+def test_the_report_shows_what_each_batch_size_runs_plain_included():
+    from eagle_ray.report import choice_table
+    trees = {"1": {"total_tokens": 4, "depth": 0, "top_k": 3}, "16": "plain"}
+    measured = {"1": {"tree_tok_s": 30.5, "plain_tok_s": 21.0}, "16": {"tree_tok_s": 160.0, "plain_tok_s": 171.25}}
+    assert choice_table(trees, measured).splitlines()[2:] == ["| 1 | tree 4/0/3 | 30.50 | 21.00 |",
+                                                              "| 16 | plain | 160.00 | 171.25 |"]
+    assert choice_table(trees, {}).splitlines()[-1] == "| 16 | plain | - | - |"

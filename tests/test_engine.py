@@ -237,7 +237,7 @@ def test_tree_scores_equal_the_draft_head_recomputed_along_each_path(tiny_dir, t
             s.slot = slot
         for r in engine.runner.prefill([PrefillChunk(s, 0, len(s.prompt_ids)) for s in seqs]):
             r.seq.append(r.tokens)
-        features = [s.draft_features.clone() for s in seqs]
+        features = [s.pending.features() for s in seqs]
         t = engine.runner.grow_trees(seqs, engine.config.speculation.tree)
     lm = tiny_hf.lm_head.weight
     for b, s in enumerate(seqs):

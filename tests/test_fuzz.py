@@ -108,7 +108,7 @@ def stage(tiny_dir, tiny_head):
     st_.cfg = JobConfig(input={"uri": "x"}, output={"uri": "y"}, sampling={"max_new_tokens": 4})
     st_.engine = tiny_engine(tiny_dir, tiny_head, max_model_len=64)
     st_.queue = ValidatingQueue(st_.engine)
-    st_.target_name, st_.draft_name, st_.tree_json, st_.worker_id = "t", "d", "{}", "w"
+    st_.target_name, st_.draft_name, st_.worker_id = "t", "d", "w"
     return st_
 
 

@@ -335,7 +335,7 @@ def test_the_engine_failing_ends_the_job_actor_and_fails_serve_health(tiny_dir, 
     stage.cfg = JobConfig(input={"uri": "x"}, output={"uri": "y"})
     stage.engine = tiny_engine(tiny_dir, tiny_head)
     stage.queue = RequestQueue(stage.engine)
-    stage.target_name, stage.draft_name, stage.tree_json, stage.worker_id = "t", "d", "{}", "w"
+    stage.target_name, stage.draft_name, stage.worker_id = "t", "d", "w"
     died = []
     stage.die = lambda: died.append(True)
 

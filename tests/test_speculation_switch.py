@@ -1,12 +1,12 @@
 """Plain decoding is one of the trees a step may run (``total_tokens: 1``): a sequence goes from speculative to
-plain steps and back, its head's inputs keep accumulating, and greedy output stays the target's own."""
+plain steps and back, its head's inputs wait until a step drafts for it (or until their memory bound), and greedy
+output stays the target's own."""
 import itertools
 
 from test_engine import mixed_prompts, reference_greedy
 from tiny import tiny_engine
 
 from eagle_ray.config import PLAIN, SamplingParams, TreeConfig
-from eagle_ray.engine.model_runner import FEED_EVERY
 
 TREE = TreeConfig(total_tokens=12, depth=3, top_k=3)
 
@@ -31,16 +31,72 @@ def test_greedy_output_is_the_same_with_speculation_on_off_or_switching(tiny_dir
             assert any(len(o.stats.accept_hist) > 2 for o in outs)  # speculative steps still accept deep paths
 
 
-def test_plain_steps_feed_the_head_in_bounded_passes(tiny_dir, tiny_head):
+def count_head_passes(engine) -> list[int]:
+    """Tokens of every head forward (extend passes and draft levels), appended as they run."""
+    passes, forward = [], engine.draft.forward
+
+    def spy(tokens, *args, **kw):
+        passes.append(tokens.numel())
+        return forward(tokens, *args, **kw)
+    engine.draft.forward = spy
+    return passes
+
+
+def test_plain_steps_never_run_the_head(tiny_dir, tiny_head):
+    """The head's pairs wait for a step that drafts: a request that runs plain to its end costs no head pass."""
     engine = tiny_engine(tiny_dir, tiny_head, TREE, max_batch_size=4)
     engine.tree_for = lambda batch: PLAIN
-    seqs = [engine.add_request(p, SamplingParams(max_new_tokens=100, ignore_eos=True)) for p in mixed_prompts(4)]
+    passes = count_head_passes(engine)
+    seqs = [engine.add_request(p, SamplingParams(max_new_tokens=60, ignore_eos=True)) for p in mixed_prompts(4)]
     most = 0
     while engine.has_unfinished():
         engine.step()
-        most = max([most] + [len(s.draft_tokens) for s in seqs if not s.finished])
-    assert most < FEED_EVERY
-    assert all(s.finished for s in seqs)
+        most = max([most] + [len(s.pending) for s in seqs if not s.finished])
+    assert passes == [] and all(s.finished for s in seqs)
+    assert most == max(len(s.prompt_ids) for s in seqs) + 58     # a pair per prompt token and verified token
+
+
+def test_pending_pairs_stay_under_their_memory_bound(tiny_dir, tiny_hf, tiny_head):
+    """At ``max_pending`` pairs a sequence feeds the head in one bounded pass even in plain steps, so a long plain
+    stretch holds bounded memory; speculating again afterwards gives the same output."""
+    prompts = mixed_prompts(4, seed=2)
+    engine = tiny_engine(tiny_dir, tiny_head, TREE, max_batch_size=4)
+    engine.runner.max_pending = 10
+    turns = itertools.cycle([False] * 30 + [True] * 5)
+    engine.tree_for = lambda batch: TREE if next(turns) else PLAIN
+    seqs = [engine.add_request(p, SamplingParams(max_new_tokens=80, ignore_eos=True)) for p in prompts]
+    most = 0
+    while engine.has_unfinished():
+        engine.step()
+        running = [len(s.pending) for s in seqs if not s.finished and not s.in_prefill]
+        most = max([most] + running)
+    assert most <= 10 and all(s.finished for s in seqs)
+    assert [s.output_ids for s in seqs] == [reference_greedy(tiny_hf, p, 80) for p in prompts]
+
+
+def test_a_return_to_speculation_catches_up_in_bounded_passes(tiny_dir, tiny_head):
+    """After a plain stretch the head takes at most ``MAX_EXTEND_PASSES`` passes of ``extend_budget`` tokens a
+    step; sequences it has not caught up with verify their root only, the others draft at once."""
+    from eagle_ray.engine.model_runner import MAX_EXTEND_PASSES
+    engine = tiny_engine(tiny_dir, tiny_head, TREE, max_batch_size=4)
+    engine.runner.extend_budget = 24
+    drafting = [False]
+    engine.tree_for = lambda batch: TREE if drafting[0] else PLAIN
+    seqs = [engine.add_request(p, SamplingParams(max_new_tokens=90, ignore_eos=True)) for p in mixed_prompts(4)]
+    for _ in range(40):
+        engine.step()
+    assert all(len(s.pending) > 24 for s in seqs)
+    drafting[0] = True
+    passes = count_head_passes(engine)
+    widths = []
+    while any(len(s.pending) > 8 for s in seqs):
+        before = len(passes)
+        engine.step()
+        extend = passes[before:before + MAX_EXTEND_PASSES + 1]
+        widths.append((engine.counters["tree_nodes"], extend))
+        assert len([n for n in passes[before:] if n > 3 * 4]) <= MAX_EXTEND_PASSES   # wider than a draft level
+        assert all(n <= 24 for n in extend)
+    assert len(widths) > 2       # four sequences of 40+ pairs in passes of 24: several steps of catching up
 
 
 def test_the_tuner_can_choose_plain():

@@ -42,7 +42,6 @@ class GenerateStage:
         self.target_name = engine_cfg.model.target or "embedded:SmolLM2-135M-Instruct"
         self.draft_name = engine_cfg.model.draft or ("embedded:smollm2-135m-instruct-eagle" if engine_cfg.model.target is None
                                                else "none")
-        self.tree_json = json.dumps(self.engine.tree_summary())
         self.worker_id = f"{socket.gethostname()}:{os.getpid()}"
         try:
             import ray
@@ -66,7 +65,7 @@ class GenerateStage:
     async def process(self, item: dict) -> dict:
         row = empty_row(item)
         row.update(target_model=self.target_name, draft_model=self.draft_name, speculative=self.cfg.speculative,
-                   tree=self.tree_json, worker_id=self.worker_id, started_at=now())
+                   tree=json.dumps(self.engine.tree_summary()), worker_id=self.worker_id, started_at=now())
         if item.get("error"):
             row.update(error=item["error"], finished_at=now())
             return row

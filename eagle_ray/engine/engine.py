@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from eagle_ray.config import EngineConfig, SamplingParams, TreeConfig, is_plain
+from eagle_ray.config import PLAIN, EngineConfig, SamplingParams, TreeConfig, is_plain
+from eagle_ray.engine.chooser import SpeculationChooser
 from eagle_ray.engine.model_runner import ModelRunner, StepOutput
 from eagle_ray.engine.scheduler import Scheduler, StepPlan
 from eagle_ray.engine.sequence import Sequence
@@ -25,6 +26,7 @@ from eagle_ray.model.device import pick_device, pick_dtype
 from eagle_ray.model.draft_head import DraftHead, check_head, load_head
 from eagle_ray.model.eagle3_head import Eagle3Head
 from eagle_ray.model.loading import resolve_draft, resolve_target
+from eagle_ray.model.memory import max_pending_pairs, pending_pair_bytes
 from eagle_ray.model.target import TargetModel
 from eagle_ray.spec.tree import static_shape
 from eagle_ray.stats import RequestStats
@@ -63,11 +65,15 @@ class EagleEngine:
         self.target_dir: Path | None = None
         self.draft_dir: Path | None = None
         self.tuning = None  # the TuningResult when tree_policy is "auto"
+        self.chooser: SpeculationChooser | None = None   # speculate or not per batch size, measured (measured_choice)
         self.codec = TextCodec(tokenizer, target.vocab_size)
         self._ids = itertools.count()
         budget = config.cache.step_budget(target.device)
         self.scheduler = Scheduler(config.cache.max_batch_size, budget)
         self.runner = ModelRunner(target, draft, max(budget, 512))
+        if draft is not None:
+            pair = pending_pair_bytes(draft.feature_size, target.dtype, target.numerics.fp32_activations)
+            self.runner.max_pending = max_pending_pairs(pair, target.max_len)
         # lifetime counters: decode passes, sequences they carried (mean verify batch = sequences / passes)
         self.counters = {"decode_passes": 0, "decode_sequences": 0, "verify_tokens": 0, "tree_nodes": 0,
                          "prefill_passes": 0, "prefill_sequences": 0, "decode_step_s": 0.0, "decode_forward_s": 0.0}
@@ -124,11 +130,17 @@ class EagleEngine:
         tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
         engine = cls(target, draft, tokenizer, config)
         engine.target_dir, engine.draft_dir = target_dir, draft_dir
-        if config.speculation.tree_policy == "auto" and draft is not None:
+        spec = config.speculation
+        measured = spec.measured_choice if spec.measured_choice is not None else spec.tree_policy == "auto"
+        if spec.tree_policy == "auto" and draft is not None:
             from eagle_ray.engine.tuning import autotune
-            engine.tuning = autotune(engine)
-            engine.set_trees(trees_by_batch=engine.tuning.trees_by_batch())
-            engine.config = engine.config.replace(verify_budget_by_batch=engine.tuning.verify_budget_by_batch())
+            engine.tuning = t = autotune(engine)
+            engine.set_trees(trees_by_batch=t.speculative_trees() if measured else t.trees_by_batch())
+            engine.config = engine.config.replace(verify_budget_by_batch=t.verify_budget_by_batch())
+            if measured:   # the tuner's choices are where the measured ones start
+                engine.chooser = SpeculationChooser.for_trees(t.trees_by_batch())
+        elif measured and draft is not None:
+            engine.chooser = SpeculationChooser.for_trees(spec.trees_by_batch or {1: spec.tree})
         return engine
 
     def reference_model(self):
@@ -149,6 +161,14 @@ class EagleEngine:
         table = self.config.speculation.trees_by_batch
         return by_batch(table, batch, min(table)) if table else self.config.speculation.tree
 
+    def speculative_tree_for(self, batch: int) -> TreeConfig:
+        """The tree a step drafts where the measured choice speculates: ``tree_for``'s, or where that is plain the
+        configured ``tree`` (the default tree if that is plain too)."""
+        tree = self.tree_for(batch)
+        if is_plain(tree):
+            tree = self.config.speculation.tree
+        return TreeConfig() if is_plain(tree) else tree
+
     def verify_budget_for(self, batch: int) -> int | None:
         """The verify cap of a step with ``batch`` speculative sequences: ``verify_budget_by_batch``'s entry for the
         largest batch size <= ``batch``, else ``max_verify_tokens``."""
@@ -164,20 +184,26 @@ class EagleEngine:
         return min(cap, room) if cap else room
 
     def tree_summary(self) -> dict:
-        """What trees this engine grows (recorded in job outputs and Serve stats)."""
+        """What trees this engine grows (recorded in job outputs and Serve stats); with a measured choice, per batch
+        size what steps run now ("plain" where speculation is off) and the tokens/s measured for both modes."""
         c = self.config.speculation
-        if not c.trees_by_batch:
+        if not c.trees_by_batch and self.chooser is None:
             return c.tree.model_dump(exclude_none=True)
-        out = {"policy": c.tree_policy, "trees_by_batch": {str(b): "plain" if is_plain(t) else
-                                                           t.model_dump(exclude_none=True)
-                                                           for b, t in sorted(c.trees_by_batch.items())}}
+        table = c.trees_by_batch or {1: c.tree}
+        out = {"policy": c.tree_policy, "trees_by_batch": {
+            str(b): "plain" if is_plain(t) or (self.chooser and not self.chooser.bucket(b).speculate) else
+            t.model_dump(exclude_none=True) for b, t in sorted(table.items())}}
         if c.verify_budget_by_batch:
             out["verify_budget_by_batch"] = {str(b): n for b, n in sorted(c.verify_budget_by_batch.items())}
+        if self.chooser is not None:
+            out["measured"] = self.chooser.summary()
         return out
 
     def set_trees(self, tree: TreeConfig | None = None, trees_by_batch: dict[int, TreeConfig] | None = None) -> None:
         """Change the tree shape(s) between steps (benchmarks, the tuner); grows the draft cache if needed."""
         self.config = self.config.replace(tree=tree or self.config.speculation.tree, trees_by_batch=trees_by_batch)
+        if self.chooser is not None:   # a new table: the measured choice starts again from it
+            self.chooser = SpeculationChooser.for_trees(trees_by_batch or {1: self.config.speculation.tree})
         if self.draft is not None:
             self._allocate_draft_cache()
 
@@ -258,12 +284,23 @@ class EagleEngine:
         for src, dst in self.scheduler.defragment():  # keep running slots contiguous: KV reads stay slices
             self.runner.move_slot(src, dst)
         plan = self.scheduler.schedule({True: self.max_tree_budget(), False: 1}, self.target.max_len)
-        out = self.runner.run(plan, self.tree_for, lambda n: self.step_verify_cap(n, plan.verify_room)) \
-            if not plan.empty else None
+        out = None if plan.empty else self.runner.run(plan, self.trees_this_step(plan),
+                                                      lambda n: self.step_verify_cap(n, plan.verify_room))
         touched = self._postprocess(plan, out)
         for seq in self.scheduler.retire_finished():
             self._finalize(seq)
         return touched
+
+    def speculative_batch(self, plan: StepPlan) -> int:
+        """Sequences of the step that may speculate: what picks its tree and its measured choice."""
+        return sum(s.speculative for s in plan.decode) if self.draft is not None else 0
+
+    def trees_this_step(self, plan: StepPlan):
+        """``tree_for``, or with a measured choice the tree or plain decoding, as it says for the step's batch."""
+        n = self.speculative_batch(plan)
+        if self.chooser is None or not n:
+            return self.tree_for
+        return self.speculative_tree_for if self.chooser.speculate(n) else lambda batch: PLAIN
 
     def _postprocess(self, plan: StepPlan, out: StepOutput | None) -> list[Sequence]:
         """Sequences take their tokens (stop tokens, length, stop strings) and their share of the step's time."""
@@ -280,6 +317,9 @@ class EagleEngine:
             if c.completes:
                 self.scheduler.prefill_done(seq)
                 seq.stats.ttft_s = now - seq.start_time
+        if self.chooser is not None and self.speculative_batch(plan):
+            self.chooser.record(self.speculative_batch(plan), True in out.decoded, t.total_s,
+                                sum(len(r.tokens) for r in out.results if r.tree_size), out.steady, t.extend_s)
         if plan.prefill:
             self.counters["prefill_passes"] += 1
             self.counters["prefill_sequences"] += sum(c.completes for c in plan.prefill)
@@ -309,7 +349,8 @@ class EagleEngine:
     def _finalize(self, seq: Sequence) -> None:
         seq.stats.total_s = time.perf_counter() - seq.start_time if seq.start_time else 0.0
         seq.stats.new_tokens = len(seq.output_ids)
-        seq.draft_features = seq.draft_hidden = None  # frees the feature tensors
+        seq.pending.clear()     # frees the feature tensors
+        seq.draft_hidden = None
 
     def output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(seq.request_id, seq.prompt_ids, list(seq.output_ids), seq.text,

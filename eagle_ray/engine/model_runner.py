@@ -1,11 +1,16 @@
 """The model side of a step: runs the target and the draft head for a :class:`StepPlan` and returns tokens.
 
-One step is: prompt chunks (one padded target pass) -> draft extend (the head consumes its pending pairs, in passes
-bounded like prefill) -> draft (grow every sequence's tree, one batched head call per level) -> verify (one target
-pass over all trees) -> accept -> keep the accepted path's K/V. Speculative and plain sequences verify in separate
-passes (a plain step is the verification of a one-node tree). Phases hand each other typed values (``Tree``,
-``Acceptance``, ``DecodeResult``); the sequences' state is updated by the scheduler side, not here, except for the
-head's pending pairs, which belong to this side.
+One step is: prompt chunks (one padded target pass) -> feed the head (its pending pairs, in at most
+``MAX_EXTEND_PASSES`` bounded passes) -> draft (grow the trees of the sequences the head has caught up with, one
+batched head call per level) -> verify (one target pass over all trees, one over the roots of the rest) -> accept ->
+keep the accepted path's K/V. A plain step is the verification of a one-node tree. Phases hand each other typed
+values (``Tree``, ``Acceptance``, ``SeqResult``); the sequences' state is updated by the scheduler side, not here,
+except for the head's pending pairs, which belong to this side.
+
+The head is fed lazily: a sequence's (feature, token) pairs wait until a step drafts for it, or until they reach
+the memory bound ``max_pending``. A sequence that runs plain to its end (a batch size where speculation does not
+pay) so never costs a head pass, and one that starts speculating again catches up in bounded passes, verifying
+plainly until it has.
 
 Everything runs batched over sequences; Python loops run over sequences (to pack ragged inputs and hand out
 results), never over tree nodes, and a decode pass reads its results back to the host once.
@@ -25,7 +30,7 @@ from eagle_ray.model.draft_head import DraftHead
 from eagle_ray.model.target import TargetModel
 from eagle_ray.spec.accept import accept
 from eagle_ray.spec.sampling import SamplingBatch, choose_tokens
-from eagle_ray.spec.tree import Tree, drop_padding, fit_batch_budget, grow_tree
+from eagle_ray.spec.tree import Tree, drop_padding, fit_batch_budget, grow_tree, static_shape
 
 
 @dataclass
@@ -41,18 +46,21 @@ class SeqResult:
 class StepTimes:
     prefill_s: float = 0.0
     draft_s: float = 0.0
+    extend_s: float = 0.0         # of draft_s: the head taking pending pairs (part of a steady step; else catch-up)
     verify_s: float = 0.0
     total_s: float = 0.0
     forward_s: float = 0.0        # inside model forwards: target verify + logits, head passes + scoring
-    verify_width: int = 0         # columns of the speculative verify pass (B x width target tokens)
-    tree_nodes: int = 0           # real tree nodes in it
+    verify_width: int = 0         # columns of the drafted trees' verify pass (B x width target tokens)
+    tree_nodes: int = 0           # real nodes the speculative sequences verified (a root alone in a plain step)
 
 
 @dataclass
 class StepOutput:
     results: list[SeqResult] = field(default_factory=list)
     times: StepTimes = field(default_factory=StepTimes)
-    decoded: dict[bool, int] = field(default_factory=dict)   # sequences per decode pass, by speculative
+    decoded: dict[bool, int] = field(default_factory=dict)   # sequences per decode pass, by drafted or not
+    steady: bool = False     # decode only, and the head fed no more than a step's own tokens: a fair sample of
+    #                          the step's mode for SpeculationChooser (catch-up after a switch is not)
 
 
 def causal_block(lengths: list[int], width: int, device) -> torch.Tensor:
@@ -69,7 +77,16 @@ def root_only_tree(roots: torch.Tensor) -> Tree:
                 torch.ones(B, 1, 1, dtype=torch.bool, device=roots.device), torch.zeros(B, 1, device=roots.device))
 
 
-FEED_EVERY = 32  # pending pairs a sequence collects in plain steps before the head consumes them
+MAX_EXTEND_PASSES = 2   # head passes a step may run to feed pending pairs: the steady few pairs of every
+                        # sequence, and one bounded pass of catch-up (a new prompt, or a return from plain steps)
+
+
+def max_emitted(tree: TreeConfig) -> int:
+    """The most tokens one step with ``tree`` can emit (its deepest path plus the bonus token): more pending pairs
+    than this at a step's start means the head is catching up."""
+    if tree.mode == "dynamic":
+        return min(tree.total_tokens, tree.depth + 2)
+    return max(len(p) for p in static_shape(tree)) + 1
 
 
 def extend_passes(pending: list[int], budget: int) -> list[list[tuple[int, int]]]:
@@ -100,15 +117,25 @@ def extend_tokens(seqs: list[Sequence], taken: list[tuple[int, int]]) -> np.ndar
     width = max(n for _, n in taken)
     tokens = np.zeros((len(taken), width), dtype=np.int64)
     for row, (i, n) in enumerate(taken):
-        tokens[row, :n] = seqs[i].draft_tokens[:n]
+        tokens[row, :n] = seqs[i].pending.tokens[:n]
     return tokens
 
 
+def fed_in_full(pending: list[int], passes: list[list[tuple[int, int]]]) -> list[bool]:
+    """Which sequences ``passes`` leave with no pending pair."""
+    taken = [0] * len(pending)
+    for group in passes:
+        for i, n in group:
+            taken[i] += n
+    return [t == n for t, n in zip(taken, pending)]
+
+
 class ModelRunner:
-    def __init__(self, target: TargetModel, draft: DraftHead | None, extend_budget: int):
+    def __init__(self, target: TargetModel, draft: DraftHead | None, extend_budget: int, max_pending: int = 1024):
         self.target, self.draft = target, draft
         self.device = target.device
-        self.extend_budget = extend_budget
+        self.extend_budget = extend_budget   # padded tokens per head pass
+        self.max_pending = max_pending       # pending pairs a sequence may hold before the head must take them
         self.profile = False
         self.clock, self.times = Clock(self.device), StepTimes()   # the running step's (see run)
         self.trace = None  # a TreeTrace recording verified trees (calibration, tuning); off by default
@@ -128,7 +155,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, plan: StepPlan, tree_for, budget_for=lambda batch: None) -> StepOutput:
         """One step: ``tree_for(n)`` / ``budget_for(n)`` give the tree and the verify cap of a step with ``n``
-        speculative sequences."""
+        speculative sequences (a plain tree, or a cap under two tokens a sequence: no drafting this step)."""
         clock = self.clock = Clock(self.device, self.profile)
         out = StepOutput()
         self.times = out.times
@@ -136,44 +163,62 @@ class ModelRunner:
         if plan.prefill:
             out.results += self.prefill(plan.prefill)
         spec = [s for s in plan.decode if s.speculative and self.draft is not None]
-        plain = [s for s in plan.decode if not (s.speculative and self.draft is not None)]
-        self.stage_decode(spec, plain)
-        if spec:
-            out.results += self.decode_speculative(spec, tree_for(len(spec)), budget_for(len(spec)))
-            out.decoded[True] = len(spec)
+        tree_cfg = tree_for(len(spec)) if spec else None
+        cap = budget_for(len(spec)) if spec else None
+        drafting = bool(spec) and not is_plain(tree_cfg) and not (cap is not None and cap < 2 * len(spec))
+        prompts = [c.seq for c in plan.prefill if c.seq.speculative and self.draft is not None]
+        feed, passes = self.plan_feeding(spec, prompts, drafting)
+        done = fed_in_full([len(s.pending) for s in feed], passes)
+        ready = [s for s, d in zip(feed[:len(spec)], done) if d] if drafting else []   # feed starts with spec
+        caught_up = {id(s) for s in ready}
+        plain = [s for s in plan.decode if id(s) not in caught_up]
+        out.steady = not plan.prefill and (
+            all(len(s.pending) <= max_emitted(tree_cfg) for s in spec) and len(ready) == len(spec) if drafting
+            else not passes)
+        self.stage_decode(ready, plain, feed, passes)
+        if passes:
+            t = clock()
+            self.draft_extend(feed, passes)
+            out.times.extend_s = clock() - t
+            out.times.draft_s += out.times.extend_s
+        if ready:
+            out.results += self.decode_speculative(ready, tree_cfg, cap)
+            out.decoded[True] = len(ready)
         if plain:
             out.results += self.decode_plain(plain)
             out.decoded[False] = len(plain)
-        if self.draft is not None:  # prompts in progress: the head catches up on their chunks in bounded passes
-            catching_up = [c.seq for c in plan.prefill if c.seq.speculative and c.seq.draft_tokens]
-            if catching_up:
-                t = clock()
-                self.draft_extend(catching_up)
-                out.times.draft_s += clock() - t
+        out.times.tree_nodes = sum(r.tree_size for r in out.results if r.seq.speculative)
         out.times.total_s = clock() - t0
         uploads_for(self.device).clear()
         resolve_times(out.times)
         return out
 
-    def stage_decode(self, spec: list[Sequence], plain: list[Sequence]) -> None:
-        """Send the decode passes' small inputs to the device in one copy (see ``Uploads``): slots, target and head
-        cache lengths, roots, the head's first extend pass, and the sampling rows."""
+    def plan_feeding(self, spec: list[Sequence], prompts: list[Sequence], drafting: bool):
+        """Which sequences the head takes pending pairs from this step, and in which passes: with drafting, every
+        speculative sequence and prompt in progress (at most ``MAX_EXTEND_PASSES`` passes, shortest lists first);
+        otherwise only those at the memory bound (one pass)."""
+        if drafting:
+            feed, most = spec + prompts, MAX_EXTEND_PASSES
+        else:
+            feed, most = [s for s in spec + prompts if len(s.pending) >= self.max_pending], 1
+        return feed, extend_passes([len(s.pending) for s in feed], self.extend_budget)[:most]
+
+    def stage_decode(self, ready: list[Sequence], plain: list[Sequence], feed: list[Sequence], passes) -> None:
+        """Send the step's small inputs to the device in one copy (see ``Uploads``): slots, target and head cache
+        lengths, roots, the head's first pass, and the sampling rows."""
         arrays = []
         target_len, upload = self.target.cache.lengths, uploads_for(self.device)
-        for seqs, speculative in ((spec, True), (plain, False)):
+        if passes:
+            first = passes[0]
+            group = [feed[i].slot for i, _ in first]
+            arrays += [group, self.draft.cache.lengths[group], [n for _, n in first], extend_tokens(feed, first)]
+        for seqs, drafting in ((ready, True), (plain, False)):
             if not seqs:
                 continue
             slots = [s.slot for s in seqs]
             arrays += [slots, target_len[slots], [s.root for s in seqs]]
-            if speculative:
-                pending = [len(s.draft_tokens) for s in seqs]
-                draft_len = self.draft.cache.lengths
-                arrays.append(draft_len[slots] + pending)                  # where the tree levels sit
-                passes = extend_passes(pending, self.extend_budget)
-                if passes:
-                    first = passes[0]
-                    group = [seqs[i].slot for i, _ in first]
-                    arrays += [group, draft_len[group], [n for _, n in first], extend_tokens(seqs, first)]
+            if drafting:    # where the tree levels sit once this step's passes have fed every pending pair
+                arrays.append(self.draft.cache.lengths[slots] + [len(s.pending) for s in seqs])
             sampled_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
             if sampled_rows:
                 arrays += [upload.float_bits(SamplingBatch.params_of(seqs)), SamplingBatch.seeds_of(seqs),
@@ -230,24 +275,27 @@ class ModelRunner:
             else:
                 nxt.append(seq.prompt_ids[c.end])
             if seq.speculative and self.draft is not None:
-                seq.add_pending(nxt, feats[r, : n[r]])
+                seq.pending.add(nxt, feats[r, : n[r]])
         return results
 
     # ---- speculative decoding --------------------------------------------------------------------------------------
-    def draft_extend(self, seqs: list[Sequence]) -> None:
-        """Feed every pending (feature, token) pair of ``seqs`` to the head, committing them to its cache, in passes
-        of at most ``extend_budget`` padded tokens (a new prompt brings thousands of pairs, a decode step a few).
-        Each sequence keeps the head's output at its last pair (``draft_hidden``): its next tree grows from it."""
+    def draft_extend(self, seqs: list[Sequence], passes: list[list[tuple[int, int]]] | None = None) -> None:
+        """Feed pending (feature, token) pairs of ``seqs`` to the head, committing them to its cache, in ``passes``
+        (default: all of them, in passes of at most ``extend_budget`` padded tokens; see ``extend_passes``). A
+        sequence left with no pending pair keeps the head's output at its last one (``draft_hidden``): its next tree
+        grows from it."""
         upload = uploads_for(self.device)
-        for taken in extend_passes([len(s.draft_tokens) for s in seqs], self.extend_budget):
+        if passes is None:
+            passes = extend_passes([len(s.pending) for s in seqs], self.extend_budget)
+        for taken in passes:
             group = [seqs[i] for i, _ in taken]
             n = [k for _, k in taken]
             width = max(n)
             tokens = upload.ints(extend_tokens(seqs, taken))
-            feats = torch.zeros(len(group), width, self.draft.feature_size, dtype=group[0].draft_features.dtype,
+            feats = torch.zeros(len(group), width, self.draft.feature_size, dtype=group[0].pending.chunks[0].dtype,
                                 device=self.device)
             for b, s in enumerate(group):
-                feats[b, : n[b]] = s.take_pending(n[b])[1]
+                feats[b, : n[b]] = s.pending.take(n[b])[1]
             slots = [s.slot for s in group]
             t0 = self.clock()
             hidden = self.draft.forward(tokens, feats, slots,
@@ -256,7 +304,7 @@ class ModelRunner:
             self.times.forward_s += self.clock() - t0
             self.draft.cache.lengths[slots] += n
             for b, s in enumerate(group):
-                if not s.draft_tokens:
+                if not s.pending:
                     s.draft_hidden = hidden[b, n[b] - 1]
 
     def grow_from(self, seqs: list[Sequence], root_hidden: torch.Tensor, tree_cfg: TreeConfig) -> Tree:
@@ -282,46 +330,40 @@ class ModelRunner:
         roots = uploads_for(device).ints([s.root for s in seqs])
         return grow_tree(draft_fn, topk_fn, root_hidden, roots, tree_cfg)
 
-    def grow_trees(self, seqs: list[Sequence], tree_cfg: TreeConfig) -> Tree:
-        """Draft extend, then every sequence's tree (what a speculative step does before it verifies)."""
-        self.draft_extend(seqs)
-        return self.grow_from(seqs, torch.stack([s.draft_hidden for s in seqs]), tree_cfg)
-
     def decode_speculative(self, seqs: list[Sequence], tree_cfg: TreeConfig,
                            max_verify_tokens: int | None) -> list[SeqResult]:
+        """Grow and verify the trees of sequences the head has caught up with (no pending pair left)."""
         times, clock = self.times, self.clock
-        if is_plain(tree_cfg) or (max_verify_tokens is not None and max_verify_tokens < 2 * len(seqs)):
-            return self.decode_plain(seqs, keep_pairs=True)   # no room for a draft token: skip the drafting
         t0 = clock()
-        tree = self.grow_trees(seqs, tree_cfg)
+        tree = self.grow_from(seqs, torch.stack([s.draft_hidden for s in seqs]), tree_cfg)
         if max_verify_tokens:
             tree = fit_batch_budget(tree, max_verify_tokens)
         tree = drop_padding(tree)
         times.draft_s += clock() - t0
-        return self.verify(seqs, tree, speculative=True)
+        times.verify_width = tree.tokens.shape[1]
+        return self.verify(seqs, tree)
 
-    def decode_plain(self, seqs: list[Sequence], keep_pairs: bool = False) -> list[SeqResult]:
-        """Verify every sequence's root only. ``keep_pairs``: speculative sequences in a step whose tree is plain
-        keep the head's (feature, token) pairs, fed to the head once a sequence holds ``FEED_EVERY`` (one bounded
-        pass then serves many steps, and the pending features stay small)."""
+    def decode_plain(self, seqs: list[Sequence]) -> list[SeqResult]:
+        """Verify every sequence's root only (speculative sequences keep collecting the head's pairs)."""
         roots = uploads_for(self.device).ints([s.root for s in seqs])
-        results = self.verify(seqs, root_only_tree(roots), speculative=keep_pairs)
-        times, clock = self.times, self.clock
-        full = [s for s in seqs if keep_pairs and len(s.draft_tokens) >= FEED_EVERY]
-        if full:
-            t = clock()
-            self.draft_extend(full)
-            times.draft_s += clock() - t
-        return results
+        return self.verify(seqs, root_only_tree(roots))
 
-    def verify(self, seqs: list[Sequence], tree: Tree, speculative: bool) -> list[SeqResult]:
-        """One target pass over every tree, acceptance, and the accepted path's K/V moved next to the prefix."""
+    def grow_trees(self, seqs: list[Sequence], tree_cfg: TreeConfig) -> Tree:
+        """Feed every pending pair, then grow every sequence's tree (what a speculative step does before it
+        verifies; the tuner times it)."""
+        self.draft_extend(seqs)
+        return self.grow_from(seqs, torch.stack([s.draft_hidden for s in seqs]), tree_cfg)
+
+    def verify(self, seqs: list[Sequence], tree: Tree) -> list[SeqResult]:
+        """One target pass over every tree, acceptance, and the accepted path's K/V moved next to the prefix;
+        speculative sequences queue the accepted tokens' (feature, token) pairs for the head."""
         times, clock = self.times, self.clock
         target, device = self.target, self.device
         slots = [s.slot for s in seqs]
+        collect = self.draft is not None and any(s.speculative for s in seqs)
         B, W = tree.tokens.shape
         t0 = clock()
-        if speculative:
+        if collect:
             hidden, feats = self.target_forward(tree.tokens, slots, tree.depth, tree.ancestors)
         else:
             hidden = target.forward(tree.tokens, slots, tree.depth, tree.ancestors)
@@ -331,7 +373,7 @@ class ModelRunner:
         base = uploads_for(device).ints(target.cache.lengths[slots]).view(-1, 1)
         choice = choose_tokens(logits, SamplingBatch.of(seqs, device), base + tree.depth + 1)
         acc = accept(tree, choice)
-        if self.trace is not None and speculative:
+        if self.trace is not None and W > 1:
             self.trace.record(tree, acc.nodes)
         A = acc.nodes.shape[1]
         # the one read back to the host: counts, bonus tokens, tree sizes and accepted tokens of every sequence
@@ -343,15 +385,13 @@ class ModelRunner:
             target.cache.keep_accepted(slots, src, torch.where(i < acc.count.view(-1, 1), base + i, src))
         counts = [row[0] for row in packed]
         target.cache.lengths[slots] += counts
-        if speculative:
-            times.verify_width = W
-            times.tree_nodes = sum(row[2] for row in packed)
+        if collect:
             accepted_feats = feats.gather(1, acc.nodes.unsqueeze(-1).expand(B, A, feats.shape[-1]))
         results = []
         for b, s in enumerate(seqs):
             c, bonus, size, path = packed[b][0], packed[b][1], packed[b][2], packed[b][3:]
             new = path[1:c] + [bonus]
-            if speculative:
-                s.add_pending(new, accepted_feats[b, :c])
+            if collect and s.speculative:
+                s.pending.add(new, accepted_feats[b, :c])
             results.append(SeqResult(s, new, c - 1, size))
         return results

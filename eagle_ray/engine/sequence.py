@@ -11,6 +11,40 @@ from eagle_ray.engine.text import Detokenizer, StopStrings
 from eagle_ray.stats import RequestStats
 
 
+class PendingPairs:
+    """(target feature f_i, next token x_{i+1}) pairs the head has not consumed yet, oldest first.
+
+    The head is fed lazily (see ``ModelRunner``): a sequence that runs plain steps collects pairs for as long as
+    its memory bound allows, so the features are kept as the chunks they arrived in (one copy each, detached from
+    the forward's output they came from) and are concatenated only when a pass takes them."""
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.chunks: list[torch.Tensor] = []
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, tokens: list[int], features: torch.Tensor) -> None:
+        if tokens:
+            self.tokens += tokens
+            self.chunks.append(features.clone())
+
+    def take(self, n: int) -> tuple[list[int], torch.Tensor]:
+        """Remove and return the first ``n`` pairs (tokens, features ``[n, d]``)."""
+        feats = self.chunks[0] if len(self.chunks) == 1 else torch.cat(self.chunks)
+        tokens, self.tokens = self.tokens[:n], self.tokens[n:]
+        self.chunks = [feats[n:]] if self.tokens else []
+        return tokens, feats[:n]
+
+    def features(self) -> torch.Tensor | None:
+        """Every pending feature ``[len, d]`` (a copy; None when empty)."""
+        return torch.cat(self.chunks) if self.chunks else None
+
+    def clear(self) -> None:
+        self.tokens, self.chunks = [], []
+
+
 @dataclass
 class Sequence:
     request_id: str
@@ -24,9 +58,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     prefilled: int = 0                          # prompt tokens whose K/V are in the target cache
-    # the head's pending inputs: pairs (target feature f_i, next token x_{i+1}) it has not consumed yet
-    draft_tokens: list[int] = field(default_factory=list)
-    draft_features: torch.Tensor | None = None
+    pending: PendingPairs = field(default_factory=PendingPairs)   # the head's unconsumed inputs
     draft_hidden: torch.Tensor | None = None    # the head's output at the last pair it consumed: the tree's root
     stats: RequestStats = field(default_factory=RequestStats)
     start_time: float = 0.0
@@ -65,21 +97,6 @@ class Sequence:
                 self.finish_reason = "length"
                 return n
         return len(tokens)
-
-    def add_pending(self, tokens: list[int], features: torch.Tensor) -> None:
-        """Queue (feature, token) pairs for the head."""
-        if not self.draft_tokens or self.draft_features is None:
-            self.draft_tokens, self.draft_features = list(tokens), features
-        else:
-            self.draft_tokens += tokens
-            self.draft_features = torch.cat([self.draft_features, features])
-
-    def take_pending(self, n: int) -> tuple[list[int], torch.Tensor]:
-        """Remove and return the first ``n`` pending pairs."""
-        tokens, feats = self.draft_tokens[:n], self.draft_features[:n]
-        self.draft_tokens = self.draft_tokens[n:]
-        self.draft_features = self.draft_features[n:] if self.draft_tokens else None
-        return tokens, feats
 
     def update_text(self) -> None:
         """Detokenise the new tokens; a stop string ends the sequence there (its text and tokens are cut)."""

@@ -65,6 +65,12 @@ class TuningResult:
     def trees_by_batch(self) -> dict[int, TreeConfig]:
         return {b: TreeConfig(**c.tree) for b, c in self.batches.items()}
 
+    def speculative_trees(self) -> dict[int, TreeConfig]:
+        """Per batch size the tree to draft when speculating there: the chosen one, or the best speculative tree
+        where plain was chosen (what a measured choice tries against plain)."""
+        return {b: TreeConfig(**(c.best_tree if c.best_tree and c.tree["total_tokens"] == 1 else c.tree))
+                for b, c in self.batches.items()}
+
     def verify_budget_by_batch(self) -> dict[int, int] | None:
         caps = {b: c.max_verify_tokens for b, c in self.batches.items() if c.max_verify_tokens}
         return caps or None
@@ -135,7 +141,7 @@ def draft_seconds(engine, batch: int, depth: int, top_k: int, context: int = CON
     def run():
         draft.cache.lengths[: batch] = context
         for s in seqs:
-            s.add_pending([1, 2], torch.randn(2, d, device=dev, dtype=engine.target.dtype))
+            s.pending.add([1, 2], torch.randn(2, d, device=dev, dtype=engine.target.dtype))
         engine.runner.grow_trees(seqs, cfg)
     try:
         return _median_time(run, dev, repeats)
@@ -156,6 +162,7 @@ def trace_prompts(n: int) -> list:
 def collect_trace(engine, prompts: list, max_new_tokens: int, tree: TreeConfig = TRACE_TREE) -> TreeTrace:
     """Greedy-generate ``prompts`` with ``tree`` and record every verified tree."""
     saved = (engine.config.speculation.tree, engine.config.speculation.trees_by_batch)
+    chooser, engine.chooser = engine.chooser, None      # every step drafts the trace's tree
     engine.set_trees(tree)
     trace = engine.runner.trace = TreeTrace()
     try:
@@ -164,6 +171,7 @@ def collect_trace(engine, prompts: list, max_new_tokens: int, tree: TreeConfig =
     finally:
         engine.runner.trace = None
         engine.set_trees(*saved)
+        engine.chooser = chooser
 
 
 def shapes_for(total_tokens: int):

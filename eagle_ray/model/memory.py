@@ -26,6 +26,9 @@ WORKSPACE_FIXED = 512 * 2**20
 # Verify logits are fp32 [rows, vocab]; the sampler's softmax (or RefinedLogits' bf16 product before its exact
 # rows are scattered in) is a second tensor of the same size alive at the same time.
 LOGITS_COPIES = 2
+# The head's pending (feature, token) pairs (engine/model_runner.py feeds the head lazily): a sequence holds at most
+# this many bytes of them (max_pending_pairs), features counted in the dtype the target's activations run in.
+PENDING_BYTES_PER_SLOT = 2 * 2**20
 # "auto" slot counts stop here: beyond 256 sequences a step's verify pass is compute-bound on any current GPU, and
 # on a CPU a step's cost grows with every running sequence (batch 8 already takes ~0.5 s a step on 2 cores).
 AUTO_MAX_SLOTS = {"cuda": 256, "cpu": 32}
@@ -61,9 +64,7 @@ def copies_for(device_type: str, dtype: torch.dtype | str, precision=None) -> Co
     lm_head with fp32 accumulation, the draft scoring with the target's own weight: no copies, unless
     ``fp32_logits: true`` asks for the fp32 one (the nn.Linear weight is already out-major).
     """
-    switches = {k: _switch(precision, k) for k in ("fp32_logits", "fp32_activations", "batch_invariant",
-                                                   "cpu_linears")}
-    n = numerics_for(torch.device(device_type), _dtype(dtype), **switches)
+    n = _numerics(device_type, dtype, precision)
     return Copies(fp32_lm_head=n.fp32_logits, out_major_lm_head=n.fp32_logits and n.input_major_weights,
                   input_major=n.input_major_weights, packed=n.cpu_linears == "packed")
 
@@ -81,6 +82,7 @@ class MemoryPlan:
     kv_per_slot: int           # target: layers x 2 x kv_heads x (max_len + 1) x head_dim x dtype size
     draft_kv_per_slot: int     # draft: 1 layer, max_len + tree room + 1 positions (+1 scratch)
     logits_per_slot: int       # verify rows x vocab x 4 x LOGITS_COPIES + draft top-k rows x draft vocab x 4
+    pending_per_slot: int = 0  # the head's pending pairs: max_pending_pairs x feature bytes
 
     @property
     def weights(self) -> int:
@@ -92,7 +94,7 @@ class MemoryPlan:
 
     @property
     def per_slot(self) -> int:
-        return self.kv_per_slot + self.draft_kv_per_slot + self.logits_per_slot
+        return self.kv_per_slot + self.draft_kv_per_slot + self.logits_per_slot + self.pending_per_slot
 
     def total(self, num_slots: int) -> int:
         return self.fixed + num_slots * self.per_slot
@@ -106,7 +108,9 @@ class MemoryPlan:
         return (f"{g(self.total(num_slots))} = target weights {g(self.target_weights)} + draft head "
                 f"{g(self.draft_weights)} + lm_head copies {g(self.lm_head_copies)} + workspace {g(self.workspace)} "
                 f"+ {num_slots} slots x {g(self.per_slot)} (KV {g(self.kv_per_slot)}, draft KV "
-                f"{g(self.draft_kv_per_slot)}, logits {g(self.logits_per_slot)}) at max_model_len {self.max_len}")
+                f"{g(self.draft_kv_per_slot)}, logits {g(self.logits_per_slot)}"
+                + (f", pending head inputs {g(self.pending_per_slot)}" if self.pending_per_slot else "")
+                + f") at max_model_len {self.max_len}")
 
     def as_dict(self, *slot_counts: int) -> dict:
         return {**asdict(self), "fixed": self.fixed, "per_slot": self.per_slot,
@@ -139,7 +143,7 @@ def plan_memory(target_config, head_kind: str | None, head_config: dict | None, 
     if copies.packed or (copies.input_major and getattr(cfg, "tie_word_embeddings", False)):
         lm_copies += vocab * hidden * size
 
-    draft_weights = draft_kv = draft_scoring = 0
+    draft_weights = draft_kv = draft_scoring = pending = 0
     if head_kind is not None:
         head = _head_on_meta(head_kind, cfg, head_config)
         draft_weights = module_bytes(head.to(dt))
@@ -154,6 +158,8 @@ def plan_memory(target_config, head_kind: str | None, head_config: dict | None, 
             if draft_vocab is not None:          # bind_lm_head gathers the map's rows, and keeps the map
                 lm_copies += draft_vocab * (hidden * size + 8)
         draft_scoring = top_k * scored * 4
+        pair = pending_pair_bytes(head.feature_size, dt, _numerics(device_type, dt, precision).fp32_activations)
+        pending = max_pending_pairs(pair, max_len) * pair
 
     workspace = WORKSPACE_FIXED + step_tokens * _activation_bytes_per_token(cfg, kv_width, size)
     return MemoryPlan(
@@ -162,7 +168,18 @@ def plan_memory(target_config, head_kind: str | None, head_config: dict | None, 
         workspace=workspace,
         kv_per_slot=cfg.num_hidden_layers * 2 * (max_len + 1) * kv_width * size,
         draft_kv_per_slot=draft_kv,
-        logits_per_slot=tree_budget * vocab * 4 * LOGITS_COPIES + draft_scoring)
+        logits_per_slot=tree_budget * vocab * 4 * LOGITS_COPIES + draft_scoring, pending_per_slot=pending)
+
+
+def pending_pair_bytes(feature_size: int, dtype: torch.dtype, fp32_activations: bool) -> int:
+    """Bytes of one pending pair's feature (the target's activations: fp32 where they run in fp32)."""
+    return feature_size * (4 if fp32_activations else dtype.itemsize)
+
+
+def max_pending_pairs(pair_bytes: int, max_len: int) -> int:
+    """Pending (feature, token) pairs one sequence may hold: ``PENDING_BYTES_PER_SLOT``, at most a context's
+    worth, at least one (a bound that low feeds the head every step, as eager feeding would)."""
+    return max(1, min(max_len, PENDING_BYTES_PER_SLOT // pair_bytes))
 
 
 def target_weight_bytes(target_config, dtype: torch.dtype | str) -> int:
@@ -279,6 +296,13 @@ def _gib(n: int) -> str:
 
 def _dtype(dtype) -> torch.dtype:
     return getattr(torch, dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
+
+
+def _numerics(device_type: str, dtype, precision):
+    """The target's numerics for a device type, dtype and precision switches (see ``device.numerics_for``)."""
+    switches = {k: _switch(precision, k) for k in ("fp32_logits", "fp32_activations", "batch_invariant",
+                                                   "cpu_linears")}
+    return numerics_for(torch.device(device_type), _dtype(dtype), **switches)
 
 
 def _switch(precision, name: str):

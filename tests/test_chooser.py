@@ -1,0 +1,76 @@
+"""The measured choice between speculative and plain steps (engine/chooser.py): each batch-size bucket starts from
+the tuner's choice, samples steady steps, explores the other mode now and then and keeps the faster, speculation
+only where it beats plain by ``MIN_GAIN``. Output never depends on it."""
+from test_engine import mixed_prompts, reference_greedy
+from tiny import tiny_engine
+
+from eagle_ray.config import PLAIN, SamplingParams, TreeConfig
+from eagle_ray.engine.chooser import SpeculationChooser
+from eagle_ray.engine.tuning import MIN_GAIN
+
+TREE = TreeConfig(total_tokens=12, depth=3, top_k=3)
+
+
+def run(chooser, batch, tok_s: dict, steps: int, steady: bool = True) -> list[bool]:
+    """``steps`` one-second steps at ``batch``, each running what the chooser says at ``tok_s[mode]``; the modes."""
+    modes = []
+    for _ in range(steps):
+        spec = chooser.speculate(batch)
+        chooser.record(batch, spec, 1.0, tok_s[spec], steady)
+        modes.append(spec)
+    return modes
+
+
+def test_each_bucket_starts_from_its_prior_and_keeps_a_mode_the_other_cannot_beat():
+    c = SpeculationChooser({1: True, 8: False}, window=4, explore_every=8)
+    assert [c.speculate(n) for n in (1, 2, 7, 8, 64)] == [True, True, True, False, False]
+    modes = run(c, 1, {True: 150, False: 100}, 8 + 4 + 16 + 4)
+    assert modes == [True] * 8 + [False] * 4 + [True] * 16 + [False] * 4   # explored, kept, next after twice as long
+    b = c.buckets[1]
+    assert b.speculate and b.explorations == 2 and b.switches == 0 and b.explore_every == 32
+    assert c.summary()["1"] == {"choice": "tree", "tree_tok_s": 150.0, "plain_tok_s": 100.0, "explorations": 2,
+                                "switches": 0}
+    assert c.summary()["8"]["choice"] == "plain" and c.buckets[8].explorations == 0   # untouched by batch 1
+
+
+def test_speculation_must_beat_plain_by_the_margin_and_a_switch_restarts_the_schedule():
+    c = SpeculationChooser({16: True}, window=4, explore_every=8)
+    run(c, 16, {True: MIN_GAIN * 100 - 1, False: 100}, 12)
+    assert not c.speculate(16) and c.buckets[16].switches == 1 and c.buckets[16].explore_every == 8
+    modes = run(c, 16, {True: MIN_GAIN * 100 + 1, False: 100}, 12)   # speculation got clearly faster: back to it
+    assert modes == [False] * 8 + [True] * 4 and c.speculate(16) and c.buckets[16].switches == 2
+
+
+def test_speculation_pays_for_the_heads_catch_up():
+    """Steady speculative steps at 150 tok/s, but every other step the head catches up for a second: 100 tok/s in
+    all, no better than plain, so plain wins; the same steps without catch-up keep speculation."""
+    for catch_up_s, keeps in ((1.0, False), (0.0, True)):
+        c = SpeculationChooser({16: True}, window=4, explore_every=8)
+        for _ in range(8):
+            c.record(16, True, 3.0, 150, steady=False, catch_up_s=catch_up_s)
+            c.record(16, True, 1.0, 150, steady=True)
+        assert c.summary()["16"]["tree_tok_s"] == (100.0 if catch_up_s else 150.0)
+        run(c, 16, {True: 150, False: 100}, 4)     # the plain window
+        assert c.speculate(16) == keeps
+
+
+def test_unsteady_steps_are_not_samples_and_a_window_that_never_fills_ends():
+    c = SpeculationChooser({4: True}, window=4, explore_every=8)
+    run(c, 4, {True: 10, False: 1000}, 50, steady=False)            # prompt chunks or catch-up in every step
+    assert c.speculate(4) and c.buckets[4].explorations == 0
+    run(c, 4, {True: 10, False: 1000}, 8)
+    assert not c.speculate(4)                                        # exploring plain
+    run(c, 4, {True: 10, False: 1000}, 16, steady=False)             # never steady: gives up after 4 windows
+    assert c.speculate(4) and c.buckets[4].explorations == 1 and c.buckets[4].switches == 0
+
+
+def test_output_is_the_targets_whatever_the_measured_choice_does(tiny_dir, tiny_hf, tiny_head):
+    """A chooser that explores every few steps switches modes many times in one run; greedy output is unchanged."""
+    prompts = mixed_prompts(6, seed=4)
+    engine = tiny_engine(tiny_dir, tiny_head, TREE, max_batch_size=4)
+    engine.chooser = SpeculationChooser({1: True, 4: False}, window=2, explore_every=3, min_gain=1.0)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=40, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [reference_greedy(tiny_hf, p, 40) for p in prompts]
+    measured = engine.tree_summary()["measured"]
+    assert sum(m["explorations"] for m in measured.values()) >= 2
+    assert engine.speculative_tree_for(4) == TREE and PLAIN != TREE

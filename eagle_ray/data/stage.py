@@ -65,9 +65,9 @@ class GenerateStage:
     async def process(self, item: dict) -> dict:
         row = empty_row(item)
         row.update(target_model=self.target_name, draft_model=self.draft_name, speculative=self.cfg.speculative,
-                   tree=json.dumps(self.engine.tree_summary()), worker_id=self.worker_id, started_at=now())
+                   worker_id=self.worker_id, started_at=now())
         if item.get("error"):
-            row.update(error=item["error"], finished_at=now())
+            row.update(error=item["error"], tree=json.dumps(self.engine.tree_summary()), finished_at=now())
             return row
         try:
             req = parse_row(json.loads(item["payload"]), self.cfg.sampling)
@@ -84,6 +84,7 @@ class GenerateStage:
             for key in ("output", "turn_outputs", "output_token_ids", "prompt_tokens", "output_tokens",
                         "finish_reason"):
                 row[key] = None
+        row["tree"] = json.dumps(self.engine.tree_summary())   # what each batch size runs as this row ends
         row["finished_at"] = now()
         return row
 

@@ -1,5 +1,6 @@
 """Held-out top-1 of several EAGLE heads on the same conversations, per draft step.
 
+Either head kind (EAGLE-1/2 or EAGLE-3; an EAGLE-3 head needs features extracted with ``--eagle3``).
 Step 0 drafts from the target's true feature (the tree's first level), step s from s of the head's own
 predictions (level s; see ``trainer.head_forward_unrolled``). Each head is read through its own token map, as
 served, so a target token outside the map counts as a miss. Pick conversations no head trained on (train_drafter
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from eagle_ray.model.draft_head import DraftHead
+from eagle_ray.model.draft_head import load_head
 from eagle_ray.model.loading import EMBEDDED_DRAFT_DIR, resolve_target
 from eagle_ray.train.extract import read_shard
 from eagle_ray.train.trainer import TrainConfig, evaluate
@@ -46,8 +47,9 @@ def main(argv=None) -> int:
     convs = first_conversations(a.features, a.first)
     results = {}
     for name in a.heads:
-        head = DraftHead.load(EMBEDDED_DRAFT_DIR if name == "embedded" else name, target.config, embed).float()
-        metrics = evaluate(head, lm_weight, convs, TrainConfig(eval_steps=a.steps), vocab=head.token_map)
+        head = load_head(EMBEDDED_DRAFT_DIR if name == "embedded" else name, target.config, embed).float()
+        vocab = getattr(head, "token_map", None)  # an EAGLE-3 head scores its own draft vocabulary
+        metrics = evaluate(head, lm_weight, convs, TrainConfig(eval_steps=a.steps), vocab=vocab)
         results[name] = metrics
         print(name, json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in metrics.items()}),
               flush=True)

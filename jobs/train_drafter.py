@@ -5,6 +5,9 @@
     python jobs/train_drafter.py --head-type eagle3 --features /data/features3 --out runs/head3 \
         --unroll-steps 7 --unroll-weight 0.8          # features extracted with `eagle-ray extract --eagle3`
 
+An EAGLE-3 head starts with the target's final norm and lm_head rows as its scorer (``--lm-head-init target``;
+``random`` as the reference does).
+
 The final head is written to ``--out/head`` in the SafeAILab layout (bf16 safetensors, embedding taken from the
 target at load) with ``training.json`` (config, tokens seen, per-epoch held-out accuracy).
 """
@@ -55,6 +58,9 @@ def main(argv=None) -> int:
     p.add_argument("--token-map-size", type=int, default=8192,
                    help="draft vocabulary: most frequent assistant tokens (0 = none, full vocabulary)")
     p.add_argument("--head-type", choices=["eagle2", "eagle3"], default="eagle2")
+    p.add_argument("--lm-head-init", choices=["target", "random"], default="target",
+                   help="EAGLE-3: start the head's norm and lm_head from the target's (its draft-vocabulary rows), "
+                   "so its first scores are the target's own scoring of the fused state; 'random' as the reference")
     for f in fields(TrainConfig):
         p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default) if f.type != "bool" else int,
                        default=f.default)
@@ -81,6 +87,8 @@ def main(argv=None) -> int:
         if "aux" not in convs[0]:
             raise SystemExit("EAGLE-3 training needs features extracted with `eagle-ray extract --eagle3`")
         head = Eagle3Head.for_target(target.config, draft_vocab=draft_vocab)
+        if a.lm_head_init == "target":
+            head.init_scorer_from_target(lm_weight, target.model.norm.weight.detach())
     else:
         head = DraftHead.for_target(target.config)
         head.token_map = draft_vocab

@@ -165,3 +165,17 @@ def test_a_trained_eagle3_head_drafts_what_the_target_accepts(deep, tmp_path):
     per_depth = [sum(o.stats.accepted_per_depth[d] for o in outs if len(o.stats.accepted_per_depth) > d)
                  for d in range(3)]
     assert sum(o.stats.tau for o in outs) / len(outs) > 1.2 and per_depth[0] > 0 and per_depth[1] > 0, per_depth
+
+
+def test_a_head_started_from_the_target_scores_the_target_state_as_the_target_does(deep):
+    """--lm-head-init target: the head's norm and lm_head are the target's, restricted to the draft vocabulary, so a
+    state equal to the target's last (pre-norm) hidden state gets the target's own logits over those ids."""
+    _, hf = deep
+    head = Eagle3Head.for_target(hf.config, draft_vocab=torch.tensor([7, 3, 50, 11, 2]))
+    head.init_scorer_from_target(hf.lm_head.weight.detach(), hf.model.norm.weight.detach())
+    state = torch.randn(2, 4, hf.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert head.draft_to_target.tolist() == [2, 3, 7, 11, 50]
+        assert torch.equal(head.norm(state), hf.model.norm(state))
+        target = hf.lm_head(hf.model.norm(state))[..., [2, 3, 7, 11, 50]]
+        torch.testing.assert_close(head.lm_head(head.norm(state)), target, rtol=0, atol=1e-5)  # 5-row product rounds

@@ -2,7 +2,8 @@
 
 Each head runs every tree on every task's first turns; a row holds tau (mean over requests of accepted tokens per
 verify step, as `eagle-ray measure` reports it) and the pooled ratio (all tokens / all verify steps). Greedy
-output is the target's whatever the head, so every head must produce the same tokens: the script checks it.
+output is the target's whatever the head, so the heads should produce the same tokens (fp32: up to near-ties); the
+result counts the outputs that differ.
 
     python bench/head_acceptance.py --heads embedded runs/head/head --tasks mt_bench humaneval --num-prompts 20 \
         --max-new-tokens 256 --out bench/results/<hardware>/head_acceptance.json
@@ -62,8 +63,7 @@ def main(argv=None) -> int:
     for r in rows:
         same.setdefault((r["tree"], r["task"]), []).append(r.pop("token_ids"))
     differ = {f"{tree}/{task}": sum(o != outs[0] for o in outs[1:]) for (tree, task), outs in same.items()}
-    result = {"command": "python " + " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:] if argv is None else
-                                               ["bench/head_acceptance.py", *argv]),
+    result = {"command": " ".join(["python bench/head_acceptance.py", *(sys.argv[1:] if argv is None else argv)]),
               "cpu": cpu_model(), "machine": platform.machine(), "torch": torch.__version__, "dtype": a.dtype,
               "trees": {k: v.model_dump(exclude_none=True) for k, v in TREES.items() if k in a.trees},
               "outputs_differing_between_heads": differ, "rows": rows}

@@ -106,8 +106,7 @@ class Eagle3Head(nn.Module):
     def init_scorer_from_target(self, target_lm_head: torch.Tensor, target_norm: torch.Tensor) -> None:
         """Start ``norm`` and ``lm_head`` as the target's own (its lm_head rows of the draft vocabulary), so that a
         head whose state matches the target's last hidden state scores the draft vocabulary exactly as the target
-        does. Training then only has to learn that state: a better start than the reference's random scorer when
-        the training data is small."""
+        does, and training starts by learning that state (the reference starts the scorer at random)."""
         self.lm_head.weight.copy_(target_lm_head[self.draft_to_target.to(target_lm_head.device)])
         self.norm.weight.copy_(target_norm)
 

@@ -59,7 +59,8 @@ def measure(engine, records: list[dict], a) -> dict:
     """One configuration over prompt records: speculative vs plain (and transformers ``generate``), at batch 1
     prompt by prompt (or at ``a.batch_size`` over the whole set), greedy checks, time split. ``a`` holds the
     ``eagle-ray measure`` options (``max_new_tokens``, ``temperature``, ``batch_size``, ``compare_hf``,
-    ``skip_plain``, ``tie_gap``); returns ``{"summary", "rows"}``."""
+    ``skip_plain``, ``tie_gap``); returns ``{"summary", "rows"}``. At batch 1 the modes take turns prompt by
+    prompt, so their ratios hold on a machine whose speed drifts."""
     from eagle_ray.model.device import cpu_model
     hf = engine.reference_model() if a.compare_hf else None
     prompts = [first_turn_prompt(r) for r in records]
@@ -68,23 +69,43 @@ def measure(engine, records: list[dict], a) -> dict:
     engine.generate(prompts[:1], SamplingParams(max_new_tokens=8))          # warm-up
     engine.generate(prompts[:1], SamplingParams(max_new_tokens=8), speculative=False)
 
-    def timed(speculative: bool):
-        if a.batch_size > 1:
-            t0 = time.perf_counter()
-            outs = engine.generate(prompts, params, speculative=speculative)
-            return outs, [time.perf_counter() - t0]
-        outs, walls = [], []
-        for p in prompts:
-            t0 = time.perf_counter()
-            outs += engine.generate([p], params, speculative=speculative)
-            walls.append(time.perf_counter() - t0)
-        return outs, walls
+    def hf_generate(prompt_ids: list[int]) -> list[int]:
+        ids = torch.tensor([prompt_ids], device=hf.device)
+        with torch.inference_mode():
+            return hf.generate(ids, max_new_tokens=a.max_new_tokens, do_sample=False)[0, ids.shape[1]:].tolist()
 
     for k in engine.counters:
         engine.counters[k] = 0
-    spec, spec_wall = timed(True)
-    c = dict(engine.counters)
-    plain, plain_wall = timed(False) if not a.skip_plain else (spec, spec_wall)
+    modes = ["spec"] + ([] if a.skip_plain else ["plain"]) + (["hf"] if a.compare_hf else [])
+    outs: dict[str, list] = {m: [] for m in modes}
+    walls: dict[str, list[float]] = {m: [] for m in modes}
+    if a.batch_size > 1:
+        for m in (x for x in modes if x != "hf"):
+            t0 = time.perf_counter()
+            outs[m] = engine.generate(prompts, params, speculative=m == "spec")
+            walls[m] = [time.perf_counter() - t0]
+            if m == "spec":
+                c = dict(engine.counters)
+    else:
+        # prompt by prompt, the modes in turn and in reverse order every other prompt (A B C, C B A): a slow
+        # stretch of a shared machine then lands on every mode alike, and each prompt's ratio compares
+        # neighbouring timings
+        c = dict.fromkeys(engine.counters, 0.0)
+        for i, prompt in enumerate(prompts):
+            for m in modes if i % 2 == 0 else modes[::-1]:
+                before = dict(engine.counters)
+                t0 = time.perf_counter()
+                if m == "hf":
+                    got = hf_generate(engine.encode(prompt))
+                else:
+                    got = engine.generate([prompt], params, speculative=m == "spec")[0]
+                walls[m].append(time.perf_counter() - t0)
+                outs[m].append(got)
+                if m == "spec":  # the time split and verify counters describe the speculative runs only
+                    for k in c:
+                        c[k] += engine.counters[k] - before[k]
+    spec, spec_wall = outs["spec"], walls["spec"]
+    plain, plain_wall = (outs["plain"], walls["plain"]) if not a.skip_plain else (spec, spec_wall)
     rows = []
     for i, (s, p) in enumerate(zip(spec, plain)):
         row = {"id": records[i].get("question_id", records[i].get("id", i)), "tokens": len(s.token_ids),
@@ -97,18 +118,19 @@ def measure(engine, records: list[dict], a) -> dict:
             row["speedup"] = row["spec_tok_s"] / row["plain_tok_s"]
         row["vs_plain"] = divergence(engine.target.next_token_logits, s.prompt_token_ids, p.token_ids, s.token_ids)
         rows.append(row)
+    hf_walls = walls.get("hf", [])
     if a.compare_hf:
-        hf_walls = []
-        for row, s in zip(rows, spec):
-            ids = torch.tensor([s.prompt_token_ids], device=hf.device)
-            t0 = time.perf_counter()
-            with torch.inference_mode():
-                gen = hf.generate(ids, max_new_tokens=a.max_new_tokens, do_sample=False)[0, ids.shape[1]:].tolist()
-            hf_walls.append(time.perf_counter() - t0)
-            row["hf_tok_s"] = len(gen) / hf_walls[-1]
+        if a.batch_size > 1:  # transformers at batch 1, after the engine's runs
+            for s in spec:
+                t0 = time.perf_counter()
+                outs["hf"].append(hf_generate(s.prompt_token_ids))
+                hf_walls.append(time.perf_counter() - t0)
+        for row, s, gen, wall in zip(rows, spec, outs["hf"], hf_walls):
+            row["hf_tok_s"] = len(gen) / wall
             if "spec_tok_s" in row:
                 row["speedup_vs_hf"] = row["spec_tok_s"] / row["hf_tok_s"]
             row["vs_hf"] = divergence(hf_logits_fn(hf), s.prompt_token_ids, gen, s.token_ids)
+
     def mismatches(key):
         bad = [r[key] | {"id": r["id"], "near_tie": near_tie(r[key], dtype, a.tie_gap)} for r in rows if r.get(key)]
         return {"count": len(bad), "near_ties": sum(b["near_tie"] for b in bad),
@@ -119,6 +141,8 @@ def measure(engine, records: list[dict], a) -> dict:
     summary = {
         "device": str(engine.device), "cpu": cpu_model(), "dtype": str(engine.target.dtype).replace("torch.", ""),
         "threads": torch.get_num_threads(), "prompts": len(rows), "generated_tokens": gen_tokens,
+        "timing": "prompt by prompt, modes in turn (" + " ".join(modes) + ", then reversed)" if a.batch_size == 1
+        else "each mode over the whole set, one after the other",
         "tau_mean": statistics.mean(r["tau"] for r in rows),
         "spec_tok_s": gen_tokens / sum(spec_wall), "plain_tok_s": sum(len(p.token_ids) for p in plain) / sum(plain_wall),
         "time_split": {k: v / step_total for k, v in tot.items()} if step_total else {},

@@ -26,3 +26,39 @@ def test_a_divergence_reports_the_reference_gap_where_outputs_first_differ():
     d = divergence(lambda ids: logits, [1, 2], [7, 3, 5], [7, 4, 5])
     assert d == {"index": 1, "gap": 0.5, "top_logit": 12.0, "ref_token": 3, "got_token": 4}
     assert divergence(lambda ids: logits, [1], [7, 3], [7, 3]) is None
+
+
+def test_at_batch_1_the_modes_take_turns_prompt_by_prompt_and_agree(tiny_dir, tiny_hf, tiny_head, monkeypatch):
+    """Speculative, plain and transformers runs alternate per prompt, the order reversed every other prompt, so
+    a machine whose speed drifts slows every mode alike; greedy outputs are equal."""
+    from argparse import Namespace
+
+    from test_engine import mixed_prompts
+    from tiny import tiny_engine
+
+    from eagle_ray.config import TreeConfig
+    from eagle_ray.measure import measure
+
+    engine = tiny_engine(tiny_dir, tiny_head, TreeConfig(total_tokens=8, depth=3, top_k=2))
+    order, generate, hf_generate = [], engine.generate, tiny_hf.generate
+
+    def engine_generate(prompts, params=None, speculative=True):
+        if params.max_new_tokens == 12:            # not the warm-up
+            order.append("spec" if speculative else "plain")
+        return generate(prompts, params, speculative=speculative)
+
+    def transformers_generate(*args, **kwargs):
+        order.append("hf")
+        return hf_generate(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "generate", engine_generate)
+    monkeypatch.setattr(engine, "reference_model", lambda: tiny_hf)
+    monkeypatch.setattr(tiny_hf, "generate", transformers_generate)
+    records = [{"prompt": p} for p in mixed_prompts(3, seed=11)]
+    a = Namespace(max_new_tokens=12, temperature=0.0, batch_size=1, compare_hf=True, skip_plain=False, tie_gap=None)
+    got = measure(engine, records, a)
+    assert order == ["spec", "plain", "hf", "hf", "plain", "spec", "spec", "plain", "hf"]
+    s = got["summary"]
+    assert s["mismatches_vs_plain"]["count"] == 0 and s["mismatches_vs_hf"]["count"] == 0
+    assert s["timing"] == "prompt by prompt, modes in turn (spec plain hf, then reversed)"
+    assert all(r["speedup_vs_hf"] > 0 for r in got["rows"])

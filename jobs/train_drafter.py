@@ -53,6 +53,9 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--init", default=None, help="start from this head's weights, e.g. fine-tune a ShareGPT head on "
                    "self-distilled features (a resumed run continues from its checkpoint instead)")
+    p.add_argument("--keep-token-map", action="store_true",
+                   help="EAGLE-2 with --init: keep the --init head's draft vocabulary (its token_map) instead of "
+                   "choosing one from these features, e.g. to fine-tune on a slice of new data")
     p.add_argument("--limit-tokens", type=int, default=None)
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (resume later)")
     p.add_argument("--token-map-size", type=int, default=8192,
@@ -83,6 +86,11 @@ def main(argv=None) -> int:
     # the draft vocabulary is chosen before training: the cross-entropy runs over it
     draft_vocab = frequent_tokens(convs, vocab_size, a.token_map_size, always=[t for t in (eos_id,) if t is not None]) \
         if a.token_map_size else None
+    init = load_head(a.init, target.config, target.model.embed_tokens.weight) if a.init else None
+    if a.keep_token_map:
+        if init is None or init.kind != "eagle2" or a.head_type != "eagle2":
+            raise SystemExit("--keep-token-map needs --init with an EAGLE-2 head and --head-type eagle2")
+        draft_vocab = init.token_map
     if a.head_type == "eagle3":
         if "aux" not in convs[0]:
             raise SystemExit("EAGLE-3 training needs features extracted with `eagle-ray extract --eagle3`")
@@ -93,8 +101,7 @@ def main(argv=None) -> int:
         head = DraftHead.for_target(target.config)
         head.token_map = draft_vocab
     head.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight)
-    if a.init:
-        init = load_head(a.init, target.config, target.model.embed_tokens.weight)
+    if init is not None:
         if init.kind != head.kind:
             raise SystemExit(f"--init {a.init} is an {init.kind} head; this run trains an {head.kind} head")
         head.load_state_dict(init.state_dict())
@@ -109,7 +116,7 @@ def main(argv=None) -> int:
             "conversations": len(convs), "tokens": n_tokens, "assistant_tokens": n_target,
             "steps": state["step"], "epochs_completed": state["epoch"], "finished": done,
             "history": state["history"], "wall_s_this_run": time.time() - t0,
-            "token_map_size": a.token_map_size, "init": a.init, "features": a.features, "head_type": a.head_type,
+            "token_map_size": a.token_map_size, "kept_token_map": a.keep_token_map, "init": a.init, "features": a.features, "head_type": a.head_type,
             "token_map_coverage": coverage(convs, draft_vocab, vocab_size) if a.token_map_size else 1.0}
     (out / "head" / "training.json").write_text(json.dumps(card, indent=2))
     print(json.dumps(card["history"][-1:] or card, indent=1))

@@ -119,7 +119,8 @@ def test_ray_extraction_resumes_on_s3_and_matches_local(ray_local, s3, tiny_dir,
 
 
 def test_train_job_fine_tunes_an_existing_head_over_several_feature_dirs(tiny_dir, tiny_hf, tmp_path):
-    """jobs/train_drafter.py --init HEAD --features A B: starts from HEAD's weights and reads both directories."""
+    """jobs/train_drafter.py --init HEAD --features A B: starts from HEAD's weights and reads both directories;
+    with --keep-token-map it keeps HEAD's draft vocabulary."""
     import runpy
     from pathlib import Path
 
@@ -145,6 +146,13 @@ def test_train_job_fine_tunes_an_existing_head_over_several_feature_dirs(tiny_di
     started = DraftHead.load(out / "head", tiny_hf.config, embed).state_dict()
     for k, v in DraftHead.load(tmp_path / "init", tiny_hf.config, embed).state_dict().items():
         assert torch.equal(started[k], v), k
+    # --keep-token-map: the draft vocabulary stays the init head's, not one chosen from these features
+    init.token_map = torch.arange(40, 8, -1)
+    init.save(tmp_path / "init_map", dtype=torch.bfloat16, include_embedding=False)
+    assert main(["--features", *dirs, "--out", str(tmp_path / "kept"), "--target", str(tiny_dir), "--init",
+                 str(tmp_path / "init_map"), "--max-steps", "0", "--keep-token-map"]) == 0
+    kept = DraftHead.load(tmp_path / "kept" / "head", tiny_hf.config, embed)
+    assert torch.equal(kept.token_map, torch.arange(40, 8, -1))
 
 
 def test_cross_entropy_runs_over_the_draft_vocabulary_the_engine_will_use(tiny_hf):

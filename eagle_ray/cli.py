@@ -42,11 +42,13 @@ def add_precision_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-fp32-logits", dest="fp32_logits", action="store_const", const=False,
                    default="auto",
                    help="logits in the model dtype (no fp32 refinement of the top candidates)")
+    p.add_argument("--cpu-linears", default="auto", choices=["auto", "native", "input_major", "packed"],
+                   help="the target's linear layout on CPU (see EngineConfig.cpu_linears)")
 
 
 def precision_kwargs(a) -> dict:
     return {"fp32_activations": a.fp32_activations, "batch_invariant": a.batch_invariant,
-            "fp32_logits": a.fp32_logits}
+            "fp32_logits": a.fp32_logits, "cpu_linears": a.cpu_linears}
 
 
 def build_engine(a):

@@ -182,7 +182,8 @@ class PrecisionConfig(StrictModel):
                                   "a 1-row bf16 decode up to ~2x")
     cpu_linears: Literal["auto", "native", "input_major", "packed"] = Field(
         "auto", description="layout of the target's linears on CPU (model/linears.py); auto: oneDNN-packed for fp32 "
-        "(input-major when model.compile is on), input-major for bf16/fp16; CUDA keeps them as loaded")
+        "and for bf16 on CPUs with native bf16 (input-major when model.compile is on), input-major otherwise; "
+        "CUDA keeps them as loaded")
 
 
 ENGINE_PARTS = {"model": ModelConfig, "cache": CacheConfig, "speculation": SpeculationConfig,

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eagle_ray.model.device import numerics_for
+from eagle_ray.model.device import cpu_has_fast_bf16, numerics_for
 from eagle_ray.model.linears import InputMajorLinear, PackedLinear, lay_out_linears, packed_available, scorer
 
 needs_onednn = pytest.mark.skipif(not packed_available(), reason="torch built without oneDNN")
@@ -35,7 +35,9 @@ def test_laying_out_a_model_swaps_every_linear_and_keeps_the_named_dense_weight(
 def test_each_device_and_dtype_gets_its_layout():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert numerics_for(cpu, torch.float32).cpu_linears == ("packed" if packed_available() else "input_major")
-    assert numerics_for(cpu, torch.bfloat16).cpu_linears == "input_major"
+    fast_bf16 = packed_available() and cpu_has_fast_bf16()   # packed bf16 is faster only with native bf16
+    assert numerics_for(cpu, torch.bfloat16).cpu_linears == ("packed" if fast_bf16 else "input_major")
+    assert numerics_for(cpu, torch.float16).cpu_linears == "input_major"
     assert numerics_for(cuda, torch.bfloat16).cpu_linears == "native"
     assert numerics_for(cuda, torch.float32, cpu_linears="packed").cpu_linears == "native"   # a CPU-only switch
     assert numerics_for(cpu, torch.float32, cpu_linears="native").cpu_linears == "native"

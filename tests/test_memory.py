@@ -14,6 +14,7 @@ from eagle_ray.engine.sizing import plan_engine, tree_demand
 from eagle_ray.errors import ConfigError, InsufficientMemoryError
 from eagle_ray.model.draft_head import DraftHead
 from eagle_ray.model.eagle3_head import Eagle3Head
+from eagle_ray.model.device import cpu_has_fast_bf16
 from eagle_ray.model.kv_cache import KVCache
 from eagle_ray.model.linears import packed_available
 from eagle_ray.model.memory import (AUTO_MAX_SLOTS, GiB, MemoryPlan, copies_for, fit_slots, free_memory,
@@ -73,6 +74,11 @@ def plan_of(engine, kind, draft_vocab=None) -> MemoryPlan:
                        draft_vocab=draft_vocab)
 
 
+def bf16_packed() -> bool:
+    """Whether this CPU lays out bf16 linears packed (device.cpu_linears_for)."""
+    return packed_available() and cpu_has_fast_bf16()
+
+
 def tied_target():
     """A tiny Llama whose lm_head is its embedding."""
     from transformers import LlamaForCausalLM
@@ -102,7 +108,10 @@ def test_plan_equals_the_bytes_a_tiny_engine_allocates(case, tmp_path):
     assert plan.kv_per_slot * 3 == engine.target.cache.nbytes()
     assert plan.draft_kv_per_slot * 3 == engine.draft.cache.nbytes()
     packed = 64 * 32 * 4 if packed_available() else 0   # fp32 on CPU: the packed lm_head beside its dense weight
-    expected_copies = {"fp32": packed, "bf16-tied": 64 * 32 * (4 + 2 + 2),  # fp32 + out-major + the tied lm_head's own
+    # bf16: the fp32 copy, plus the packed lm_head beside its dense weight (which RefinedLogits reads) where the
+    # CPU packs bf16, else an out-major copy for RefinedLogits and, tied, the input-major lm_head's own weight
+    tied_bf16 = 2 if bf16_packed() else 2 + 2
+    expected_copies = {"fp32": packed, "bf16-tied": 64 * 32 * (4 + tied_bf16),
                        "bf16-token-map": 64 * 32 * (4 + 2) + 40 * (32 * 2 + 8),  # + the gathered rows and the map
                       "eagle3": 64 * 32 * (4 + 2) + 64 * 8}                        # + its draft-to-target ids
     assert plan.lm_head_copies == expected_copies[case]
@@ -127,8 +136,10 @@ def test_copies_rule():
     assert copies_for("cuda", torch.bfloat16) == copies_for("cuda", torch.bfloat16, {"fp32_logits": "auto"})
     assert copies_for("cuda", torch.bfloat16).__dict__ == {"fp32_lm_head": False, "out_major_lm_head": False,
                                                            "input_major": False, "packed": False}
-    assert copies_for("cpu", torch.bfloat16).__dict__ == {"fp32_lm_head": True, "out_major_lm_head": True,
-                                                          "input_major": True, "packed": False}
+    assert copies_for("cpu", torch.bfloat16).__dict__ == {"fp32_lm_head": True, "out_major_lm_head": not bf16_packed(),
+                                                          "input_major": True, "packed": bf16_packed()}
+    assert copies_for("cpu", torch.float16).__dict__ == {"fp32_lm_head": True, "out_major_lm_head": True,
+                                                         "input_major": True, "packed": False}
     assert copies_for("cpu", torch.bfloat16, {"fp32_logits": False}).fp32_lm_head is False
     assert copies_for("cpu", torch.float32).fp32_lm_head is False
     assert copies_for("cpu", torch.float32).packed is packed_available()

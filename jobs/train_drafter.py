@@ -1,4 +1,4 @@
-"""Train an EAGLE-1/2 or EAGLE-3 head on extracted features (see jobs/extract_features.py); resumable.
+r"""Train an EAGLE-1/2 or EAGLE-3 head on extracted features (see jobs/extract_features.py); resumable.
 
     python jobs/train_drafter.py --features /data/features --out runs/head --epochs 4
     (kill it, run the same command again: it continues from runs/head/checkpoint.pt)
@@ -84,13 +84,14 @@ def main(argv=None) -> int:
     print(f"{len(convs)} conversations, {n_tokens} tokens ({n_target} assistant tokens)", flush=True)
     vocab_size = lm_weight.shape[0]
     # the draft vocabulary is chosen before training: the cross-entropy runs over it
-    draft_vocab = frequent_tokens(convs, vocab_size, a.token_map_size, always=[t for t in (eos_id,) if t is not None]) \
-        if a.token_map_size else None
     init = load_head(a.init, target.config, target.model.embed_tokens.weight) if a.init else None
     if a.keep_token_map:
         if init is None or init.kind != "eagle2" or a.head_type != "eagle2":
             raise SystemExit("--keep-token-map needs --init with an EAGLE-2 head and --head-type eagle2")
         draft_vocab = init.token_map
+    else:
+        draft_vocab = frequent_tokens(convs, vocab_size, a.token_map_size,
+                                      always=[t for t in (eos_id,) if t is not None]) if a.token_map_size else None
     if a.head_type == "eagle3":
         if "aux" not in convs[0]:
             raise SystemExit("EAGLE-3 training needs features extracted with `eagle-ray extract --eagle3`")
@@ -116,7 +117,8 @@ def main(argv=None) -> int:
             "conversations": len(convs), "tokens": n_tokens, "assistant_tokens": n_target,
             "steps": state["step"], "epochs_completed": state["epoch"], "finished": done,
             "history": state["history"], "wall_s_this_run": time.time() - t0,
-            "token_map_size": a.token_map_size, "kept_token_map": a.keep_token_map, "init": a.init, "features": a.features, "head_type": a.head_type,
+            "token_map_size": a.token_map_size, "kept_token_map": a.keep_token_map, "init": a.init,
+            "features": a.features, "head_type": a.head_type,
             "token_map_coverage": coverage(convs, draft_vocab, vocab_size) if a.token_map_size else 1.0}
     (out / "head" / "training.json").write_text(json.dumps(card, indent=2))
     print(json.dumps(card["history"][-1:] or card, indent=1))

@@ -14,7 +14,7 @@ from eagle_ray.engine.sizing import plan_engine, tree_demand
 from eagle_ray.errors import ConfigError, InsufficientMemoryError
 from eagle_ray.model.draft_head import DraftHead
 from eagle_ray.model.eagle3_head import Eagle3Head
-from eagle_ray.model.device import cpu_has_fast_bf16
+from eagle_ray.model.device import cpu_linears_for
 from eagle_ray.model.kv_cache import KVCache
 from eagle_ray.model.linears import packed_available
 from eagle_ray.model.memory import (AUTO_MAX_SLOTS, GiB, MemoryPlan, copies_for, fit_slots, free_memory,
@@ -75,8 +75,8 @@ def plan_of(engine, kind, draft_vocab=None) -> MemoryPlan:
 
 
 def bf16_packed() -> bool:
-    """Whether this CPU lays out bf16 linears packed (device.cpu_linears_for)."""
-    return packed_available() and cpu_has_fast_bf16()
+    """Whether this CPU lays out bf16 linears packed (the rule itself is tested in test_linears)."""
+    return cpu_linears_for(torch.device("cpu"), torch.bfloat16) == "packed"
 
 
 def tied_target():

@@ -61,9 +61,10 @@ def copies_for(device_type: str, dtype: torch.dtype | str, precision=None) -> Co
     CPU: linears are stored in a CPU layout (``device.cpu_linears_for``). The oneDNN-packed lm_head keeps its dense
     weight beside the packed one, and RefinedLogits reads that dense weight; an input-major lm_head has no out-major
     weight, so RefinedLogits keeps its own copy. Either way RefinedLogits adds the fp32 copy when a bf16/fp16 target
-    has ``fp32_logits`` on (``auto``: on), and the draft head scores with the laid-out lm_head itself. CUDA: native bf16 (``fp32_logits: auto`` is off), logits from the model-dtype
-    lm_head with fp32 accumulation, the draft scoring with the target's own weight: no copies, unless
-    ``fp32_logits: true`` asks for the fp32 one (the nn.Linear weight is already out-major).
+    has ``fp32_logits`` on (``auto``: on), and the draft head scores with the laid-out lm_head itself.
+    CUDA: native bf16 (``fp32_logits: auto`` is off), logits from the model-dtype lm_head with fp32 accumulation,
+    the draft scoring with the target's own weight: no copies, unless ``fp32_logits: true`` asks for the fp32 one
+    (the nn.Linear weight is already out-major).
     """
     n = _numerics(device_type, dtype, precision)
     return Copies(fp32_lm_head=n.fp32_logits, out_major_lm_head=n.fp32_logits and n.cpu_linears == "input_major",
@@ -256,7 +257,8 @@ def _host_available() -> int:
         limit = (cg / "memory.max").read_text().strip()
         if limit != "max":
             stat = dict(line.split() for line in (cg / "memory.stat").read_text().splitlines())
-            used = int((cg / "memory.current").read_text()) - int(stat.get("inactive_file", 0))  # page cache: reclaimable
+            # the page cache is reclaimable, so it does not count as used
+            used = int((cg / "memory.current").read_text()) - int(stat.get("inactive_file", 0))
             avail = min(avail, int(limit) - used)
     except (OSError, ValueError):
         pass

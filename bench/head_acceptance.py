@@ -27,9 +27,20 @@ from eagle_ray.prompts import EAGLE_TASKS, first_turn_prompt, load_dataset
 TREES = {"default": TreeConfig(), "60": TreeConfig(total_tokens=60, depth=5, top_k=10)}
 
 
+def tree_of(name: str) -> TreeConfig:
+    """A named tree, or ``total/depth/top_k`` (``12/3/4``) for any other dynamic tree."""
+    if name in TREES:
+        return TREES[name]
+    try:
+        total, depth, top_k = (int(x) for x in name.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"tree {name!r}: a name in {list(TREES)} or total/depth/top_k") from None
+    return TreeConfig(total_tokens=total, depth=depth, top_k=top_k)
+
+
 def run(head: str, tree: str, tasks: dict, a) -> list[dict]:
     engine = EagleEngine.from_pretrained(draft=None if head == "embedded" else head, dtype=a.dtype,
-                                         max_batch_size=a.batch_size, threads=a.threads, tree=TREES[tree])
+                                         max_batch_size=a.batch_size, threads=a.threads, tree=tree_of(tree))
     rows = []
     for task, records in tasks.items():
         prompts = [first_turn_prompt(r) for r in records]
@@ -48,7 +59,7 @@ def run(head: str, tree: str, tasks: dict, a) -> list[dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--heads", nargs="+", required=True, help="head directories ('embedded' = the shipped head)")
-    p.add_argument("--trees", nargs="+", default=list(TREES), choices=list(TREES))
+    p.add_argument("--trees", nargs="+", default=list(TREES), help="names in TREES or total/depth/top_k")
     p.add_argument("--tasks", nargs="+", default=["mt_bench", "humaneval"], choices=list(EAGLE_TASKS))
     p.add_argument("--num-prompts", type=int, default=20)
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -57,6 +68,11 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
+    for tree in a.trees:
+        try:
+            tree_of(tree)
+        except argparse.ArgumentTypeError as e:
+            p.error(str(e))
     tasks = {t: load_dataset(t)[1][:a.num_prompts] for t in a.tasks}
     rows = [r for head in a.heads for tree in a.trees for r in run(head, tree, tasks, a)]
     same = {}
@@ -65,7 +81,7 @@ def main(argv=None) -> int:
     differ = {f"{tree}/{task}": sum(o != outs[0] for o in outs[1:]) for (tree, task), outs in same.items()}
     result = {"command": " ".join(["python bench/head_acceptance.py", *(sys.argv[1:] if argv is None else argv)]),
               "cpu": cpu_model(), "machine": platform.machine(), "torch": torch.__version__, "dtype": a.dtype,
-              "trees": {k: v.model_dump(exclude_none=True) for k, v in TREES.items() if k in a.trees},
+              "trees": {k: tree_of(k).model_dump(exclude_none=True) for k in a.trees},
               "outputs_differing_between_heads": differ, "rows": rows}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1))

@@ -21,10 +21,12 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--max-batch-size", type=int, default=64, help="the engine whose tuning is read")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--draft", default=None, help="EAGLE head dir (default: the embedded head)")
     p.add_argument("--top", type=int, default=8, help="trees listed besides plain and the caps")
     p.add_argument("--out", default=None)
     a = p.parse_args()
-    engine = EagleEngine.from_config(EngineConfig(dtype=a.dtype, max_batch_size=a.max_batch_size, threads=2))
+    engine = EagleEngine.from_config(EngineConfig(dtype=a.dtype, draft=a.draft, max_batch_size=a.max_batch_size,
+                                                       threads=2))
     tuning = autotune(engine)                              # the cached result (its costs)
     trace = collect_trace(engine, trace_prompts(4), 48)    # autotune's defaults
     verify = {int(b): {int(n): s for n, s in c.items()} for b, c in tuning.costs["verify"].items()}

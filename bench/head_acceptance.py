@@ -38,6 +38,12 @@ def tree_of(name: str) -> TreeConfig:
     return TreeConfig(total_tokens=total, depth=depth, top_k=top_k)
 
 
+def tree_name(name: str) -> str:
+    """argparse type: a name ``tree_of`` reads (rows keep the name)."""
+    tree_of(name)
+    return name
+
+
 def run(head: str, tree: str, tasks: dict, a) -> list[dict]:
     engine = EagleEngine.from_pretrained(draft=None if head == "embedded" else head, dtype=a.dtype,
                                          max_batch_size=a.batch_size, threads=a.threads, tree=tree_of(tree))
@@ -59,7 +65,8 @@ def run(head: str, tree: str, tasks: dict, a) -> list[dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--heads", nargs="+", required=True, help="head directories ('embedded' = the shipped head)")
-    p.add_argument("--trees", nargs="+", default=list(TREES), help="names in TREES or total/depth/top_k")
+    p.add_argument("--trees", nargs="+", type=tree_name, default=list(TREES),
+                   help="names in TREES or total/depth/top_k")
     p.add_argument("--tasks", nargs="+", default=["mt_bench", "humaneval"], choices=list(EAGLE_TASKS))
     p.add_argument("--num-prompts", type=int, default=20)
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -68,11 +75,6 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
-    for tree in a.trees:
-        try:
-            tree_of(tree)
-        except argparse.ArgumentTypeError as e:
-            p.error(str(e))
     tasks = {t: load_dataset(t)[1][:a.num_prompts] for t in a.tasks}
     rows = [r for head in a.heads for tree in a.trees for r in run(head, tree, tasks, a)]
     same = {}

@@ -7,16 +7,25 @@ served, so a target token outside the map counts as a miss. Pick conversations n
 holds out the first 2% of its first feature directory).
 
     python bench/eval_heads.py --features DIR --first 12 --heads embedded runs/head4/head --out R.json
+
+``--tasks`` scores the heads on the target's own greedy answers to benchmark first turns instead (made here,
+fp32, plain decoding; features as extraction makes them), the text acceptance is measured on: the first
+``--test-prompts`` of each task (those ``head_acceptance.py`` runs) and the rest apart, so a training choice can be
+made on the rest. EAGLE-1/2 heads only (the features are the final hidden state).
+
+    python bench/eval_heads.py --tasks mt_bench humaneval --heads embedded runs/head/head --out R.json
 """
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
 
+from eagle_ray.model.device import cpu_model
 from eagle_ray.model.draft_head import load_head
 from eagle_ray.model.loading import EMBEDDED_DRAFT_DIR, resolve_target
 from eagle_ray.train.extract import read_shard
@@ -30,9 +39,33 @@ def first_conversations(features_dir: str, n: int) -> list[dict]:
     return sorted(convs, key=lambda c: c["conv_index"])[:n]
 
 
+def task_conversations(tasks: list[str], target, max_new_tokens: int, threads: int | None) -> dict[str, list]:
+    """The target's greedy answers to each task's first turns, as feature conversations (prompt not scored)."""
+    from eagle_ray.config import SamplingParams
+    from eagle_ray.engine.engine import EagleEngine
+    from eagle_ray.prompts import first_turn_prompt, load_dataset
+    from eagle_ray.train.extract import extract_features
+
+    engine = EagleEngine.from_pretrained(draft="none", dtype="float32", max_batch_size=16, threads=threads)
+    out = {}
+    for task in tasks:
+        records = load_dataset(task)[1]
+        answers = engine.generate([first_turn_prompt(r) for r in records],
+                                  SamplingParams(max_new_tokens=max_new_tokens), speculative=False)
+        t = extract_features(target, None, [(i, {"prompt_ids": o.prompt_token_ids, "answer_ids": o.token_ids})
+                                            for i, o in enumerate(answers)], 2048)
+        off = t["offsets"].tolist()
+        out[task] = [{"input_ids": t["input_ids"][a:b].long(), "loss_mask": t["loss_mask"][a:b],
+                      "hidden": t["hidden"][a:b]} for a, b in zip(off[:-1], off[1:])]
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--features", required=True)
+    p.add_argument("--features", default=None)
+    p.add_argument("--tasks", nargs="+", default=None, help="score on the target's answers to these tasks instead")
+    p.add_argument("--test-prompts", type=int, default=20)
+    p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--first", type=int, default=12, help="evaluate on the first N conversations")
     p.add_argument("--heads", nargs="+", required=True, help="head directories ('embedded' = the shipped head)")
     p.add_argument("--steps", type=int, default=3)
@@ -44,19 +77,30 @@ def main(argv=None) -> int:
         torch.set_num_threads(a.threads)
     target = AutoModelForCausalLM.from_pretrained(str(resolve_target(a.target)), dtype=torch.float32)
     lm_weight, embed = target.lm_head.weight.detach(), target.model.embed_tokens.weight
-    convs = first_conversations(a.features, a.first)
+    if (a.features is None) == (a.tasks is None):
+        p.error("give one of --features and --tasks")
+    if a.features:
+        sets = {"features": first_conversations(a.features, a.first)}
+    else:
+        sets = {}
+        for task, convs in task_conversations(a.tasks, target, a.max_new_tokens, a.threads).items():
+            sets[f"{task}/test"], sets[f"{task}/rest"] = convs[:a.test_prompts], convs[a.test_prompts:]
     results = {}
     for name in a.heads:
         head = load_head(EMBEDDED_DRAFT_DIR if name == "embedded" else name, target.config, embed).float()
         vocab = getattr(head, "token_map", None)  # an EAGLE-3 head scores its own draft vocabulary
-        metrics = evaluate(head, lm_weight, convs, TrainConfig(eval_steps=a.steps), vocab=vocab)
-        results[name] = metrics
-        print(name, json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in metrics.items()}),
-              flush=True)
+        for set_name, convs in sets.items():
+            metrics = evaluate(head, lm_weight, convs, TrainConfig(eval_steps=a.steps), vocab=vocab)
+            results.setdefault(name, {})[set_name] = metrics
+            print(name, set_name, json.dumps({k: (round(v, 4) if isinstance(v, float) else v)
+                                              for k, v in metrics.items()}), flush=True)
+    if a.features:
+        results = {name: r["features"] for name, r in results.items()}
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps({"features": a.features, "conversations": len(convs),
-                                           "results": results}, indent=1))
+        Path(a.out).write_text(json.dumps({"command": "python bench/eval_heads.py " + " ".join(
+            sys.argv[1:] if argv is None else argv), "cpu": cpu_model(), "features": a.features, "tasks": a.tasks,
+            "conversations": {k: len(v) for k, v in sets.items()}, "results": results}, indent=1))
     return 0
 
 

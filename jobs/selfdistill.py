@@ -20,10 +20,15 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--shard-rows", type=int, default=256)
+    p.add_argument("--stop-repeat-ngram", type=int, default=None,
+                   help="also end an answer at the first token completing an N-token span already in it (loops)")
+    p.add_argument("--second-turns", action="store_true",
+                   help="after the first turns, answer the records' second user turns (after their first exchange)")
     p.add_argument("--limit", type=int, default=None, help="answers to write in this run (default: all prompts)")
     a = p.parse_args(argv)
     n = generate(a.set_dir, max_batch_size=a.batch_size, max_new_tokens=a.max_new_tokens, dtype=a.dtype,
-                 threads=a.threads, shard_rows=a.shard_rows, limit=a.limit, skip_sets=a.skip_sets)
+                 threads=a.threads, shard_rows=a.shard_rows, limit=a.limit, skip_sets=a.skip_sets,
+                 stop_repeat_ngram=a.stop_repeat_ngram, second_turns=a.second_turns)
     print(f"wrote {n} answers")
     return 0
 

@@ -27,7 +27,7 @@ from eagle_ray.model.eagle3_head import Eagle3Head
 from eagle_ray.model.loading import resolve_target
 from eagle_ray.train.extract import read_shard
 from eagle_ray.train.token_map import coverage, frequent_tokens
-from eagle_ray.train.trainer import TrainConfig, config_dict, train
+from eagle_ray.train.trainer import TrainConfig, config_dict, train, widen_mlp
 
 
 def load_features(features_dirs: list[str], limit_tokens: int | None = None) -> list[dict]:
@@ -61,6 +61,9 @@ def main(argv=None) -> int:
     p.add_argument("--token-map-size", type=int, default=8192,
                    help="draft vocabulary: most frequent assistant tokens (0 = none, full vocabulary)")
     p.add_argument("--head-type", choices=["eagle2", "eagle3"], default="eagle2")
+    p.add_argument("--intermediate-size", type=int, default=None,
+                   help="EAGLE-2: MLP width of the head (default: the target's); with --init a wider MLP grows the "
+                   "init head's, computing the same function at the start (trainer.widen_mlp)")
     p.add_argument("--lm-head-init", choices=["target", "random"], default="target",
                    help="EAGLE-3: start the head's norm and lm_head from the target's (its draft-vocabulary rows), "
                    "so its first scores are the target's own scoring of the fused state; 'random' as the reference")
@@ -99,12 +102,17 @@ def main(argv=None) -> int:
         if a.lm_head_init == "target":
             head.init_scorer_from_target(lm_weight, target.model.norm.weight.detach())
     else:
-        head = DraftHead.for_target(target.config)
+        head = DraftHead.for_target(target.config, intermediate_size=None if init else a.intermediate_size)
         head.token_map = draft_vocab
     head.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight)
     if init is not None:
         if init.kind != head.kind:
             raise SystemExit(f"--init {a.init} is an {init.kind} head; this run trains an {head.kind} head")
+        if a.intermediate_size and init.kind == "eagle2" and \
+                a.intermediate_size != init.layers[0].mlp.gate_proj.out_features:
+            init = widen_mlp(init, a.intermediate_size, cfg.seed)
+            head = DraftHead(init.config, bias=init.bias, qkv_bias=init.qkv_bias)
+            head.token_map = draft_vocab
         head.load_state_dict(init.state_dict())
     del target
     out = Path(a.out)

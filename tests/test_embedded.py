@@ -54,3 +54,25 @@ def test_the_embedded_head_is_small_and_documented():
     assert files["model.safetensors"] <= 20 * 2**20
     card = json.loads((Path(EMBEDDED_DRAFT_DIR) / "training.json").read_text())
     assert card["tokens"] > 0 and card["steps"] > 0 and card["history"]
+
+
+def test_self_distillation_appends_answers_that_stop_at_their_first_repeat(tmp_path):
+    """Answers come from the embedded target's plain greedy decoding into a set that load_answers checks; an answer
+    ends with EOS, at the length cap, or at the first token completing an n-gram it already holds, never later."""
+    from eagle_ray.train.data import repeated_tokens
+    from eagle_ray.train.selfdistill import generate, load_answers
+
+    n, cap = 8, 96
+    assert generate(tmp_path / "set", max_batch_size=4, max_new_tokens=cap, shard_rows=3, limit=6,
+                    stop_repeat_ngram=n, log=lambda m: None) == 6
+    table = load_answers(tmp_path / "set")
+    assert table.num_rows == 6 and len(list((tmp_path / "set").glob("answers-*.parquet"))) == 2
+    eos = {2}
+    for answer in table["answer_ids"].to_pylist():
+        rep = repeated_tokens(answer, n)
+        assert not any(rep[:-1])
+        assert rep[-1] or answer[-1] in eos or len(answer) == cap
+    # a second call resumes: the same six prompts are not answered again
+    assert generate(tmp_path / "set", max_batch_size=4, max_new_tokens=cap, limit=2, stop_repeat_ngram=n,
+                    log=lambda m: None) == 2
+    assert load_answers(tmp_path / "set").num_rows == 8

@@ -216,3 +216,66 @@ def test_unrolled_training_reports_every_step_and_keeps_step_zero_exact(tiny_hf)
     assert steps[0]["scored"] >= steps[2]["scored"] > 0
     metrics = evaluate(head, lm, convs, TrainConfig(eval_steps=2))
     assert len(metrics["eval_top1_by_step"]) == 2 and metrics["eval_top1_by_step"][0] == metrics["eval_top1"]
+
+
+def test_repeated_tokens_are_the_ones_that_continue_an_earlier_span():
+    """A token is repeated when the n-gram it ends was written before: the loop's first lap counts as new text."""
+    from eagle_ray.train.data import repeated_tokens
+
+    loop = [7, 8, 9, 5, 7, 8, 9, 5, 7, 8, 1]
+    assert repeated_tokens(loop, 3) == [False] * 6 + [True, True, True, True, False]
+    assert repeated_tokens(loop, 5) == [False] * 8 + [True, True, False]
+    assert not any(repeated_tokens(list(range(50)), 2))
+
+
+def test_thinning_repeats_drops_only_the_predictions_of_repeated_tokens():
+    """Mask position p scores the prediction of token p + 1: keep=0 clears exactly the positions before repeated
+    tokens, keep=1 changes nothing, and a fraction is a fixed choice (the same on every call)."""
+    from eagle_ray.train.data import repeated_tokens, thin_repeats
+
+    ids = torch.tensor([3, 4, 5, 6] * 40 + [1, 2])
+    mask = torch.ones(len(ids), dtype=torch.uint8)
+    mask[:5] = 0   # a prompt
+    rep = repeated_tokens(ids.tolist(), 4)
+    none = thin_repeats(ids, mask, 0.0, 4)
+    assert none.tolist() == [0 if (p < 5 or (p + 1 < len(ids) and rep[p + 1])) else 1 for p in range(len(ids))]
+    assert torch.equal(thin_repeats(ids, mask, 1.0, 4), mask)
+    some = thin_repeats(ids, mask, 0.5, 4, seed=3)
+    assert torch.equal(some, thin_repeats(ids, mask, 0.5, 4, seed=3))
+    assert int(none.sum()) < int(some.sum()) < int(mask.sum())
+
+
+def test_a_widened_head_computes_what_the_trained_head_computes(tiny_hf):
+    """Growing the MLP keeps the function (new units start with zero output weights) and every trained weight."""
+    from eagle_ray.train.trainer import head_forward_train, widen_mlp
+
+    head = fresh_head(tiny_hf).eval()
+    head.token_map = torch.arange(10)
+    n = head.layers[0].mlp.gate_proj.out_features
+    wide = widen_mlp(head, 3 * n).eval()
+    assert wide.layers[0].mlp.gate_proj.out_features == 3 * n == wide.config.intermediate_size
+    assert torch.equal(wide.layers[0].mlp.up_proj.weight[:n], head.layers[0].mlp.up_proj.weight)
+    assert torch.equal(wide.token_map, head.token_map)
+    tokens = torch.randint(0, tiny_hf.config.vocab_size, (2, 7))
+    feats = torch.randn(2, 7, tiny_hf.config.hidden_size)
+    with torch.no_grad():
+        assert torch.allclose(head_forward_train(wide, tokens, feats), head_forward_train(head, tokens, feats),
+                              atol=1e-6)
+    with pytest.raises(ValueError, match="below"):
+        widen_mlp(head, n - 1)
+
+
+def test_second_turns_follow_every_first_turn_with_the_first_exchange_as_context(tmp_path):
+    """Second turns come after all first turns, each with its record's first user turn and recorded answer; records
+    without a second user turn (or with one over the size limit) give none."""
+    from eagle_ray.train.selfdistill import sharegpt_prompts
+
+    def conv(*turns):
+        return {"conversations": [{"from": "human" if i % 2 == 0 else "gpt", "value": t} for i, t in enumerate(turns)]}
+    records = [conv("a?", "A.", "b?", "B."), conv("c?", "C."), conv("d?", "D.", "x" * 50, "E.")]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(records))
+    got = [(p.id, [m["content"] for m in p.messages]) for p in sharegpt_prompts(40, str(path), second_turns=True)]
+    assert got == [("sharegpt-0", ["a?"]), ("sharegpt-1", ["c?"]), ("sharegpt-2", ["d?"]),
+                   ("sharegpt-0-turn2", ["a?", "A.", "b?"])]
+    assert [p.id for p in sharegpt_prompts(40, str(path))] == ["sharegpt-0", "sharegpt-1", "sharegpt-2"]

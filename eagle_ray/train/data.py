@@ -80,3 +80,28 @@ def tokenize_with_loss_mask(tokenizer, messages: list[dict], max_len: int) -> tu
         if len(ids) >= max_len:
             break
     return ids[:max_len], mask[:max_len]
+
+
+def repeated_tokens(ids: list[int], n: int = 32) -> list[bool]:
+    """``True`` at each token that ends an ``n``-gram already seen earlier in ``ids``: the token continues a span the
+    text has written before. A small target's greedy answers often fall into such loops until they are cut off;
+    those tokens are easy to draft by copying and, left in, make up most of the loss (see ``thin_repeats``)."""
+    seen, out = set(), [False] * len(ids)
+    for p in range(n - 1, len(ids)):
+        gram = tuple(ids[p - n + 1: p + 1])
+        out[p] = gram in seen
+        seen.add(gram)
+    return out
+
+
+def thin_repeats(input_ids, loss_mask, keep: float, n: int = 32, seed: int = 0):
+    """``loss_mask`` with the predictions of repeated tokens (``repeated_tokens``) kept at rate ``keep`` (a fixed
+    pseudo-random choice per position), so training spends its steps on the text a loop does not make easy.
+    Position ``p`` of the mask scores the prediction of token ``p + 1``."""
+    import torch
+    rep = torch.tensor(repeated_tokens(input_ids.tolist(), n)[1:] + [False])
+    if keep >= 1.0 or not rep.any():
+        return loss_mask
+    gen = torch.Generator().manual_seed(seed * 1000003 + len(input_ids))
+    drop = rep & (torch.rand(len(input_ids), generator=gen) >= keep)
+    return torch.where(drop, torch.zeros_like(loss_mask), loss_mask)

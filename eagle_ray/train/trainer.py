@@ -44,6 +44,8 @@ class TrainConfig:
     unroll_steps: int = 1          # >1: also train on the head's own predicted features (see head_forward_unrolled)
     unroll_weight: float = 1.0     # loss weight of each unrolled step relative to the one before it
     eval_steps: int = 3            # held-out top-1 is reported for this many unrolled steps
+    repeat_keep: float = 1.0       # <1: score only this share of the tokens that repeat an earlier n-gram (loops)
+    repeat_ngram: int = 32         # the n of repeat_keep (data.repeated_tokens)
 
 
 def make_batches(lengths: list[int], tokens_per_step: int, seed: int, epoch: int) -> list[list[int]]:
@@ -201,6 +203,31 @@ def batch_losses(head, lm_weight, convs, idx, cfg: TrainConfig, gen, train: bool
     return v + cfg.ce_weight * p, v, p, acc, n, per
 
 
+def widen_mlp(head: DraftHead, intermediate_size: int, seed: int = 0) -> DraftHead:
+    """A copy of an EAGLE-1/2 ``head`` whose MLP has ``intermediate_size`` units, computing the same function: the
+    new units' gate and up rows start small and random, their ``down_proj`` columns at zero, so training grows
+    them from the trained head's behaviour instead of from scratch."""
+    old = head.layers[0].mlp
+    n = old.gate_proj.out_features
+    if intermediate_size < n:
+        raise ValueError(f"intermediate_size {intermediate_size} is below the head's {n}")
+    cfg = type(head.config)(**{**head.config.to_dict(), "intermediate_size": intermediate_size})
+    wide = type(head)(cfg, bias=head.bias, qkv_bias=head.qkv_bias)
+    state = dict(head.state_dict())
+    gen = torch.Generator().manual_seed(seed)
+    d = old.gate_proj.in_features
+    for name in ("gate_proj", "up_proj"):
+        w = state[f"layers.0.mlp.{name}.weight"]
+        extra = torch.randn(intermediate_size - n, d, generator=gen, dtype=w.dtype) * w.float().std().to(w.dtype)
+        state[f"layers.0.mlp.{name}.weight"] = torch.cat([w, extra])
+    down = state["layers.0.mlp.down_proj.weight"]
+    state["layers.0.mlp.down_proj.weight"] = torch.cat([down, down.new_zeros(down.shape[0], intermediate_size - n)],
+                                                       dim=1)
+    wide.load_state_dict(state)
+    wide.token_map = head.token_map
+    return wide.to(head.fc.weight.dtype)
+
+
 def save_checkpoint(path: Path, head, opt, state: dict) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "state": state}, tmp)
@@ -216,6 +243,10 @@ def train(convs: list[dict], head: DraftHead, lm_weight: torch.Tensor, out_dir: 
     out.mkdir(parents=True, exist_ok=True)
     n_eval = max(1, int(len(convs) * cfg.eval_fraction)) if len(convs) > 1 else 0
     eval_set, train_set = convs[:n_eval], convs[n_eval:] or convs
+    if cfg.repeat_keep < 1.0:  # held-out scoring stays on every token
+        from eagle_ray.train.data import thin_repeats
+        train_set = [{**c, "loss_mask": thin_repeats(c["input_ids"], c["loss_mask"], cfg.repeat_keep, cfg.repeat_ngram,
+                                                     cfg.seed)} for c in train_set]
     lengths = [min(len(c["input_ids"]), cfg.max_len) for c in train_set]
     head.embed_tokens.weight.requires_grad_(False)
     params = [p for p in head.parameters() if p.requires_grad]

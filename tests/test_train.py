@@ -279,3 +279,29 @@ def test_second_turns_follow_every_first_turn_with_the_first_exchange_as_context
     assert got == [("sharegpt-0", ["a?"]), ("sharegpt-1", ["c?"]), ("sharegpt-2", ["d?"]),
                    ("sharegpt-0-turn2", ["a?", "A.", "b?"])]
     assert [p.id for p in sharegpt_prompts(40, str(path))] == ["sharegpt-0", "sharegpt-1", "sharegpt-2"]
+
+
+def test_code_prompts_are_documented_functions_with_their_bodies_left_out(tmp_path):
+    """A public function or method with a docstring of 40-1,500 characters and a real body becomes a completion
+    request (def line and docstring, dedented, after an instruction); private, undocumented, stub-only and test
+    code gives none. Ids name the root, the file and the qualified name, and the same tree gives the same prompts."""
+    from eagle_ray.train.selfdistill import CODE_INSTRUCTIONS, python_function_prompts
+
+    doc = "Return the sum of the squares of the numbers in xs, or zero for an empty list."
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "mod.py").write_text(
+        f'def squares(xs):\n    """{doc}"""\n    return sum(x * x for x in xs)\n\n'
+        f'def _private(xs):\n    """{doc}"""\n    return 0\n\n'
+        f'def stub(xs):\n    """{doc}"""\n\n'
+        f'def short(xs):\n    """Too short."""\n    return 1\n\n'
+        f'class Box:\n    def area(self):\n        """{doc}"""\n        return self.w * self.h\n')
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "helpers.py").write_text(f'def helper(x):\n    """{doc}"""\n    return x\n')
+    (tmp_path / "pkg" / "broken.py").write_text("def (:\n")
+    got = list(python_function_prompts({"lib": tmp_path}))
+    assert [p.id for p in got] == ["py-lib/pkg/mod.py:squares", "py-lib/pkg/mod.py:Box.area"]
+    text = got[1].messages[0]["content"]
+    instruction, code = text.split("\n\n", 1)
+    assert instruction in CODE_INSTRUCTIONS and got[1].messages[0]["role"] == "user"
+    assert code == f'def area(self):\n    """{doc}"""\n'
+    assert [p.messages for p in python_function_prompts({"lib": tmp_path})] == [p.messages for p in got]

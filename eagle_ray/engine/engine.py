@@ -70,7 +70,7 @@ class EagleEngine:
         self._ids = itertools.count()
         budget = config.cache.step_budget(target.device)
         self.scheduler = Scheduler(config.cache.max_batch_size, budget)
-        self.runner = ModelRunner(target, draft, max(budget, 512))
+        self.runner = ModelRunner(target, draft, max(budget, 512), context_vocab=config.speculation.context_vocab)
         if draft is not None:
             pair = pending_pair_bytes(draft.feature_size, target.dtype, target.numerics.fp32_activations)
             self.runner.max_pending = max_pending_pairs(pair, target.max_len)

@@ -29,6 +29,7 @@ from eagle_ray.model.device import Clock, resolve_times, uploads_for
 from eagle_ray.model.draft_head import DraftHead
 from eagle_ray.model.target import TargetModel
 from eagle_ray.spec.accept import accept
+from eagle_ray.spec.context_vocab import ContextTokens, context_rows
 from eagle_ray.spec.sampling import SamplingBatch, choose_tokens
 from eagle_ray.spec.tree import Tree, drop_padding, fit_batch_budget, grow_tree, static_shape
 
@@ -131,8 +132,10 @@ def fed_in_full(pending: list[int], passes: list[list[tuple[int, int]]]) -> list
 
 
 class ModelRunner:
-    def __init__(self, target: TargetModel, draft: DraftHead | None, extend_budget: int, max_pending: int = 1024):
+    def __init__(self, target: TargetModel, draft: DraftHead | None, extend_budget: int, max_pending: int = 1024,
+                 context_vocab: int = 0):
         self.target, self.draft = target, draft
+        self.context_vocab = context_vocab   # context tokens a sequence adds to its draft vocabulary (at most)
         self.device = target.device
         self.extend_budget = extend_budget   # padded tokens per head pass
         self.max_pending = max_pending       # pending pairs a sequence may hold before the head must take them
@@ -219,6 +222,9 @@ class ModelRunner:
             arrays += [slots, target_len[slots], [s.root for s in seqs]]
             if drafting:    # where the tree levels sit once this step's passes have fed every pending pair
                 arrays.append(self.draft.cache.lengths[slots] + [len(s.pending) for s in seqs])
+                context = self.context_ids(seqs)
+                if context is not None:
+                    arrays.append(context)
             sampled_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
             if sampled_rows:
                 arrays += [upload.float_bits(SamplingBatch.params_of(seqs)), SamplingBatch.seeds_of(seqs),
@@ -307,16 +313,30 @@ class ModelRunner:
                 if not s.pending:
                     s.draft_hidden = hidden[b, n[b] - 1]
 
+    def context_ids(self, seqs: list[Sequence]) -> np.ndarray | None:
+        """The context tokens each sequence adds to its draft vocabulary, ``[B, E]`` (``spec/context_vocab.py``);
+        None where the head has no map (or scores its own vocabulary) or no sequence has such a token."""
+        outside = getattr(self.draft, "outside_map", None)
+        if outside is None or not self.context_vocab:
+            return None
+        for s in seqs:
+            if s.context is None:
+                s.context = ContextTokens(outside, self.context_vocab)
+            s.context.update(s.prompt_ids, s.output_ids)
+        return context_rows([s.context for s in seqs])
+
     def grow_from(self, seqs: list[Sequence], root_hidden: torch.Tensor, tree_cfg: TreeConfig) -> Tree:
         """Grow every sequence's tree from its root (one batched head call per level)."""
         draft, device = self.draft, self.device
         slots = [s.slot for s in seqs]
+        ids = self.context_ids(seqs)
+        context = None if ids is None else uploads_for(device).ints(ids)
 
         clock, times = self.clock, self.times
 
         def topk_fn(hidden, k):
             t0 = clock()
-            out = draft.topk(hidden, k)
+            out = draft.topk(hidden, k, context)
             times.forward_s += clock() - t0
             return out
 

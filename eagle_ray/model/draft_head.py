@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import LlamaConfig
@@ -20,6 +21,7 @@ from eagle_ray.errors import CheckpointError
 from eagle_ray.model.attention import decoder_layer, make_block_meta
 from eagle_ray.model.kv_cache import KVCache
 from eagle_ray.model.linears import Scorer, scorer
+from eagle_ray.spec.context_vocab import context_topk
 
 CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                "hidden_act", "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling",
@@ -51,6 +53,8 @@ class DraftHead(nn.Module):
         # cheaper on CPU; the target still verifies over its full vocabulary, so output is unchanged.
         self.token_map: torch.Tensor | None = None
         self.lm_score = None   # hidden -> logits over the scored vocabulary (bind_lm_head)
+        self.lm_weight = None  # the target's lm_head rows, where a sequence's context tokens are scored
+        self.outside_map = None   # host bool [vocab]: tokens the bound map lacks (spec/context_vocab.py)
 
     @classmethod
     def for_target(cls, target_config, bias: bool = True, intermediate_size: int | None = None) -> "DraftHead":
@@ -145,15 +149,23 @@ class DraftHead(nn.Module):
             raise CheckpointError("draft_vocab_size is set but this draft head has no token_map.safetensors")
         if full:
             self.token_map, self.lm_score = None, Scorer(lm_head)
+            self.lm_weight = self.outside_map = None
         else:
             tm = self.token_map[:draft_vocab_size] if draft_vocab_size else self.token_map
             self.token_map = tm.to(lm_head.weight.device)
-            self.lm_score = scorer(lm_head.weight.detach()[self.token_map], layout)
+            self.lm_weight = lm_head.weight.detach()
+            self.lm_score = scorer(self.lm_weight[self.token_map], layout)
+            self.outside_map = np.ones(self.lm_weight.shape[0], dtype=bool)
+            self.outside_map[self.token_map.cpu().numpy()] = False
 
     @torch.inference_mode()
-    def topk(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k draft log-probs and target token ids of the draft's next-token distribution."""
+    def topk(self, hidden: torch.Tensor, k: int, context: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k draft log-probs and target token ids of the draft's next-token distribution; with ``context``
+        (``[B, E]`` target ids outside the map, ``-1`` padding) each sequence's context tokens compete too."""
         logits = self.lm_score(hidden)
+        if context is not None:
+            return context_topk(logits, hidden, self.lm_weight, self.token_map, context, k)
         logp, idx = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
         return logp, (self.token_map[idx] if self.token_map is not None else idx)
 

@@ -45,6 +45,7 @@ def is_eagle3_config(raw: dict) -> bool:
 
 class Eagle3Head(nn.Module):
     kind = "eagle3"
+    outside_map = None   # no context tokens in its draft vocabulary (see topk)
 
     def __init__(self, config: LlamaConfig, num_target_layers: int):
         super().__init__()
@@ -182,8 +183,9 @@ class Eagle3Head(nn.Module):
         self.to_target = self.draft_to_target
 
     @torch.inference_mode()
-    def topk(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k draft log-probs over the draft vocabulary, as target token ids."""
+    def topk(self, hidden: torch.Tensor, k: int, context: None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k draft log-probs over the draft vocabulary, as target token ids (its lm_head is its own, so a
+        token outside its vocabulary has no row: no context tokens, ``outside_map`` is None)."""
         logits = self.lm_head(self.norm(hidden.to(self.lm_head.weight.dtype))).float()
         logp, idx = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
         return logp, self.to_target[idx]

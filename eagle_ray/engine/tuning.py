@@ -262,7 +262,7 @@ def cache_key(engine) -> str:
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu{os.cpu_count()}"
     blob = json.dumps([fingerprint(engine.target_dir), fingerprint(getattr(engine, "draft_dir", None)),
                        str(engine.target.dtype), name, torch.get_num_threads(), engine.target.numerics.cpu_linears,
-                       engine.config.speculation.draft_vocab_size, 5], sort_keys=True)
+                       engine.config.speculation.draft_vocab_size, engine.runner.context_vocab, 5], sort_keys=True)
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
 
 

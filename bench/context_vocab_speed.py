@@ -15,22 +15,15 @@ import json
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from eagle_ray.config import SamplingParams
 from eagle_ray.engine.engine import EagleEngine
+from eagle_ray.measure import interleaved
 from eagle_ray.model.device import cpu_model
 from eagle_ray.prompts import EAGLE_TASKS, first_turn_prompt, load_dataset
-
-
-def timed(engine: EagleEngine, prompt: str, params: SamplingParams) -> dict:
-    t0 = time.perf_counter()
-    out = engine.generate([prompt], params)[0]
-    return {"s": time.perf_counter() - t0, "tokens": len(out.token_ids), "tau": out.stats.tau,
-            "token_ids": out.token_ids}
 
 
 def main(argv=None) -> int:
@@ -51,10 +44,10 @@ def main(argv=None) -> int:
     prompts = [first_turn_prompt(r) for r in load_dataset(a.task)[1][:a.num_prompts]]
     for c in sizes:                                     # warm-up: first-call costs fall outside the timing
         engines[c].generate(prompts[:1], SamplingParams(max_new_tokens=8))
-    runs = {c: [] for c in sizes}
-    for i, prompt in enumerate(prompts):
-        for c in (sizes if i % 2 == 0 else sizes[::-1]):
-            runs[c].append(timed(engines[c], prompt, params))
+    outs, walls = interleaved({c: (lambda i, e=engines[c]: e.generate([prompts[i]], params)[0]) for c in sizes},
+                              len(prompts))
+    runs = {c: [{"s": s, "tokens": len(o.token_ids), "tau": o.stats.tau, "token_ids": o.token_ids}
+                for o, s in zip(outs[c], walls[c])] for c in sizes}
     base, ctx = runs[0], runs[a.context_vocab]
     ratios = [(b["s"] / b["tokens"]) / (x["s"] / x["tokens"]) for b, x in zip(base, ctx)]
     summary = {str(c): {"tokens_per_s": sum(r["tokens"] for r in rs) / sum(r["s"] for r in rs),

@@ -8,6 +8,7 @@ import math
 import resource
 import statistics
 import time
+from typing import Callable
 
 import torch
 
@@ -55,6 +56,22 @@ def hf_logits_fn(hf):
     return fn
 
 
+def interleaved(runs: dict[str, Callable[[int], object]], n: int) -> tuple[dict[str, list], dict[str, list[float]]]:
+    """Times every run on items ``0..n-1`` item by item, the runs in turn and in reverse order every other item
+    (A B C, C B A), so a slow stretch of a shared machine lands on every run alike and each item's ratio compares
+    neighbouring timings. ``runs[name](i)`` does run ``name`` on item ``i``; returns outputs and wall seconds per
+    run."""
+    names = list(runs)
+    outs: dict[str, list] = {m: [] for m in names}
+    walls: dict[str, list[float]] = {m: [] for m in names}
+    for i in range(n):
+        for m in names if i % 2 == 0 else names[::-1]:
+            t0 = time.perf_counter()
+            outs[m].append(runs[m](i))
+            walls[m].append(time.perf_counter() - t0)
+    return outs, walls
+
+
 def measure(engine, records: list[dict], a) -> dict:
     """One configuration over prompt records: speculative vs plain (and transformers ``generate``), at batch 1
     prompt by prompt (or at ``a.batch_size`` over the whole set), greedy checks, time split. ``a`` holds the
@@ -87,23 +104,17 @@ def measure(engine, records: list[dict], a) -> dict:
             if m == "spec":
                 c = dict(engine.counters)
     else:
-        # prompt by prompt, the modes in turn and in reverse order every other prompt (A B C, C B A): a slow
-        # stretch of a shared machine then lands on every mode alike, and each prompt's ratio compares
-        # neighbouring timings
         c = dict.fromkeys(engine.counters, 0.0)
-        for i, prompt in enumerate(prompts):
-            for m in modes if i % 2 == 0 else modes[::-1]:
-                before = dict(engine.counters)
-                t0 = time.perf_counter()
-                if m == "hf":
-                    got = hf_generate(engine.encode(prompt))
-                else:
-                    got = engine.generate([prompt], params, speculative=m == "spec")[0]
-                walls[m].append(time.perf_counter() - t0)
-                outs[m].append(got)
-                if m == "spec":  # the time split and verify counters describe the speculative runs only
-                    for k in c:
-                        c[k] += engine.counters[k] - before[k]
+
+        def spec_run(i: int):  # the time split and verify counters describe the speculative runs only
+            before = dict(engine.counters)
+            out = engine.generate([prompts[i]], params)[0]
+            for k in c:
+                c[k] += engine.counters[k] - before[k]
+            return out
+        runs = {"spec": spec_run, "plain": lambda i: engine.generate([prompts[i]], params, speculative=False)[0],
+                "hf": lambda i: hf_generate(engine.encode(prompts[i]))}
+        outs, walls = interleaved({m: runs[m] for m in modes}, len(prompts))
     spec, spec_wall = outs["spec"], walls["spec"]
     plain, plain_wall = (outs["plain"], walls["plain"]) if not a.skip_plain else (spec, spec_wall)
     rows = []

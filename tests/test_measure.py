@@ -1,7 +1,7 @@
 """What the measuring command counts as a near-tie when greedy outputs first differ."""
 import torch
 
-from eagle_ray.measure import divergence, near_tie, ulp
+from eagle_ray.measure import divergence, interleaved, near_tie, ulp
 
 
 def test_a_dtype_unit_is_the_spacing_of_its_values_at_that_size():
@@ -26,6 +26,14 @@ def test_a_divergence_reports_the_reference_gap_where_outputs_first_differ():
     d = divergence(lambda ids: logits, [1, 2], [7, 3, 5], [7, 4, 5])
     assert d == {"index": 1, "gap": 0.5, "top_logit": 12.0, "ref_token": 3, "got_token": 4}
     assert divergence(lambda ids: logits, [1], [7, 3], [7, 3]) is None
+
+
+def test_interleaved_runs_take_turns_item_by_item_and_flip_the_order_every_other_item():
+    calls = []
+    outs, walls = interleaved({m: (lambda i, m=m: calls.append((m, i)) or f"{m}{i}") for m in "AB"}, 3)
+    assert calls == [("A", 0), ("B", 0), ("B", 1), ("A", 1), ("A", 2), ("B", 2)]
+    assert outs == {"A": ["A0", "A1", "A2"], "B": ["B0", "B1", "B2"]}
+    assert [len(w) for w in walls.values()] == [3, 3] and all(t >= 0 for w in walls.values() for t in w)
 
 
 def test_at_batch_1_the_modes_take_turns_prompt_by_prompt_and_agree(tiny_dir, tiny_hf, tiny_head, monkeypatch):

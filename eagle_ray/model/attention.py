@@ -133,7 +133,7 @@ def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     rep = H // Hkv
     mask = mask.unsqueeze(2).expand(B, 1, rep, T, L).reshape(B, 1, rep * T, L)
     out = F.scaled_dot_product_attention(q.reshape(B, Hkv, rep * T, D), k, v, attn_mask=mask, scale=scale)
-    return out.view(B, H, T, D)
+    return out.reshape(B, H, T, D)  # CUDA kernels may return it strided
 
 
 GEMM_ROWS = 4

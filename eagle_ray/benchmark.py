@@ -116,7 +116,7 @@ def run_cell(engine, method: str, task: str, records: list[dict], temperature: f
 def run_benchmark(engine, spec: BenchmarkSpec, log=print) -> tuple[list[dict], dict]:
     """All cells of ``spec`` on ``engine``. Returns (rows, extras) where extras hold the calibration table, the
     tau-vs-budget curve (simulated from the traced EAGLE-2 trees) and the engine's tree choice."""
-    from eagle_ray.model.device import cpu_model
+    from eagle_ray.model.device import cpu_model, device_name
     datasets = [load_dataset(t) for t in spec.tasks]
     hf = engine.reference_model() if "hf" in spec.methods else None
     trace = TreeTrace()
@@ -142,7 +142,8 @@ def run_benchmark(engine, spec: BenchmarkSpec, log=print) -> tuple[list[dict], d
               "calibration": trace.calibration() if len(trace) else [],
               "tau_vs_budget": budget_curve(trace) if len(trace) else [],
               "engine": {"dtype": str(engine.target.dtype).replace("torch.", ""), "device": str(engine.device),
-                         "cpu": cpu_model(), "threads": torch.get_num_threads(), "tree": engine.config.speculation.tree.model_dump(),
+                         "device_name": device_name(engine.device), "cpu": cpu_model(),
+                         "threads": torch.get_num_threads(), "tree": engine.config.speculation.tree.model_dump(),
                          "trees_by_batch": engine.tree_summary().get("trees_by_batch", {}),
                          "measured_choice": engine.tree_summary().get("measured", {})},
               "tuning": engine.tuning.to_dict() if getattr(engine, "tuning", None) else None,

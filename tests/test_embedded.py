@@ -76,3 +76,21 @@ def test_self_distillation_appends_answers_that_stop_at_their_first_repeat(tmp_p
     assert generate(tmp_path / "set", max_batch_size=4, max_new_tokens=cap, limit=2, stop_repeat_ngram=n,
                     log=lambda m: None) == 2
     assert load_answers(tmp_path / "set").num_rows == 8
+
+
+def test_prompts_exported_as_token_ids_are_answered_as_the_source_itself_would_be(tmp_path):
+    """A GPU machine has neither the ShareGPT wheel nor the target's package: the prompts travel as token ids
+    (export_prompts) and are answered there (source="prompt-file") into the same rows, ids and manifest text as
+    answering the source here; a deadline keeps only finished answers, so the rest are asked again next run."""
+    from eagle_ray.train.selfdistill import export_prompts, generate, load_answers, read_manifest
+
+    assert export_prompts(tmp_path / "prompts.parquet", skip_sets=None, limit=3) == 3
+    kw = dict(max_batch_size=3, max_new_tokens=16, skip_sets=None, log=lambda m: None)
+    assert generate(tmp_path / "here", limit=3, **kw) == 3
+    assert generate(tmp_path / "there", source="prompt-file", prompt_file=tmp_path / "prompts.parquet", **kw) == 3
+    here, there = (load_answers(tmp_path / d).sort_by("id").drop_columns(["set"]).to_pylist()
+                   for d in ("here", "there"))
+    assert here == there and [r["id"] for r in here] == ["sharegpt-0", "sharegpt-1", "sharegpt-2"]
+    assert read_manifest(tmp_path / "there")["what"] == read_manifest(tmp_path / "here")["what"]
+    assert generate(tmp_path / "late", source="prompt-file", prompt_file=tmp_path / "prompts.parquet",
+                    max_seconds=0, **kw) == 0

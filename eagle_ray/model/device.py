@@ -39,6 +39,12 @@ def cpu_model() -> str:
     return f"{name}{' (native bf16)' if cpu_has_fast_bf16() else ''}"
 
 
+def device_name(device) -> str:
+    """The accelerator's model name (``NVIDIA H200``) or, on CPU, ``cpu_model()``: results name the hardware."""
+    device = torch.device(device)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
+
+
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" or cpu_has_fast_bf16() else torch.float32

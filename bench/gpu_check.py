@@ -78,8 +78,11 @@ def build_engine(shape: str, device, dtype, max_batch_size: int, max_model_len: 
     return EagleEngine(target, head, word_tokenizer(cfg.vocab_size), config)
 
 
-def decode_step_probe(engine, batch: int) -> dict:
-    """Host reads and the non-forward share of decode-only steps at ``batch`` (random prompts, 16 steps)."""
+def decode_step_probe(engine, batch: int, profile: bool = False) -> dict:
+    """Host reads and the non-forward share of decode-only steps at ``batch`` (random prompts, 16 steps); with
+    ``profile``, torch.profiler's table of those steps (top operators by device time, then by host time)."""
+    import contextlib
+
     import torch
 
     from eagle_ray.config import SamplingParams
@@ -96,15 +99,24 @@ def decode_step_probe(engine, batch: int) -> dict:
     for k in ("decode_step_s", "decode_forward_s"):
         engine.counters[k] = 0.0
     engine.runner.profile = True     # synchronised phase times (on CUDA), for this probe only
-    for _ in range(16):
-        engine.step()
+    activities = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+    with (torch.profiler.profile(activities=activities) if profile else contextlib.nullcontext()) as prof:
+        for _ in range(16):
+            engine.step()
     engine.runner.profile = False
     while engine.has_unfinished():
         engine.step()
     c = engine.counters
-    return {"host_reads": reads.count, "read_sites": reads.by_site(),
-            "step_ms": 1e3 * c["decode_step_s"] / 16,
-            "non_forward_fraction": 1 - c["decode_forward_s"] / c["decode_step_s"] if c["decode_step_s"] else 0.0}
+    out = {"host_reads": reads.count, "read_sites": reads.by_site(),
+           "step_ms": 1e3 * c["decode_step_s"] / 16,
+           "non_forward_fraction": 1 - c["decode_forward_s"] / c["decode_step_s"] if c["decode_step_s"] else 0.0}
+    if profile:
+        table = prof.key_averages()
+        out["profile"] = {key: table.table(sort_by=key, row_limit=25).splitlines()
+                          for key in (["self_cuda_time_total"] if engine.device.type == "cuda" else [])
+                          + ["self_cpu_time_total"]}
+    return out
 
 
 def greedy_equality(engine, n: int, tokens: int) -> dict:
@@ -139,7 +151,7 @@ def check_shape(shape: str, device, dtype, a) -> dict:
     out = {"build_s": time.perf_counter() - t0, "numerics": asdict(engine.target.numerics)}
     out["verify_ms"] = {b: {w: 1e3 * verify_seconds(engine, b, w) for w in a.widths} for b in a.batches}
     out["draft_tree_ms"] = {b: {d: 1e3 * draft_seconds(engine, b, d, 8) for d in a.depths} for b in a.batches}
-    out["decode_step"] = {b: decode_step_probe(engine, b) for b in (1, 8) if b <= max(a.batches)}
+    out["decode_step"] = {b: decode_step_probe(engine, b, a.profile) for b in (1, 8) if b <= max(a.batches)}
     out["greedy"] = greedy_equality(engine, a.prompts, a.tokens)
     if device.type == "cuda":
         out["peak_memory_mib"] = torch.cuda.max_memory_allocated() / 2**20
@@ -159,22 +171,24 @@ def main(argv=None) -> dict:
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--profile", action="store_true", help="add torch.profiler tables of the decode-step probe")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     a.batches, a.widths, a.depths = ([int(x) for x in v.split(",")] for v in (a.batches, a.widths, a.depths))
 
     import torch
+    import transformers
 
     from eagle_ray.model.device import cpu_model
     device, dtype = torch.device(a.device), getattr(torch, a.dtype)
     result = {"command": "bench/gpu_check.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "cpu": cpu_model(),
-              "torch": torch.__version__, "dtype": a.dtype, "shapes": {}}
+              "torch": torch.__version__, "transformers": transformers.__version__, "dtype": a.dtype, "shapes": {}}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     for shape in a.shapes.split(","):
         result["shapes"][shape] = check_shape(shape, device, dtype, a)
         print(shape, json.dumps({k: v for k, v in result["shapes"][shape].items() if k != "verify_ms"}), flush=True)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=2))
+        Path(a.out).write_text(json.dumps(result, indent=2))   # after every shape: a run cut short keeps its shapes
     return result
 
 

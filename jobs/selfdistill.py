@@ -46,10 +46,14 @@ def main(argv=None) -> int:
     p.add_argument("--limit", type=int, default=None, help="answers to write in this run (default: all prompts)")
     a = p.parse_args(argv)
     if a.export_prompts:
+        if a.source == "prompt-file":
+            p.error("--export-prompts exports from sharegpt or python-functions, not from a prompt file")
         n = export_prompts(a.export_prompts, source=a.source, second_turns=a.second_turns, skip_sets=a.skip_sets,
                            limit=a.limit)
         print(f"wrote {n} prompts to {a.export_prompts}")
         return 0
+    if a.source == "prompt-file" and not a.prompt_file:
+        p.error("--source prompt-file needs --prompt-file")
     n = generate(a.set_dir, max_batch_size=a.batch_size, max_new_tokens=a.max_new_tokens, dtype=a.dtype,
                  threads=a.threads, shard_rows=a.shard_rows, limit=a.limit, skip_sets=a.skip_sets,
                  stop_repeat_ngram=a.stop_repeat_ngram, second_turns=a.second_turns, source=a.source,

@@ -85,6 +85,7 @@ def test_prompts_exported_as_token_ids_are_answered_as_the_source_itself_would_b
     from eagle_ray.train.selfdistill import export_prompts, generate, load_answers, read_manifest
 
     assert export_prompts(tmp_path / "prompts.parquet", skip_sets=None, limit=3) == 3
+    assert export_prompts(tmp_path / "none.parquet", skip_sets=None, limit=0) == 0
     kw = dict(max_batch_size=3, max_new_tokens=16, skip_sets=None, log=lambda m: None)
     assert generate(tmp_path / "here", limit=3, **kw) == 3
     assert generate(tmp_path / "there", source="prompt-file", prompt_file=tmp_path / "prompts.parquet", **kw) == 3

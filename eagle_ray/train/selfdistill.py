@@ -142,7 +142,7 @@ def source_prompts(source: str, second_turns: bool = False, prompt_file: str | P
         made = json.loads(meta)
         what = made.get("what", f"prompts of {Path(prompt_file).name}")
         ids = made.get("ids", "the prompt file's ids")
-        chosen = made.get("chosen", "as listed in the prompt file") + " (exported token ids, answered in file order)"
+        chosen = made.get("chosen", "as listed in the prompt file") + " (exported as token ids)"
         prompts = prompt_file_prompts(prompt_file)
     else:
         raise ValueError(f"source {source!r}: 'sharegpt', 'python-functions' or 'prompt-file'")
@@ -175,13 +175,13 @@ def export_prompts(out: str | Path, *, source: str = "sharegpt", second_turns: b
     what, id_scheme, chosen, prompts = source_prompts(source, second_turns)
     rows = []
     for p in prompts:
+        if limit is not None and len(rows) >= limit:
+            break
         if p.id in skip:
             continue
         ids = codec.encode(p.messages)
         if len(ids) <= max_prompt_tokens:
             rows.append((p.id, ids))
-        if limit is not None and len(rows) >= limit:
-            break
     made = {"what": what, "ids": id_scheme, "chosen": f"{chosen}; ids already answered skipped"}
     table = pa.table({"id": pa.array([r[0] for r in rows], pa.string()),
                       "prompt_ids": pa.array([r[1] for r in rows], pa.list_(pa.int32()))})
@@ -191,10 +191,12 @@ def export_prompts(out: str | Path, *, source: str = "sharegpt", second_turns: b
     return len(rows)
 
 
-def answered_ids(root: str | Path) -> set[str]:
-    """Every id answered in any set under ``root``."""
+def answered_ids(root: str | Path, exclude: str | Path | None = None) -> set[str]:
+    """Every id answered in any set under ``root`` but ``exclude`` (the set being written: its own ids come from its
+    manifest, so a shard orphaned by a killed run is answered again and overwritten)."""
     import pyarrow.parquet as pq
-    return {i for d in set_dirs(root) for f in Path(d).glob("answers-*.parquet")
+    skip = Path(exclude).resolve() if exclude else None
+    return {i for d in set_dirs(root) if Path(d).resolve() != skip for f in Path(d).glob("answers-*.parquet")
             for i in pq.read_table(f, columns=["id"])["id"].to_pylist()}
 
 
@@ -322,12 +324,13 @@ def generate(set_dir: str | Path, *, max_batch_size: int = 48, max_new_tokens: i
     from eagle_ray.engine.engine import EagleEngine
     from eagle_ray.model.device import cpu_model, device_name
 
+    what, ids, chosen, prompts_in = source_prompts(source, second_turns, prompt_file)  # a bad source fails here
     engine = EagleEngine.from_pretrained(target, draft="none", dtype=dtype, device=device,
                                          max_batch_size=max_batch_size, max_model_len=max_model_len, threads=threads)
     on_gpu = engine.device.type == "cuda"
-    what, ids, chosen, prompts_in = source_prompts(source, second_turns, prompt_file)
     settings = {
-        "what": f"{what} answered greedily by the embedded target (SmolLM2-135M-Instruct), as token ids",
+        "what": f"{what} answered greedily by " + ("the embedded target (SmolLM2-135M-Instruct)" if target is None
+                                                     else f"the target {Path(target).name}") + ", as token ids",
         "columns": {"id": ids,
                     "prompt_ids": "the target's chat template (default system prompt) with add_generation_prompt",
                     "answer_ids": f"greedy continuation; ends with the EOS token unless cut at {max_new_tokens} "
@@ -348,7 +351,7 @@ def generate(set_dir: str | Path, *, max_batch_size: int = 48, max_new_tokens: i
     writer = ShardWriter(set_dir, settings)
     skip = writer.done_ids()
     if skip_sets:
-        skip |= answered_ids(skip_sets)
+        skip |= answered_ids(skip_sets, exclude=writer.dir)
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
     eos = engine.eos_ids
     prompts = (p for p in prompts_in if p.id not in skip)

@@ -95,3 +95,16 @@ def test_prompts_exported_as_token_ids_are_answered_as_the_source_itself_would_b
     assert read_manifest(tmp_path / "there")["what"] == read_manifest(tmp_path / "here")["what"]
     assert generate(tmp_path / "late", source="prompt-file", prompt_file=tmp_path / "prompts.parquet",
                     max_seconds=0, **kw) == 0
+
+
+def test_a_prompt_longer_than_the_context_is_skipped_not_fatal(tmp_path, monkeypatch):
+    """Second turns carry their first exchange, and some outgrow the context: such a prompt is skipped like one over
+    ``max_prompt_tokens``, and the run goes on to the next."""
+    from eagle_ray.train import selfdistill
+
+    prompts = [selfdistill.Prompt("long", [{"role": "user", "content": "word " * 400}]),
+               selfdistill.Prompt("short", [{"role": "user", "content": "Say hi."}])]
+    monkeypatch.setattr(selfdistill, "sharegpt_prompts", lambda **kw: iter(prompts))
+    assert selfdistill.generate(tmp_path / "set", max_batch_size=2, max_new_tokens=8, max_model_len=256,
+                                skip_sets=None, log=lambda m: None) == 1
+    assert selfdistill.load_answers(tmp_path / "set")["id"].to_pylist() == ["short"]

@@ -322,6 +322,7 @@ def generate(set_dir: str | Path, *, max_batch_size: int = 48, max_new_tokens: i
 
     from eagle_ray.config import SamplingParams
     from eagle_ray.engine.engine import EagleEngine
+    from eagle_ray.errors import PromptTooLongError
     from eagle_ray.model.device import cpu_model, device_name
 
     what, ids, chosen, prompts_in = source_prompts(source, second_turns, prompt_file)  # a bad source fails here
@@ -366,7 +367,10 @@ def generate(set_dir: str | Path, *, max_batch_size: int = 48, max_new_tokens: i
         batch = []
         room = window if limit is None else min(window, limit - queued)
         for p in prompts:
-            ids = p.ids if p.ids is not None else engine.encode(p.messages)
+            try:
+                ids = p.ids if p.ids is not None else engine.encode(p.messages)
+            except PromptTooLongError:   # longer than the context: skipped, as prompts over max_prompt_tokens are
+                continue
             if len(ids) <= max_prompt_tokens:
                 batch.append((p.id, ids))
             if len(batch) >= room:

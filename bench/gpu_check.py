@@ -179,10 +179,10 @@ def main(argv=None) -> dict:
     import torch
     import transformers
 
-    from eagle_ray.model.device import cpu_model
+    from eagle_ray.model.device import cpu_model, device_name
     device, dtype = torch.device(a.device), getattr(torch, a.dtype)
     result = {"command": "bench/gpu_check.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "cpu": cpu_model(),
+              "device": device_name(device), "cpu": cpu_model(),
               "torch": torch.__version__, "transformers": transformers.__version__, "dtype": a.dtype, "shapes": {}}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     for shape in a.shapes.split(","):

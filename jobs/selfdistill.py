@@ -49,7 +49,7 @@ def main(argv=None) -> int:
         if a.source == "prompt-file":
             p.error("--export-prompts exports from sharegpt or python-functions, not from a prompt file")
         n = export_prompts(a.export_prompts, source=a.source, second_turns=a.second_turns, skip_sets=a.skip_sets,
-                           limit=a.limit)
+                           limit=a.limit, target=a.target)
         print(f"wrote {n} prompts to {a.export_prompts}")
         return 0
     if a.source == "prompt-file" and not a.prompt_file:

@@ -4,6 +4,9 @@ r"""Train an EAGLE-1/2 or EAGLE-3 head on extracted features (see jobs/extract_f
     (kill it, run the same command again: it continues from runs/head/checkpoint.pt)
     python jobs/train_drafter.py --head-type eagle3 --features /data/features3 --out runs/head3 \
         --unroll-steps 7 --unroll-weight 0.8          # features extracted with `eagle-ray extract --eagle3`
+    python jobs/train_drafter.py --answers selfdistill --device cuda --out runs/gpu --time-budget-s 300
+        # on a GPU: the target's states for every committed self-distilled answer are computed in memory
+        # (minutes, no feature files), then the schedule is fitted to 5 minutes of training
 
 An EAGLE-3 head starts with the target's final norm and lm_head rows as its scorer (``--lm-head-init target``;
 ``random`` as the reference does).
@@ -45,9 +48,36 @@ def load_features(features_dirs: list[str], limit_tokens: int | None = None) -> 
     return convs
 
 
+def states_in_memory(sources: list[str], target: str | None, dtype: str, threads: int | None, device: str,
+                     batch_tokens: int, eagle3: bool, max_len: int, limit: int | None):
+    """(target, conversations with the target's states) for self-distilled answer sets, computed on ``device``
+    and kept there (see ``extract.conversations_in_memory``); the target is returned on the CPU for its lm_head."""
+    from eagle_ray.model.eagle3_head import capture_layers
+    from eagle_ray.train.extract import conversations_in_memory, load_target
+    model, tokenizer = load_target(target, dtype, threads, device=device)
+    capture = capture_layers(model.config.num_hidden_layers) if eagle3 else None
+    t0, convs = time.time(), []
+    for source in sources:
+        convs += conversations_in_memory(model, tokenizer, source, max_len, capture, batch_tokens, device,
+                                         limit=limit, log=lambda m: print(f"{source}: {m}", flush=True))
+    print(f"target states of {len(convs)} conversations in {time.time() - t0:.0f} s", flush=True)
+    return model.to("cpu"), convs
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--features", required=True, nargs="+", help="one or more feature shard directories")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--features", nargs="+", help="one or more feature shard directories")
+    src.add_argument("--answers", nargs="+", help="self-distilled answer sets (a set directory, their root, or "
+                     "'selfdistill' for every committed set): the target's states are computed in memory on "
+                     "--device first, instead of read from feature shards")
+    p.add_argument("--batch-tokens", type=int, default=65536,
+                   help="--answers: padded tokens per target forward (conversations of similar length together)")
+    p.add_argument("--target-dtype", default="float32", help="--answers: the target's dtype for its states")
+    p.add_argument("--limit-conversations", type=int, default=None, help="--answers: the first N of each source")
+    p.add_argument("--matmul-precision", choices=["highest", "high", "medium"], default="highest",
+                   help="torch.set_float32_matmul_precision: 'high' lets a GPU run fp32 products as TF32 (the "
+                   "target's states and the head's training, several times faster there; no effect on a CPU)")
     p.add_argument("--out", required=True)
     p.add_argument("--target", default=None, help="target checkpoint (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--threads", type=int, default=None)
@@ -73,15 +103,18 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
+    torch.set_float32_matmul_precision(a.matmul_precision)
     cfg = TrainConfig(**{f.name: (bool(getattr(a, f.name)) if f.type == "bool" else getattr(a, f.name))
                          for f in fields(TrainConfig)})
-    from transformers import AutoModelForCausalLM
-
-    target_dir = resolve_target(a.target)
-    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32)
-    lm_weight = target.lm_head.weight.detach()
+    if a.answers:
+        target, convs = states_in_memory(a.answers, a.target, a.target_dtype, a.threads, cfg.device,
+                                         a.batch_tokens, a.head_type == "eagle3", cfg.max_len, a.limit_conversations)
+    else:
+        from transformers import AutoModelForCausalLM
+        target = AutoModelForCausalLM.from_pretrained(str(resolve_target(a.target)), dtype=torch.float32)
+        convs = load_features(a.features, a.limit_tokens)
+    lm_weight = target.lm_head.weight.detach().float()
     eos_id = target.config.eos_token_id
-    convs = load_features(a.features, a.limit_tokens)
     n_tokens = sum(len(c["input_ids"]) for c in convs)
     n_target = sum(int(c["loss_mask"].sum()) for c in convs)
     print(f"{len(convs)} conversations, {n_tokens} tokens ({n_target} assistant tokens)", flush=True)
@@ -126,7 +159,8 @@ def main(argv=None) -> int:
             "steps": state["step"], "epochs_completed": state["epoch"], "finished": done,
             "history": state["history"], "wall_s_this_run": time.time() - t0,
             "token_map_size": a.token_map_size, "kept_token_map": a.keep_token_map, "init": a.init,
-            "features": a.features, "head_type": a.head_type,
+            "features": a.features or [f"answers (states computed in memory): {s}" for s in a.answers],
+            "head_type": a.head_type, "device": cfg.device,
             "token_map_coverage": coverage(convs, draft_vocab, vocab_size) if a.token_map_size else 1.0}
     (out / "head" / "training.json").write_text(json.dumps(card, indent=2))
     print(json.dumps(card["history"][-1:] or card, indent=1))

@@ -305,3 +305,76 @@ def test_code_prompts_are_documented_functions_with_their_bodies_left_out(tmp_pa
     assert instruction in CODE_INSTRUCTIONS and got[1].messages[0]["role"] == "user"
     assert code == f'def area(self):\n    """{doc}"""\n'
     assert [p.messages for p in python_function_prompts({"lib": tmp_path})] == [p.messages for p in got]
+
+
+def test_conversations_of_different_lengths_run_together_get_the_states_each_gets_alone(tiny_hf):
+    """Extraction batches conversations by length (right-padded); causal attention keeps every conversation's
+    final states and EAGLE-3 layer inputs those of a forward of its own, and each comes back in input order."""
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(3, tiny_hf.config.vocab_size, (n,), generator=g).tolist() for n in (5, 17, 9, 3, 17, 11)]
+    alone = extract.target_states(tiny_hf, seqs, capture=(0, 1), batch_tokens=0)
+    together = extract.target_states(tiny_hf, seqs, capture=(0, 1), batch_tokens=40)
+    assert extract.length_batches([len(s) for s in seqs], 40) == [[3, 0, 2], [5, 1], [4]]
+    for s, (h1, a1), (h2, a2) in zip(seqs, alone, together):
+        assert h1.shape == (len(s), tiny_hf.config.hidden_size) and a1.shape == (len(s), 2 * tiny_hf.config.hidden_size)
+        torch.testing.assert_close(h2, h1, rtol=1e-2, atol=1e-2)  # bf16 storage: at most one unit apart
+        torch.testing.assert_close(a2, a1, rtol=1e-2, atol=1e-2)
+
+
+def test_a_time_budget_fits_the_schedule_to_the_pace_and_a_resumed_run_keeps_it(tiny_hf, tmp_path):
+    """time_budget_s: twenty steps are timed from the tenth, the total is fitted to the budget (95% of it, less the
+    held-out evaluations' share) and kept in the checkpoint; killed and resumed, the run ends at the same weights."""
+    convs = self_distilled_convs(tiny_hf, n=32, new_tokens=20)
+    lm = tiny_hf.lm_head.weight.detach()
+    import math
+
+    from eagle_ray.train.trainer import make_batches
+    cfg = TrainConfig(lr=1e-3, warmup_steps=5, epochs=20, tokens_per_step=128, checkpoint_every=4,
+                      eval_fraction=0.1, time_budget_s=100.0)
+
+    def clock():  # one second a call; train calls it once at its start and once a step while it times
+        clock.now += 1.0
+        return clock.now
+
+    clock.now = 0.0
+    straight = fresh_head(tiny_hf)
+    s1 = train(convs, straight, lm, tmp_path / "a", cfg, log=lambda *_: None, clock=clock)
+    # at step 30, 21 s after the start, steps 10..30 took 20 s: 1 s a step; 95 s - 21 s leaves 74 s, less half a
+    # step for each of the 3 held-out conversations at each epoch's end
+    per_epoch = len(make_batches([len(c["input_ids"]) for c in convs[3:]], 128, 0, 0))
+    total = 30 + int(74 - (1 + math.ceil(74 / per_epoch)) * 3 * 0.5)
+    assert s1["total"] == s1["step"] == total and 50 < total < per_epoch * 20
+    assert s1["history"][-1]["step"] == total and "eval_top1" in s1["history"][-1]
+    clock.now = 0.0
+    interrupted = fresh_head(tiny_hf)
+    train(convs, interrupted, lm, tmp_path / "b", cfg, max_steps=45, log=lambda *_: None, clock=clock)
+    resumed = fresh_head(tiny_hf)
+    s2 = train(convs, resumed, lm, tmp_path / "b", cfg, log=lambda *_: None, clock=clock)  # from step 44
+    assert s2["total"] == s2["step"] == total and s1["history"] == s2["history"]
+    for (k, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
+        assert torch.equal(a, b), k
+
+
+def test_train_job_computes_the_target_states_of_answer_sets_in_memory(tiny_dir, tiny_hf, tmp_path):
+    """jobs/train_drafter.py --answers SET: no feature files; the conversations are the set's prompt + answer ids
+    with the answer scored, and the head trains on them as on extracted features."""
+    import runpy
+    from pathlib import Path
+
+    from eagle_ray.train.selfdistill import ShardWriter
+
+    g = torch.Generator().manual_seed(3)
+    rows = [{"id": f"p{i}", "prompt_ids": torch.randint(3, 60, (4 + i % 3,), generator=g).tolist(),
+             "answer_ids": torch.randint(3, 60, (6 + i % 5,), generator=g).tolist(), "eos": False} for i in range(20)]
+    ShardWriter(tmp_path / "set", {"what": "test answers"}).write(rows)
+    main = runpy.run_path(str(Path(__file__).parents[1] / "jobs" / "train_drafter.py"))["main"]
+    out = tmp_path / "run"
+    assert main(["--answers", str(tmp_path / "set"), "--out", str(out), "--target", str(tiny_dir), "--epochs", "1",
+                 "--token-map-size", "0", "--tokens-per-step", "64", "--eval-fraction", "0.1",
+                 "--batch-tokens", "64"]) == 0
+    card = json.loads((out / "head" / "training.json").read_text())
+    assert card["conversations"] == 20 and card["finished"] and card["device"] == "cpu"
+    assert card["tokens"] == sum(len(r["prompt_ids"]) + len(r["answer_ids"]) for r in rows)
+    assert card["assistant_tokens"] == sum(len(r["answer_ids"]) for r in rows)
+    assert card["history"][-1]["eval_tokens"] == sum(len(r["answer_ids"]) for r in rows[:2])
+    DraftHead.load(out / "head", tiny_hf.config, tiny_hf.model.embed_tokens.weight)

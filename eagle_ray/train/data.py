@@ -103,5 +103,5 @@ def thin_repeats(input_ids, loss_mask, keep: float, n: int = 32, seed: int = 0):
     if keep >= 1.0 or not rep.any():
         return loss_mask
     gen = torch.Generator().manual_seed(seed * 1000003 + len(input_ids))
-    drop = rep & (torch.rand(len(input_ids), generator=gen) >= keep)
+    drop = (rep & (torch.rand(len(input_ids), generator=gen) >= keep)).to(loss_mask.device)
     return torch.where(drop, torch.zeros_like(loss_mask), loss_mask)

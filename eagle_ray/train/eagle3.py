@@ -21,12 +21,12 @@ def collate(convs: list[dict], idx: list[int], max_len: int):
     """Pad a batch: tokens x[1..n), fused states aux[0..n-1), the target's final states h[1..n) (its distribution
     of the token after the next), and the mask of assistant positions."""
     n = min(max(len(convs[i]["input_ids"]) for i in idx), max_len)
-    B = len(idx)
+    B, dev = len(idx), convs[idx[0]]["hidden"].device
     d_aux, d = convs[idx[0]]["aux"].shape[-1], convs[idx[0]]["hidden"].shape[-1]
-    tokens = torch.zeros(B, n - 1, dtype=torch.long)
-    feats = torch.zeros(B, n - 1, d_aux)
-    target = torch.zeros(B, n - 1, d)
-    mask = torch.zeros(B, n - 1)
+    tokens = torch.zeros(B, n - 1, dtype=torch.long, device=dev)
+    feats = torch.zeros(B, n - 1, d_aux, device=dev)
+    target = torch.zeros(B, n - 1, d, device=dev)
+    mask = torch.zeros(B, n - 1, device=dev)
     for b, i in enumerate(idx):
         c = convs[i]
         m = min(len(c["input_ids"]), n)
@@ -44,7 +44,7 @@ def unrolled(head, tokens: torch.Tensor, feats: torch.Tensor, steps: int) -> lis
     layer = head.midlayer
     attn = layer.self_attn
     first = head.fc(feats.to(head.fc.weight.dtype))
-    cos, sin = head.rotary_emb(first, torch.arange(T).unsqueeze(0).expand(B, T))
+    cos, sin = head.rotary_emb(first, torch.arange(T, device=tokens.device).unsqueeze(0).expand(B, T))
     emb_normed = layer.input_layernorm(emb)
     keys, values, outs, inp = [], [], [], first
     for s in range(steps):
@@ -62,11 +62,11 @@ def losses(head, lm_weight: torch.Tensor, batch, cfg, gen: torch.Generator | Non
     shape as the EAGLE-2 losses (feature loss 0) so the trainer's loop serves both heads."""
     tokens, feats, target, mask = batch
     steps = steps or cfg.unroll_steps
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
+    with torch.autocast(feats.device.type, dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
         preds = unrolled(head, tokens, feats, steps)
     sel = mask.bool()
     if train and cfg.ce_fraction < 1.0:
-        sel = sel & (torch.rand(mask.shape, generator=gen) < cfg.ce_fraction)
+        sel = sel & (torch.rand(mask.shape, generator=gen, device=mask.device) < cfg.ce_fraction)
     vocab = head.draft_to_target
     with torch.no_grad():
         full = target[sel] @ lm_weight.T

@@ -25,7 +25,11 @@ def shard_name(index: int) -> str:
 
 def read_shard(path: str | Path) -> list[dict]:
     """Shard -> list of {input_ids, loss_mask, hidden} per conversation."""
-    t = load_file(str(path))
+    return split_conversations(load_file(str(path)))
+
+
+def split_conversations(t: dict) -> list[dict]:
+    """Shard tensors (as :func:`extract_features` returns them) -> one dict per conversation (views, no copy)."""
     off = t["offsets"].tolist()
     return [{"input_ids": t["input_ids"][a:b].long(), "loss_mask": t["loss_mask"][a:b],
              "hidden": t["hidden"][a:b], "conv_index": int(t["conv_index"][i]),
@@ -43,41 +47,100 @@ def token_ids_and_mask(tokenizer, conv, max_len: int) -> tuple[list[int], list[i
     return tokenize_with_loss_mask(tokenizer, conv, max_len)
 
 
+def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Indices grouped by length so that a batch's padded size (longest x count) stays within ``batch_tokens``;
+    ``batch_tokens <= 0``: one sequence per batch."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches, cur = [], []
+    for i in order:
+        if cur and (batch_tokens <= 0 or lengths[i] * (len(cur) + 1) > batch_tokens):
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    return batches + [cur] if cur else batches
+
+
+@torch.inference_mode()
+def target_states(model, sequences: list[list[int]], capture: tuple[int, ...] | None = None,
+                  batch_tokens: int = 0, out_device="cpu") -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """(final post-norm hidden state, the ``capture`` layers' inputs concatenated or None) per sequence, bf16 on
+    ``out_device``. Sequences of similar length share a forward (``batch_tokens``, right-padded: causal attention
+    keeps a sequence's states independent of the padding after it), which is what makes a GPU fast here."""
+    device = next(model.parameters()).device
+    out: list = [None] * len(sequences)
+    for idx in length_batches([len(s) for s in sequences], batch_tokens):
+        n = max(len(sequences[i]) for i in idx)
+        x = torch.zeros(len(idx), n, dtype=torch.long)
+        for b, i in enumerate(idx):
+            x[b, : len(sequences[i])] = torch.tensor(sequences[i])
+        res = model.model(input_ids=x.to(device), output_hidden_states=bool(capture))
+        hidden = res.last_hidden_state.to(out_device, torch.bfloat16)  # post-norm, = hidden_states[-1]
+        aux = torch.cat([res.hidden_states[i] for i in capture], -1).to(out_device, torch.bfloat16) \
+            if capture else None  # hidden_states[i] is the input of layer i
+        for b, i in enumerate(idx):
+            m = len(sequences[i])
+            out[i] = (hidden[b, :m].clone(), aux[b, :m].clone() if capture else None)
+    return out
+
+
 @torch.inference_mode()
 def extract_features(model, tokenizer, conversations: list[tuple[int, object]], max_len: int,
-                     capture: tuple[int, ...] | None = None) -> dict:
+                     capture: tuple[int, ...] | None = None, batch_tokens: int = 0, out_device="cpu") -> dict:
     """Tensors of one shard for ``conversations`` = [(global index, messages or token ids)]; conversations with no
     learnable token are skipped (recorded nowhere, as they carry no signal). With ``capture`` (an EAGLE-3 head's
-    layers) the shard also holds ``aux``: the inputs of those layers, concatenated, from the same forward."""
-    device = next(model.parameters()).device
-    ids_all, mask_all, hid_all, aux_all, offsets, conv_index = [], [], [], [], [0], []
+    layers) the shard also holds ``aux``: the inputs of those layers, concatenated, from the same forward.
+    ``batch_tokens``: see :func:`target_states` (0, one conversation per forward, suits a CPU)."""
+    rows = []
     for index, conv in conversations:
         ids, mask = token_ids_and_mask(tokenizer, conv, max_len)
-        if sum(mask[1:]) == 0:
-            continue
-        x = torch.tensor([ids], device=device)
-        out = model.model(input_ids=x, output_hidden_states=bool(capture))
-        hidden = out.last_hidden_state[0]  # post-norm, = hidden_states[-1]
-        if capture:  # hidden_states[i] is the input of layer i
-            aux_all.append(torch.cat([out.hidden_states[i][0] for i in capture], -1).to("cpu", torch.bfloat16))
-        ids_all.append(torch.tensor(ids, dtype=torch.int32))
-        mask_all.append(torch.tensor(mask, dtype=torch.uint8))
-        hid_all.append(hidden.to("cpu", torch.bfloat16))
-        offsets.append(offsets[-1] + len(ids))
-        conv_index.append(index)
+        if sum(mask[1:]):
+            rows.append((index, ids, mask))
     d = model.config.hidden_size
-    if not ids_all:
+    if not rows:
         out = {"input_ids": torch.zeros(0, dtype=torch.int32), "loss_mask": torch.zeros(0, dtype=torch.uint8),
                "hidden": torch.zeros(0, d, dtype=torch.bfloat16),
                "offsets": torch.zeros(1, dtype=torch.int64), "conv_index": torch.zeros(0, dtype=torch.int64)}
         if capture:
             out["aux"] = torch.zeros(0, d * len(capture), dtype=torch.bfloat16)
         return out
-    out = {"input_ids": torch.cat(ids_all), "loss_mask": torch.cat(mask_all), "hidden": torch.cat(hid_all),
-           "offsets": torch.tensor(offsets, dtype=torch.int64), "conv_index": torch.tensor(conv_index)}
+    states = target_states(model, [ids for _, ids, _ in rows], capture, batch_tokens, out_device)
+    offsets = [0]
+    for _, ids, _ in rows:
+        offsets.append(offsets[-1] + len(ids))
+    out = {"input_ids": torch.tensor([t for _, ids, _ in rows for t in ids], dtype=torch.int32, device=out_device),
+           "loss_mask": torch.tensor([t for _, _, m in rows for t in m], dtype=torch.uint8, device=out_device),
+           "hidden": torch.cat([h for h, _ in states]),
+           "offsets": torch.tensor(offsets, dtype=torch.int64), "conv_index": torch.tensor([i for i, _, _ in rows])}
     if capture:
-        out["aux"] = torch.cat(aux_all)
+        out["aux"] = torch.cat([a for _, a in states])
     return out
+
+
+def conversations_in_memory(model, tokenizer, source: str | None, max_len: int,
+                            capture: tuple[int, ...] | None = None, batch_tokens: int = 0, device="cpu",
+                            chunk: int = 512, limit: int | None = None, log=print) -> list[dict]:
+    """Every conversation of ``source`` (see :func:`iter_conversations`) with its target states, held in memory on
+    ``device`` instead of written as shards: the form training reads, for a machine that extracts faster than a
+    disk round trip is worth (a GPU: one pass over the committed self-distilled set takes minutes)."""
+    convs, pending, t0, tokens = [], [], time.time(), 0
+
+    def flush():
+        nonlocal tokens
+        t = extract_features(model, tokenizer, pending, max_len, capture, batch_tokens, device)
+        convs.extend(split_conversations(t))
+        tokens += len(t["input_ids"])
+        log(f"{len(convs)} conversations, {tokens} tokens, {tokens / (time.time() - t0):.0f} tok/s")
+        pending.clear()
+    for i, conv in enumerate(iter_conversations(source)):
+        if limit is not None and i >= limit:
+            break
+        if conv is not None:
+            pending.append((i, conv))
+        if len(pending) == chunk:
+            flush()
+    if pending:
+        flush()
+    return convs
 
 
 def write_shard(out_dir: Path, index: int, tensors: dict) -> Path:
@@ -133,15 +196,16 @@ def iter_conversations(source: str | None) -> Iterable[list[dict] | dict | None]
                     yield to_messages(json.loads(line))
 
 
-def load_target(target: str | None, dtype: str, threads: int | None, storage_options: dict | None = None):
-    """(model, tokenizer) of the target for extraction, on CUDA when there is one."""
+def load_target(target: str | None, dtype: str, threads: int | None, storage_options: dict | None = None,
+                device: str | None = None):
+    """(model, tokenizer) of the target for extraction, on ``device`` (default: CUDA when there is one)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from eagle_ray.model.loading import resolve_target
     if threads:
         torch.set_num_threads(threads)
     path = resolve_target(target, storage_options)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
     return model, AutoTokenizer.from_pretrained(path)
 
@@ -171,7 +235,7 @@ def pending_shards(source: str | None, max_conversations: int, shard_size: int, 
 
 def run_local(out_dir: str, target: str | None, source: str | None, max_conversations: int, shard_size: int,
               max_len: int, dtype: str, threads: int, worker: int = 0, num_workers: int = 1,
-              eagle3: bool = False) -> None:
+              eagle3: bool = False, batch_tokens: int = 0) -> None:
     """Single-process extraction; ``workers`` processes split the shards by index. Each shard is written
     atomically, so a killed run restarted with the same arguments writes every conversation exactly once."""
     model, tok = load_target(target, dtype, threads)
@@ -183,7 +247,7 @@ def run_local(out_dir: str, target: str | None, source: str | None, max_conversa
     t0, done_tokens = time.time(), 0
     skip = lambda k: k % num_workers != worker or (out / shard_name(k)).exists()  # noqa: E731
     for shard, batch in pending_shards(source, max_conversations, shard_size, skip):
-        tensors = extract_features(model, tok, batch, max_len, capture)
+        tensors = extract_features(model, tok, batch, max_len, capture, batch_tokens)
         write_shard(out, shard, tensors)
         done_tokens += len(tensors["input_ids"])
         print(f"shard {shard}: {len(batch)} convs, {len(tensors['input_ids'])} tokens, "
@@ -289,9 +353,12 @@ def main(argv=None):
     p.add_argument("--worker", type=int, default=0, help="this process takes shards with index %% workers == worker")
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--eagle3", action="store_true", help="also store the three layer inputs an EAGLE-3 head reads")
+    p.add_argument("--batch-tokens", type=int, default=0,
+                   help="run conversations of similar length together, up to this many (padded) tokens a forward "
+                   "(0: one at a time; use e.g. 65536 on a GPU)")
     a = p.parse_args(argv)
     run_local(a.out, a.target, a.source, a.max_conversations, a.shard_size, a.max_len, a.dtype, a.threads,
-              a.worker, a.workers, a.eagle3)
+              a.worker, a.workers, a.eagle3, a.batch_tokens)
 
 
 if __name__ == "__main__":

@@ -160,16 +160,17 @@ def prompt_file_prompts(path: str | Path) -> Iterator[Prompt]:
 
 def export_prompts(out: str | Path, *, source: str = "sharegpt", second_turns: bool = False,
                    skip_sets: str | Path | None = REPO_DATA, max_prompt_tokens: int = 1500,
-                   limit: int | None = None) -> int:
+                   limit: int | None = None, target: str | None = None) -> int:
     """Write the prompts ``generate`` would answer next (ids in no set under ``skip_sets``), templated and
-    tokenised, to a zstd Parquet file that ``generate(source="prompt-file")`` answers elsewhere. Returns rows."""
+    tokenised by ``target``'s tokenizer (default: the embedded target's), to a zstd Parquet file that
+    ``generate(source="prompt-file", target=...)`` answers elsewhere. Returns rows."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     from transformers import AutoTokenizer
 
     from eagle_ray.engine.text import TextCodec
     from eagle_ray.model.loading import resolve_target
-    tok = AutoTokenizer.from_pretrained(str(resolve_target(None)))
+    tok = AutoTokenizer.from_pretrained(str(resolve_target(target)))
     codec = TextCodec(tok, len(tok))   # the engine's own encoding, so the ids are what generate() would make
     skip = answered_ids(skip_sets) if skip_sets else set()
     what, id_scheme, chosen, prompts = source_prompts(source, second_turns)

@@ -8,7 +8,7 @@ def frequent_tokens(convs: list[dict], vocab_size: int, size: int, always: list[
     """The ``size`` most frequent assistant-written token ids (plus ``always``, e.g. EOS), most frequent first."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for c in convs:
-        ids = c["input_ids"][c["loss_mask"].bool()]
+        ids = c["input_ids"][c["loss_mask"].bool()].cpu()
         counts += torch.bincount(ids, minlength=vocab_size)
     for t in always:
         counts[t] = counts.max() + 1
@@ -21,7 +21,7 @@ def coverage(convs: list[dict], token_map: torch.Tensor, vocab_size: int) -> flo
     inside[token_map] = True
     hit = tot = 0
     for c in convs:
-        ids = c["input_ids"][c["loss_mask"].bool()]
+        ids = c["input_ids"][c["loss_mask"].bool()].cpu()
         hit += int(inside[ids].sum())
         tot += len(ids)
     return hit / max(tot, 1)

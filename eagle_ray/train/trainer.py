@@ -46,6 +46,8 @@ class TrainConfig:
     eval_steps: int = 3            # held-out top-1 is reported for this many unrolled steps
     repeat_keep: float = 1.0       # <1: score only this share of the tokens that repeat an earlier n-gram (loops)
     repeat_ngram: int = 32         # the n of repeat_keep (data.repeated_tokens)
+    device: str = "cpu"            # where the head trains; the conversations' tensors may live there too
+    time_budget_s: float = 0.0     # >0: fit the schedule to this many seconds of training (see train)
 
 
 def make_batches(lengths: list[int], tokens_per_step: int, seed: int, epoch: int) -> list[list[int]]:
@@ -69,11 +71,11 @@ def make_batches(lengths: list[int], tokens_per_step: int, seed: int, epoch: int
 def collate(convs: list[dict], idx: list[int], max_len: int):
     """Pad a batch: inputs (h[0..n-1), x[1..n)), targets h[1..n), mask on assistant target positions."""
     n = min(max(len(convs[i]["input_ids"]) for i in idx), max_len)
-    B, d = len(idx), convs[idx[0]]["hidden"].shape[-1]
-    tokens = torch.zeros(B, n - 1, dtype=torch.long)
-    feats = torch.zeros(B, n - 1, d)
-    target = torch.zeros(B, n - 1, d)
-    mask = torch.zeros(B, n - 1)
+    B, d, dev = len(idx), convs[idx[0]]["hidden"].shape[-1], convs[idx[0]]["hidden"].device
+    tokens = torch.zeros(B, n - 1, dtype=torch.long, device=dev)
+    feats = torch.zeros(B, n - 1, d, device=dev)
+    target = torch.zeros(B, n - 1, d, device=dev)
+    mask = torch.zeros(B, n - 1, device=dev)
     for b, i in enumerate(idx):
         c = convs[i]
         m = min(len(c["input_ids"]), n)
@@ -100,7 +102,7 @@ def unrolled_attention(attn, x: torch.Tensor, s: int, keys: list, values: list, 
     if s == 0:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=gqa)
     else:
-        idx = torch.arange(T)
+        idx = torch.arange(T, device=x.device)
         mask = torch.cat([idx.view(-1, 1) - s >= idx.view(1, -1)]
                          + [idx.view(-1, 1) - (s - r) == idx.view(1, -1) for r in range(1, s + 1)], dim=1)
         out = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask,
@@ -119,7 +121,7 @@ def head_forward_unrolled(head: DraftHead, tokens: torch.Tensor, feats: torch.Te
     """
     B, T = tokens.shape
     emb = head.embed_tokens(tokens)
-    pos = torch.arange(T).unsqueeze(0).expand(B, T)
+    pos = torch.arange(T, device=tokens.device).unsqueeze(0).expand(B, T)
     layer = head.layers[0]
     attn = layer.self_attn
     keys, values, preds, inp = [], [], [], feats
@@ -152,13 +154,13 @@ def losses(head: DraftHead, lm_weight: torch.Tensor, tokens, feats, target, mask
     a target argmax outside the map as a miss (exact in evaluation; training logs compare inside the map)."""
     steps = steps or cfg.unroll_steps
     if train and cfg.noise > 0:
-        noise = (torch.rand(feats.shape, generator=gen) - 0.5) * cfg.noise * 512 / feats.shape[1]
+        noise = (torch.rand(feats.shape, generator=gen, device=feats.device) - 0.5) * cfg.noise * 512 / feats.shape[1]
         feats = feats + noise
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
+    with torch.autocast(feats.device.type, dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
         preds = head_forward_unrolled(head, tokens, feats, steps)
     sel = mask.bool()
     if train and cfg.ce_fraction < 1.0:
-        sel = sel & (torch.rand(mask.shape, generator=gen) < cfg.ce_fraction)
+        sel = sel & (torch.rand(mask.shape, generator=gen, device=mask.device) < cfg.ce_fraction)
     w = lm_weight if vocab is None else lm_weight[vocab]
     with torch.no_grad():
         t_all = target[sel]
@@ -196,10 +198,11 @@ def batch_losses(head, lm_weight, convs, idx, cfg: TrainConfig, gen, train: bool
     regresses features plus ``ce_weight`` x CE; an EAGLE-3 head has the CE alone (``eagle_ray.train.eagle3``)."""
     if getattr(head, "kind", "eagle2") == "eagle3":
         from eagle_ray.train import eagle3
-        v, p, acc, n, per = eagle3.losses(head, lm_weight, eagle3.collate(convs, idx, cfg.max_len), cfg, gen, train,
-                                          steps)
+        batch = [t.to(cfg.device) for t in eagle3.collate(convs, idx, cfg.max_len)]
+        v, p, acc, n, per = eagle3.losses(head, lm_weight, batch, cfg, gen, train, steps)
         return v + p, v, p, acc, n, per
-    v, p, acc, n, per = losses(head, lm_weight, *collate(convs, idx, cfg.max_len), cfg, gen, train, vocab, steps)
+    batch = [t.to(cfg.device) for t in collate(convs, idx, cfg.max_len)]
+    v, p, acc, n, per = losses(head, lm_weight, *batch, cfg, gen, train, vocab, steps)
     return v + cfg.ce_weight * p, v, p, acc, n, per
 
 
@@ -235,10 +238,19 @@ def save_checkpoint(path: Path, head, opt, state: dict) -> None:
 
 
 def train(convs: list[dict], head: DraftHead, lm_weight: torch.Tensor, out_dir: str | Path, cfg: TrainConfig,
-          max_steps: int | None = None, log=print, vocab: torch.Tensor | None = None) -> dict:
-    """Train ``head`` in place; resumes from ``out_dir/checkpoint.pt`` when present. Returns the final metrics.
-    ``vocab``: the draft vocabulary the head will be served with (the cross-entropy's ids, see ``losses``)."""
-    vocab = vocab if cfg.ce_on_token_map else None
+          max_steps: int | None = None, log=print, vocab: torch.Tensor | None = None, clock=time.time) -> dict:
+    """Train ``head`` in place (on ``cfg.device``); resumes from ``out_dir/checkpoint.pt`` when present. Returns
+    the final metrics. ``vocab``: the draft vocabulary the head will be served with (the cross-entropy's ids, see
+    ``losses``).
+
+    The schedule runs ``cfg.epochs`` epochs. With ``cfg.time_budget_s`` it is fitted to that many seconds instead
+    (at most ``cfg.epochs``): twenty steps from the tenth on are timed, the total is set from their pace (less a
+    margin for the held-out evaluations; the budget counts this process's time) and kept in the checkpoint, so a
+    resumed run follows the same schedule. A run cut short that way ends mid-epoch, evaluated like an epoch's
+    end."""
+    vocab = vocab.to(cfg.device) if vocab is not None and cfg.ce_on_token_map else None
+    head.to(cfg.device)
+    lm_weight = lm_weight.to(cfg.device)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     n_eval = max(1, int(len(convs) * cfg.eval_fraction)) if len(convs) > 1 else 0
@@ -252,23 +264,34 @@ def train(convs: list[dict], head: DraftHead, lm_weight: torch.Tensor, out_dir: 
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     steps_per_epoch = len(make_batches(lengths, cfg.tokens_per_step, cfg.seed, 0))
-    total = steps_per_epoch * cfg.epochs
     state = {"step": 0, "epoch": 0, "batch": 0, "history": []}
     ckpt = out / "checkpoint.pt"
     if ckpt.exists():
-        saved = torch.load(ckpt, weights_only=True)
+        saved = torch.load(ckpt, weights_only=True, map_location=cfg.device)
         head.load_state_dict(saved["head"])
         opt.load_state_dict(saved["opt"])
         state = saved["state"]
         log(f"resumed at step {state['step']} (epoch {state['epoch']}, batch {state['batch']})")
+    total = state.get("total") or steps_per_epoch * cfg.epochs
     sched = lambda s: min(1.0, (s + 1) / cfg.warmup_steps) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total))  # noqa
-    t0, seen = time.time(), 0
-    while state["epoch"] < cfg.epochs:
+    t0, t_log, seen, timing = clock(), time.time(), 0, {}
+    while state["step"] < total:
         batches = make_batches(lengths, cfg.tokens_per_step, cfg.seed, state["epoch"])
-        while state["batch"] < len(batches):
+        while state["batch"] < len(batches) and state["step"] < total:
             if max_steps is not None and state["step"] >= max_steps:
                 return state
-            gen = torch.Generator().manual_seed(cfg.seed * 7919 + state["step"])
+            if cfg.time_budget_s > 0 and "total" not in state and state["step"] >= 10:
+                now = clock()
+                first, t_first = timing.setdefault("first", (state["step"], now))
+                if state["step"] == first + 20 or (state["step"] > first and state["step"] == total - 1):
+                    pace = (now - t_first) / (state["step"] - first)
+                    left = cfg.time_budget_s * 0.95 - (now - t0)
+                    evals = 1 + min(cfg.epochs, math.ceil(left / (pace * steps_per_epoch)))
+                    left -= evals * evaluation_cost(pace, len(eval_set))
+                    state["total"] = total = min(total, state["step"] + max(1, int(left / pace)))
+                    log(f"time budget {cfg.time_budget_s:.0f} s: {pace * 1e3:.1f} ms a step, {total} steps "
+                        f"({total / steps_per_epoch:.2f} epochs)")
+            gen = torch.Generator(device=cfg.device).manual_seed(cfg.seed * 7919 + state["step"])
             for g in opt.param_groups:
                 g["lr"] = cfg.lr * sched(state["step"])
             head.train()
@@ -283,17 +306,25 @@ def train(convs: list[dict], head: DraftHead, lm_weight: torch.Tensor, out_dir: 
             seen += scored
             if state["step"] % 20 == 0:
                 log(f"step {state['step']}/{total} epoch {state['epoch']} vloss {vloss.item():.4f} "
-                    f"ploss {ploss.item():.3f} acc {acc:.3f} {seen / (time.time() - t0):.0f} tok/s")
+                    f"ploss {ploss.item():.3f} acc {acc:.3f} {seen / (time.time() - t_log):.0f} tok/s")
             if state["step"] % cfg.checkpoint_every == 0:
                 save_checkpoint(ckpt, head, opt, state)
         metrics = evaluate(head, lm_weight, eval_set, cfg, vocab=vocab) if eval_set else {}
         metrics.update(epoch=state["epoch"], step=state["step"])
         state["history"].append(metrics)
         log(f"epoch {state['epoch']} done: {json.dumps(metrics)}")
-        state["epoch"] += 1
-        state["batch"] = 0
+        if state["batch"] >= len(batches):
+            state["epoch"] += 1
+            state["batch"] = 0
         save_checkpoint(ckpt, head, opt, state)
     return state
+
+
+def evaluation_cost(step_s: float, n_eval: int) -> float:
+    """Rough seconds of one held-out evaluation, which a fitted schedule leaves room for at each epoch's end: a
+    conversation (forwards only, one at a time) costs up to half a training step where kernel launches dominate,
+    as on a GPU with a head this small."""
+    return n_eval * step_s / 2
 
 
 @torch.no_grad()

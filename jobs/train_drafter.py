@@ -152,7 +152,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     state = train(convs, head, lm_weight, out, cfg, max_steps=a.max_steps,
                   log=lambda m: print(m, flush=True), vocab=draft_vocab)
-    done = state["epoch"] >= cfg.epochs
+    done = bool(state.get("finished"))  # the whole schedule ran (a fitted one may end mid-epoch)
     head.save(out / "head", dtype=torch.bfloat16, include_embedding=False)
     card = {"target": str(a.target or "SmolLM2-135M-Instruct (embedded)"), "train_config": config_dict(cfg),
             "conversations": len(convs), "tokens": n_tokens, "assistant_tokens": n_target,

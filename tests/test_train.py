@@ -343,7 +343,7 @@ def test_a_time_budget_fits_the_schedule_to_the_pace_and_a_resumed_run_keeps_it(
     # step for each of the 3 held-out conversations at each epoch's end
     per_epoch = len(make_batches([len(c["input_ids"]) for c in convs[3:]], 128, 0, 0))
     total = 30 + int(74 - (1 + math.ceil(74 / per_epoch)) * 3 * 0.5)
-    assert s1["total"] == s1["step"] == total and 50 < total < per_epoch * 20
+    assert s1["total"] == s1["step"] == total and 50 < total < per_epoch * 20 and s1["finished"]
     assert s1["history"][-1]["step"] == total and "eval_top1" in s1["history"][-1]
     clock.now = 0.0
     interrupted = fresh_head(tiny_hf)

@@ -317,6 +317,7 @@ def train(convs: list[dict], head: DraftHead, lm_weight: torch.Tensor, out_dir: 
             state["epoch"] += 1
             state["batch"] = 0
         save_checkpoint(ckpt, head, opt, state)
+    state["finished"] = True
     return state
 
 

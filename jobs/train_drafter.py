@@ -153,7 +153,7 @@ def main(argv=None) -> int:
     state = train(convs, head, lm_weight, out, cfg, max_steps=a.max_steps,
                   log=lambda m: print(m, flush=True), vocab=draft_vocab)
     done = bool(state.get("finished"))  # the whole schedule ran (a fitted one may end mid-epoch)
-    head.save(out / "head", dtype=torch.bfloat16, include_embedding=False)
+    head.to("cpu").save(out / "head", dtype=torch.bfloat16, include_embedding=False)
     card = {"target": str(a.target or "SmolLM2-135M-Instruct (embedded)"), "train_config": config_dict(cfg),
             "conversations": len(convs), "tokens": n_tokens, "assistant_tokens": n_target,
             "steps": state["step"], "epochs_completed": state["epoch"], "finished": done,

@@ -29,7 +29,8 @@ def read_shard(path: str | Path) -> list[dict]:
 
 
 def split_conversations(t: dict) -> list[dict]:
-    """Shard tensors (as :func:`extract_features` returns them) -> one dict per conversation (its states are views of the shard's)."""
+    """Shard tensors (as :func:`extract_features` returns them) -> one dict per conversation (its states are
+    views of the shard's)."""
     off = t["offsets"].tolist()
     return [{"input_ids": t["input_ids"][a:b].long(), "loss_mask": t["loss_mask"][a:b],
              "hidden": t["hidden"][a:b], "conv_index": int(t["conv_index"][i]),

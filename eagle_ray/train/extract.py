@@ -65,7 +65,7 @@ def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
 def target_states(model, sequences: list[list[int]], capture: tuple[int, ...] | None = None,
                   batch_tokens: int = 0, out_device="cpu") -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """(final post-norm hidden state, the ``capture`` layers' inputs concatenated or None) per sequence, bf16 on
-    ``out_device``. Sequences of similar length share a forward (``batch_tokens``, right-padded: causal attention
+    ``out_device``, as views of their batch's output (callers concatenate them). Sequences of similar length share a forward (``batch_tokens``, right-padded: causal attention
     keeps a sequence's states independent of the padding after it), which is what makes a GPU fast here."""
     device = next(model.parameters()).device
     out: list = [None] * len(sequences)
@@ -80,7 +80,7 @@ def target_states(model, sequences: list[list[int]], capture: tuple[int, ...] | 
             if capture else None  # hidden_states[i] is the input of layer i
         for b, i in enumerate(idx):
             m = len(sequences[i])
-            out[i] = (hidden[b, :m].clone(), aux[b, :m].clone() if capture else None)
+            out[i] = (hidden[b, :m], aux[b, :m] if capture else None)
     return out
 
 

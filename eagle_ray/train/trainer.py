@@ -274,7 +274,7 @@ def train(convs: list[dict], head: DraftHead, lm_weight: torch.Tensor, out_dir: 
         log(f"resumed at step {state['step']} (epoch {state['epoch']}, batch {state['batch']})")
     total = state.get("total") or steps_per_epoch * cfg.epochs
     sched = lambda s: min(1.0, (s + 1) / cfg.warmup_steps) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total))  # noqa
-    t0, t_log, seen, timing = clock(), time.time(), 0, {}
+    t0, t_log, seen, timed_from = clock(), time.time(), 0, None  # (step, clock) the budget's pace is timed from
     while state["step"] < total:
         batches = make_batches(lengths, cfg.tokens_per_step, cfg.seed, state["epoch"])
         while state["batch"] < len(batches) and state["step"] < total:
@@ -282,7 +282,8 @@ def train(convs: list[dict], head: DraftHead, lm_weight: torch.Tensor, out_dir: 
                 return state
             if cfg.time_budget_s > 0 and "total" not in state and state["step"] >= 10:
                 now = clock()
-                first, t_first = timing.setdefault("first", (state["step"], now))
+                timed_from = timed_from or (state["step"], now)
+                first, t_first = timed_from
                 if state["step"] == first + 20 or (state["step"] > first and state["step"] == total - 1):
                     pace = (now - t_first) / (state["step"] - first)
                     left = cfg.time_budget_s * 0.95 - (now - t0)

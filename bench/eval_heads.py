@@ -8,6 +8,13 @@ holds out the first 2% of its first feature directory).
 
     python bench/eval_heads.py --features DIR --first 12 --heads embedded runs/head4/head --out R.json
 
+``--answers SET_DIR`` reads a self-distilled answer set instead and computes the target's states here (fp32):
+``train_drafter.py --answers SET_DIR ... --eval-fraction F`` holds out the first F of all its conversations, taken
+from its first set, so ``--first`` that many scores a head on what its run held out (exactly, when each of those
+records has an answer token within ``max_len``: a record without one is skipped by both).
+
+    python bench/eval_heads.py --answers datasets/selfdistill/sharegpt-turn2-fp32 --first 122 --heads embedded NEW
+
 ``--tasks`` scores the heads on the target's own greedy answers to benchmark first turns instead (made here,
 fp32, plain decoding; features as extraction makes them), the text acceptance is measured on: the first
 ``--test-prompts`` of each task (those ``head_acceptance.py`` runs) and the rest apart, so a training choice can be
@@ -63,6 +70,7 @@ def task_conversations(tasks: list[str], target, max_new_tokens: int, threads: i
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--features", default=None)
+    p.add_argument("--answers", default=None, help="a self-distilled answer set: its first conversations")
     p.add_argument("--tasks", nargs="+", default=None, help="score on the target's answers to these tasks instead")
     p.add_argument("--test-prompts", type=int, default=20)
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -77,10 +85,14 @@ def main(argv=None) -> int:
         torch.set_num_threads(a.threads)
     target = AutoModelForCausalLM.from_pretrained(str(resolve_target(a.target)), dtype=torch.float32)
     lm_weight, embed = target.lm_head.weight.detach(), target.model.embed_tokens.weight
-    if (a.features is None) == (a.tasks is None):
-        p.error("give one of --features and --tasks")
+    if sum(x is not None for x in (a.features, a.answers, a.tasks)) != 1:
+        p.error("give one of --features, --answers and --tasks")
     if a.features:
-        sets = {"features": first_conversations(a.features, a.first)}
+        sets = {"held_out": first_conversations(a.features, a.first)}
+    elif a.answers:
+        from eagle_ray.train.extract import conversations_in_memory
+        sets = {"held_out": conversations_in_memory(target, None, a.answers, TrainConfig().max_len, limit=a.first,
+                                                    log=lambda m: None)}
     else:
         sets = {}
         for task, convs in task_conversations(a.tasks, target, a.max_new_tokens, a.threads).items():
@@ -94,12 +106,13 @@ def main(argv=None) -> int:
             results.setdefault(name, {})[set_name] = metrics
             print(name, set_name, json.dumps({k: (round(v, 4) if isinstance(v, float) else v)
                                               for k, v in metrics.items()}), flush=True)
-    if a.features:
-        results = {name: r["features"] for name, r in results.items()}
+    if not a.tasks:
+        results = {name: r["held_out"] for name, r in results.items()}
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps({"command": "python bench/eval_heads.py " + " ".join(
-            sys.argv[1:] if argv is None else argv), "cpu": cpu_model(), "features": a.features, "tasks": a.tasks,
+            sys.argv[1:] if argv is None else argv), "cpu": cpu_model(), "features": a.features, "answers": a.answers,
+            "tasks": a.tasks,
             "conversations": {k: len(v) for k, v in sets.items()}, "results": results}, indent=1))
     return 0
 

@@ -7,6 +7,8 @@ r"""Train an EAGLE-1/2 or EAGLE-3 head on extracted features (see jobs/extract_f
     python jobs/train_drafter.py --answers selfdistill --device cuda --out runs/gpu --time-budget-s 300
         # on a GPU: the target's states for every committed self-distilled answer are computed in memory
         # (minutes, no feature files), then the schedule is fitted to 5 minutes of training
+    python jobs/train_drafter.py --answers selfdistill --device cuda --out runs/gpu --wall-budget-s 540
+        # the same, the whole run (states included) ending within 9 minutes: for a machine lent by the minute
 
 An EAGLE-3 head starts with the target's final norm and lm_head rows as its scorer (``--lm-head-init target``;
 ``random`` as the reference does).
@@ -20,7 +22,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
@@ -64,7 +66,19 @@ def states_in_memory(sources: list[str], target: str | None, dtype: str, threads
     return model.to("cpu"), convs
 
 
+def training_budget(wall_budget_s: float, elapsed_s: float, reserve_s: float = 15.0) -> float:
+    """Seconds of training left to a run that must end within ``wall_budget_s`` of its start, ``elapsed_s`` in
+    (loading, target states): the rest less ``reserve_s`` for writing the head. Too little left is an error
+    before any step runs, not a run cut off mid-save."""
+    left = wall_budget_s - elapsed_s - reserve_s
+    if left < 30:
+        raise SystemExit(f"--wall-budget-s {wall_budget_s:.0f}: {elapsed_s:.0f} s went to loading and the target's "
+                         f"states, {max(left, 0):.0f} s would be left for training (at least 30 s needed)")
+    return left
+
+
 def main(argv=None) -> int:
+    started = time.time()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--features", nargs="+", help="one or more feature shard directories")
@@ -78,6 +92,9 @@ def main(argv=None) -> int:
     p.add_argument("--matmul-precision", choices=["highest", "high", "medium"], default="highest",
                    help="torch.set_float32_matmul_precision: 'high' lets a GPU run fp32 products as TF32 (the "
                    "target's states and the head's training, several times faster there; no effect on a CPU)")
+    p.add_argument("--wall-budget-s", type=float, default=0.0,
+                   help="end the whole run within this many seconds of its start: the schedule is fitted to what "
+                   "loading and the target's states leave (replaces --time-budget-s)")
     p.add_argument("--out", required=True)
     p.add_argument("--target", default=None, help="target checkpoint (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--threads", type=int, default=None)
@@ -148,6 +165,9 @@ def main(argv=None) -> int:
             head.token_map = draft_vocab
         head.load_state_dict(init.state_dict())
     del target
+    if a.wall_budget_s:
+        cfg = replace(cfg, time_budget_s=training_budget(a.wall_budget_s, time.time() - started))
+        print(f"wall budget {a.wall_budget_s:.0f} s: {cfg.time_budget_s:.0f} s left for training", flush=True)
     out = Path(a.out)
     t0 = time.time()
     state = train(convs, head, lm_weight, out, cfg, max_steps=a.max_steps,

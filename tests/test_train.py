@@ -355,6 +355,17 @@ def test_a_time_budget_fits_the_schedule_to_the_pace_and_a_resumed_run_keeps_it(
         assert torch.equal(a, b), k
 
 
+def test_a_wall_budget_leaves_training_what_loading_and_states_did_not_use():
+    import runpy
+    from pathlib import Path
+
+    training_budget = runpy.run_path(str(Path(__file__).parents[1] / "jobs" / "train_drafter.py"))["training_budget"]
+    assert training_budget(540, 225) == 300
+    assert training_budget(540, 225, reserve_s=40) == 275
+    with pytest.raises(SystemExit, match="500 s went to loading and the target's states, 25 s would be left"):
+        training_budget(540, 500)
+
+
 def test_train_job_computes_the_target_states_of_answer_sets_in_memory(tiny_dir, tiny_hf, tmp_path):
     """jobs/train_drafter.py --answers SET: no feature files; the conversations are the set's prompt + answer ids
     with the answer scored, and the head trains on them as on extracted features."""
@@ -371,10 +382,19 @@ def test_train_job_computes_the_target_states_of_answer_sets_in_memory(tiny_dir,
     out = tmp_path / "run"
     assert main(["--answers", str(tmp_path / "set"), "--out", str(out), "--target", str(tiny_dir), "--epochs", "1",
                  "--token-map-size", "0", "--tokens-per-step", "64", "--eval-fraction", "0.1",
-                 "--batch-tokens", "64"]) == 0
+                 "--batch-tokens", "64", "--wall-budget-s", "3600"]) == 0
     card = json.loads((out / "head" / "training.json").read_text())
     assert card["conversations"] == 20 and card["finished"] and card["device"] == "cpu"
+    # the wall budget became a training budget of what loading and the states left, less the saving reserve
+    assert 3600 - 15 - 60 < card["train_config"]["time_budget_s"] < 3600 - 15
     assert card["tokens"] == sum(len(r["prompt_ids"]) + len(r["answer_ids"]) for r in rows)
     assert card["assistant_tokens"] == sum(len(r["answer_ids"]) for r in rows)
     assert card["history"][-1]["eval_tokens"] == sum(len(r["answer_ids"]) for r in rows[:2])
     DraftHead.load(out / "head", tiny_hf.config, tiny_hf.model.embed_tokens.weight)
+    # bench/eval_heads.py --answers scores a head on exactly the conversations its run held out
+    eval_heads = runpy.run_path(str(Path(__file__).parents[1] / "bench" / "eval_heads.py"))["main"]
+    assert eval_heads(["--answers", str(tmp_path / "set"), "--first", "2", "--heads", str(out / "head"),
+                       "--target", str(tiny_dir), "--out", str(tmp_path / "eval.json")]) == 0
+    scored = json.loads((tmp_path / "eval.json").read_text())
+    assert scored["conversations"] == {"held_out": 2}
+    assert scored["results"][str(out / "head")]["eval_tokens"] == card["history"][-1]["eval_tokens"]

@@ -65,8 +65,9 @@ def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
 def target_states(model, sequences: list[list[int]], capture: tuple[int, ...] | None = None,
                   batch_tokens: int = 0, out_device="cpu") -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """(final post-norm hidden state, the ``capture`` layers' inputs concatenated or None) per sequence, bf16 on
-    ``out_device``, as views of their batch's output (callers concatenate them). Sequences of similar length share a forward (``batch_tokens``, right-padded: causal attention
-    keeps a sequence's states independent of the padding after it), which is what makes a GPU fast here."""
+    ``out_device``, as views of their batch's output (callers concatenate them). Sequences of similar length share a
+    forward (``batch_tokens``, right-padded: causal attention keeps a sequence's states independent of the padding
+    after it), which is what makes a GPU fast here."""
     device = next(model.parameters()).device
     out: list = [None] * len(sequences)
     for idx in length_batches([len(s) for s in sequences], batch_tokens):

@@ -51,18 +51,24 @@ def load_features(features_dirs: list[str], limit_tokens: int | None = None) -> 
 
 
 def states_in_memory(sources: list[str], target: str | None, dtype: str, threads: int | None, device: str,
-                     batch_tokens: int, eagle3: bool, max_len: int, limit: int | None):
+                     batch_tokens: int, eagle3: bool, max_len: int, limit: int | None,
+                     states_device: str | None = None):
     """(target, conversations with the target's states) for self-distilled answer sets, computed on ``device``
-    and kept there (see ``extract.conversations_in_memory``); the target is returned on the CPU for its lm_head."""
+    and kept on ``states_device`` (default: ``device``; see ``extract.conversations_in_memory``); the target is
+    returned on the CPU for its lm_head. Host memory holds states a GPU has no room for: an EAGLE-3 head's three
+    layer inputs take 3.5 KB a token in bf16 (43 GB for 12.6M tokens), and training copies one batch a step."""
     from eagle_ray.model.eagle3_head import capture_layers
     from eagle_ray.train.extract import conversations_in_memory, load_target
     model, tokenizer = load_target(target, dtype, threads, device=device)
     capture = capture_layers(model.config.num_hidden_layers) if eagle3 else None
     t0, convs = time.time(), []
     for source in sources:
-        convs += conversations_in_memory(model, tokenizer, source, max_len, capture, batch_tokens, device,
-                                         limit=limit, log=lambda m: print(f"{source}: {m}", flush=True))
-    print(f"target states of {len(convs)} conversations in {time.time() - t0:.0f} s", flush=True)
+        convs += conversations_in_memory(model, tokenizer, source, max_len, capture, batch_tokens,
+                                         states_device or device, limit=limit,
+                                         log=lambda m: print(f"{source}: {m}", flush=True))
+    size = sum(t.numel() * t.element_size() for c in convs for k, t in c.items() if k in ("hidden", "aux"))
+    print(f"target states of {len(convs)} conversations in {time.time() - t0:.0f} s: {size / 2**30:.2f} GiB on "
+          f"{states_device or device}", flush=True)
     return model.to("cpu"), convs
 
 
@@ -89,6 +95,9 @@ def main(argv=None) -> int:
                    help="--answers: padded tokens per target forward (conversations of similar length together)")
     p.add_argument("--target-dtype", default="float32", help="--answers: the target's dtype for its states")
     p.add_argument("--limit-conversations", type=int, default=None, help="--answers: the first N of each source")
+    p.add_argument("--states-device", default=None,
+                   help="--answers: where the states are kept (default: --device); 'cpu' keeps them in host memory "
+                   "when the GPU has no room for them (EAGLE-3 on every answer: about 58 GB), one batch copied a step")
     p.add_argument("--matmul-precision", choices=["highest", "high", "medium"], default="highest",
                    help="torch.set_float32_matmul_precision: 'high' lets a GPU run fp32 products as TF32 (the "
                    "target's states and the head's training, several times faster there; no effect on a CPU)")
@@ -125,7 +134,8 @@ def main(argv=None) -> int:
                          for f in fields(TrainConfig)})
     if a.answers:
         target, convs = states_in_memory(a.answers, a.target, a.target_dtype, a.threads, cfg.device,
-                                         a.batch_tokens, a.head_type == "eagle3", cfg.max_len, a.limit_conversations)
+                                         a.batch_tokens, a.head_type == "eagle3", cfg.max_len, a.limit_conversations,
+                                         a.states_device)
     else:
         from transformers import AutoModelForCausalLM
         target = AutoModelForCausalLM.from_pretrained(str(resolve_target(a.target)), dtype=torch.float32)

@@ -398,3 +398,29 @@ def test_train_job_computes_the_target_states_of_answer_sets_in_memory(tiny_dir,
     scored = json.loads((tmp_path / "eval.json").read_text())
     assert scored["conversations"] == {"held_out": 2}
     assert scored["results"][str(out / "head")]["eval_tokens"] == card["history"][-1]["eval_tokens"]
+
+
+def test_answer_states_can_be_kept_apart_from_the_device_that_computes_them(tmp_path, capsys):
+    """--states-device: the target computes on --device, its states land where they are asked to (host memory
+    when a GPU has no room for an EAGLE-3 head's three layer inputs). 'meta' stands in for a second device here."""
+    import runpy
+    from pathlib import Path
+
+    from eagle_ray.model.eagle3_head import capture_layers
+    from eagle_ray.train.selfdistill import ShardWriter
+    from tiny import save_target
+
+    deep = save_target(tmp_path / "deep", layers=8, seed=3)   # an EAGLE-3 head reads layers 2, 4 and 5
+    rows = [{"id": f"p{i}", "prompt_ids": [5 + i, 6, 7], "answer_ids": [8, 9 + i, 10, 11], "eos": False}
+            for i in range(3)]
+    ShardWriter(tmp_path / "set", {"what": "test answers"}).write(rows)
+    states_in_memory = runpy.run_path(str(Path(__file__).parents[1] / "jobs" / "train_drafter.py"))["states_in_memory"]
+    target, convs = states_in_memory([str(tmp_path / "set")], str(deep), "float32", None, "cpu", 64, True, 64,
+                                     None, states_device="meta")
+    d, layers = target.config.hidden_size, len(capture_layers(target.config.num_hidden_layers))
+    assert [c["hidden"].shape for c in convs] == [(7, d)] * 3
+    assert [c["aux"].shape for c in convs] == [(7, layers * d)] * 3
+    assert {c["hidden"].device.type for c in convs} == {c["aux"].device.type for c in convs} == {"meta"}
+    assert next(target.parameters()).device.type == "cpu"
+    size = 3 * 7 * (1 + layers) * d * 2   # bf16
+    assert f"{size / 2**30:.2f} GiB on meta" in capsys.readouterr().out

@@ -21,9 +21,15 @@ from eagle_ray.errors import EagleError
 from eagle_ray.serve.openai_api import ApiError, parse_body
 
 FUZZ_SEED = 20261123
-CASES = 2000
 KINDS = {INVALID_UTF8, INVALID_JSON, INVALID_ROW, DUPLICATE_ID, INVALID_REQUEST, PROMPT_TOO_LONG}
-FUZZ = settings(max_examples=CASES, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+# the fast tier fuzzes 600 cases; the slow tier 3,000 more, drawn from another seed
+TIERS = [pytest.param(600, FUZZ_SEED, id="600"),
+         pytest.param(3000, FUZZ_SEED + 1, id="3000", marks=pytest.mark.slow)]
+
+
+def fuzz(cases: int):
+    return settings(max_examples=cases, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+
 
 text = st.text(st.characters(exclude_categories=()), max_size=40)   # surrogates and control characters included
 words = st.lists(st.sampled_from(["w1", "w2", "w30", "user", ":", "</s>", "zz"]), min_size=0, max_size=12).map(" ".join)
@@ -112,11 +118,12 @@ def stage(tiny_dir, tiny_head):
     return st_
 
 
-def test_fuzzed_rows_become_output_rows_or_error_rows_of_a_known_kind(stage):
+@pytest.mark.parametrize("cases, fuzz_seed", TIERS)
+def test_fuzzed_rows_become_output_rows_or_error_rows_of_a_known_kind(stage, cases, fuzz_seed):
     outcomes = collections.Counter()
 
-    @FUZZ
-    @seed(FUZZ_SEED)
+    @fuzz(cases)
+    @seed(fuzz_seed)
     @given(row_lines())
     def one(line):
         rows = list(rows_from_lines([line], "fuzz.jsonl"))
@@ -137,8 +144,8 @@ def test_fuzzed_rows_become_output_rows_or_error_rows_of_a_known_kind(stage):
 
     one()
     print("\nfuzzed rows:", dict(outcomes))
-    assert sum(outcomes.values()) >= CASES and INTERNAL_ERROR not in outcomes
-    assert outcomes["output row"] > 100 and len(outcomes) >= 5
+    assert sum(outcomes.values()) >= cases and INTERNAL_ERROR not in outcomes
+    assert outcomes["output row"] > cases // 20 and len(outcomes) >= 5
 
 
 REQUEST_FIELDS = {
@@ -172,12 +179,13 @@ def request_bodies(draw) -> tuple[str, bytes]:
     return kind, json.dumps(body, ensure_ascii=draw(st.booleans()), allow_nan=True).encode("utf-8", "surrogatepass")
 
 
-def test_fuzzed_requests_end_as_success_or_an_openai_shaped_4xx(stage):
+@pytest.mark.parametrize("cases, fuzz_seed", TIERS)
+def test_fuzzed_requests_end_as_success_or_an_openai_shaped_4xx(stage, cases, fuzz_seed):
     engine = stage.engine
     outcomes = collections.Counter()
 
-    @FUZZ
-    @seed(FUZZ_SEED)
+    @fuzz(cases)
+    @seed(fuzz_seed)
     @given(request_bodies())
     def one(case):
         kind, raw = case
@@ -196,5 +204,7 @@ def test_fuzzed_requests_end_as_success_or_an_openai_shaped_4xx(stage):
 
     one()
     print("\nfuzzed requests:", dict(outcomes))
-    assert sum(outcomes.values()) >= CASES
-    assert outcomes["2xx"] > 100 and outcomes["400"] > 100 and outcomes["404"] > 0
+    assert sum(outcomes.values()) >= cases
+    assert outcomes["2xx"] > cases // 20 and outcomes["400"] > cases // 20
+    if cases >= 3000:   # rare: an unknown model in an otherwise valid body
+        assert outcomes["404"] > 0

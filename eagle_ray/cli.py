@@ -23,6 +23,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--total-tokens", type=int, default=TreeConfig().total_tokens)
     p.add_argument("--depth", type=int, default=TreeConfig().depth)
     p.add_argument("--top-k", type=int, default=TreeConfig().top_k)
+    p.add_argument("--lookup", type=int, default=TreeConfig().lookup,
+                   help="prompt-lookup tokens grafted onto each tree (0: off)")
+    p.add_argument("--lookup-ngram", type=int, default=TreeConfig().lookup_ngram)
     p.add_argument("--batch-size", type=int, default=1, help="max batch size of the engine")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--threads", type=int, default=None)
@@ -51,9 +54,14 @@ def precision_kwargs(a) -> dict:
             "fp32_logits": a.fp32_logits, "cpu_linears": a.cpu_linears}
 
 
+def tree_of(a) -> TreeConfig:
+    return TreeConfig(mode=a.tree_mode, total_tokens=a.total_tokens, depth=a.depth, top_k=a.top_k, lookup=a.lookup,
+                      lookup_ngram=a.lookup_ngram)
+
+
 def build_engine(a):
     from eagle_ray.engine.engine import EagleEngine
-    tree = TreeConfig(mode=a.tree_mode, total_tokens=a.total_tokens, depth=a.depth, top_k=a.top_k)
+    tree = tree_of(a)
     return EagleEngine.from_pretrained(target=a.target, draft=a.draft, dtype=a.dtype, device=a.device, tree=tree,
                                        max_batch_size=a.batch_size, max_model_len=a.max_model_len, threads=a.threads,
                                        max_verify_tokens=a.max_verify_tokens, **precision_kwargs(a))
@@ -102,7 +110,7 @@ def _benchmark_spec(a, methods=None):
 def _benchmark_engine(a):
     from eagle_ray.config import EngineConfig
     from eagle_ray.engine.engine import EagleEngine
-    tree = TreeConfig(mode=a.tree_mode, total_tokens=a.total_tokens, depth=a.depth, top_k=a.top_k)
+    tree = tree_of(a)
     cfg = EngineConfig(target=a.target, draft=a.draft, dtype=a.dtype, device=a.device, tree=tree,
                        tree_policy=a.tree_policy, max_batch_size=max(max(a.batch_sizes), a.batch_size),
                        max_model_len=a.max_model_len, threads=a.threads, max_verify_tokens=a.max_verify_tokens,

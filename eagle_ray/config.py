@@ -58,9 +58,13 @@ class TreeConfig(StrictModel):
     min_cum_prob: float = Field(0.0, ge=0.0, lt=1.0,
                                 description="drop nodes whose cumulative draft probability is below this")
     static_tree: list[list[int]] | None = Field(None, description="static mode: node paths as sibling ranks")
+    lookup: int = Field(5, ge=0, le=64, description="prompt lookup: up to this many more verify tokens per "
+                        "sequence, the tokens that followed the latest earlier occurrence of its last "
+                        "lookup_ngram tokens, grafted onto the draft tree (spec/lookup.py); 0: off")
+    lookup_ngram: int = Field(3, ge=1, le=32, description="tokens a prompt lookup matches")
 
 
-PLAIN = TreeConfig(total_tokens=1, depth=0, top_k=1)
+PLAIN = TreeConfig(total_tokens=1, depth=0, top_k=1, lookup=0)
 
 
 def is_plain(tree: TreeConfig) -> bool:

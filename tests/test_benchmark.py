@@ -61,7 +61,7 @@ def test_tree_for_uses_the_largest_batch_entry_at_or_below(tiny_dir, tiny_head):
     engine = tiny_engine(tiny_dir, tiny_head)
     engine.set_trees(trees_by_batch={2: small, 4: big})
     assert [engine.tree_for(n) for n in (1, 2, 3, 4, 9)] == [small, small, small, big, big]
-    assert engine.max_tree_budget() == 12
+    assert engine.max_tree_budget() == 12 + 5   # the largest tree and its lookup chain
     for bad in ({}, {0: small}):
         with pytest.raises(ConfigError):
             EngineConfig(trees_by_batch=bad)

@@ -148,8 +148,11 @@ def test_copies_rule():
 
 
 def test_tree_demand_covers_the_tuner():
-    assert tree_demand(EngineConfig(tree=TreeConfig(total_tokens=12, depth=3, top_k=3)).speculation) == (12, 9, 3)
-    assert tree_demand(EngineConfig(tree_policy="auto").speculation) == (48, 40, 8)
+    # verify tokens: the tree and its 5 lookup tokens; the head's draft-cache room and rows do not count lookups
+    assert tree_demand(EngineConfig(tree=TreeConfig(total_tokens=12, depth=3, top_k=3)).speculation) == (17, 9, 3)
+    assert tree_demand(EngineConfig(tree=TreeConfig(total_tokens=12, depth=3, top_k=3, lookup=0)).speculation) == \
+        (12, 9, 3)
+    assert tree_demand(EngineConfig(tree_policy="auto").speculation) == (53, 40, 8)
 
 
 def test_free_memory_of_the_host():

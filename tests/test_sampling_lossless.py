@@ -2,8 +2,9 @@
 
 On a target small enough to enumerate (8 tokens), the empirical joint distribution of the first three sampled
 tokens must match the exact one computed with transformers' own warpers (chi-square, p > 0.01) for T=1,
-T=0.7 + top_p=0.9 and top_k=5, all three settings mixed in the same batches; and the same test must catch a
-deliberately broken acceptance rule.
+T=0.7 + top_p=0.9 and top_k=5, all three settings mixed in the same batches, with prompt-lookup chains grafted onto
+the trees (one-token matches, so nearly every step has one); and the same test must catch a deliberately broken
+acceptance rule.
 """
 import collections
 
@@ -62,8 +63,8 @@ def chi_square_p(samples: list[tuple], exact: dict[tuple, float]) -> float:
 
 def sample_mixed(path, seed=0, n=N) -> dict[str, list[tuple]]:
     torch.manual_seed(seed)
-    engine = tiny_engine(path, None, TreeConfig(total_tokens=8, depth=2, top_k=3), max_batch_size=48,
-                         max_model_len=32)
+    engine = tiny_engine(path, None, TreeConfig(total_tokens=8, depth=2, top_k=3, lookup=3, lookup_ngram=1),
+                         max_batch_size=48, max_model_len=32)
     names = list(SETTINGS) * n
     params = [SamplingParams(max_new_tokens=3, ignore_eos=True, **SETTINGS[n]) for n in names]
     outs = engine.generate([PROMPT] * len(names), params)

@@ -53,9 +53,19 @@ def by_batch(table: dict, batch: int, below_all):
     return None if key is None else table[key]
 
 
-def tree_budget(tree: TreeConfig) -> int:
-    """Verify tokens per sequence (root included) a tree may take."""
+def draft_budget(tree: TreeConfig) -> int:
+    """Tree tokens per sequence (root included) the head drafts."""
     return tree.total_tokens if tree.mode == "dynamic" else len(static_shape(tree)) + 1
+
+
+def tree_budget(tree: TreeConfig) -> int:
+    """Verify tokens per sequence (root included) a tree may take: the head's drafts and the lookup chain."""
+    return draft_budget(tree) + (0 if is_plain(tree) else tree.lookup)
+
+
+def draft_room(tree: TreeConfig) -> int:
+    """Tree tokens a cycle stacks on a slot's draft cache (lookup tokens are never drafted)."""
+    return tree.depth * tree.top_k if tree.mode == "dynamic" else draft_budget(tree)
 
 
 class EagleEngine:
@@ -209,7 +219,7 @@ class EagleEngine:
 
     def _allocate_draft_cache(self, fresh: bool = False) -> None:
         # consumed pairs never outnumber the target's cached tokens; a cycle's tree tokens stack on top of them
-        room = max(t.depth * t.top_k if t.mode == "dynamic" else tree_budget(t) for t in self.config.speculation.trees())
+        room = max(draft_room(t) for t in self.config.speculation.trees())
         cache = None if fresh else getattr(self.draft, "cache", None)
         slots = self.config.cache.max_batch_size
         if cache is None or cache.num_slots != slots or cache.max_len < self.target.max_len + room + 1:

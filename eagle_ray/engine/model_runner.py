@@ -30,8 +30,9 @@ from eagle_ray.model.draft_head import DraftHead
 from eagle_ray.model.target import TargetModel
 from eagle_ray.spec.accept import accept
 from eagle_ray.spec.context_vocab import ContextTokens, context_rows
+from eagle_ray.spec.lookup import TokenHistory, lookup_rows
 from eagle_ray.spec.sampling import SamplingBatch, choose_tokens
-from eagle_ray.spec.tree import Tree, drop_padding, fit_batch_budget, grow_tree, static_shape
+from eagle_ray.spec.tree import Tree, drop_padding, fit_batch_budget, graft_chain, grow_tree, static_shape
 
 
 @dataclass
@@ -85,9 +86,9 @@ MAX_EXTEND_PASSES = 2   # head passes a step may run to feed pending pairs: the 
 def max_emitted(tree: TreeConfig) -> int:
     """The most tokens one step with ``tree`` can emit (its deepest path plus the bonus token): more pending pairs
     than this at a step's start means the head is catching up."""
-    if tree.mode == "dynamic":
-        return min(tree.total_tokens, tree.depth + 2)
-    return max(len(p) for p in static_shape(tree)) + 1
+    drafted = min(tree.total_tokens, tree.depth + 2) if tree.mode == "dynamic" else \
+        max(len(p) for p in static_shape(tree)) + 1
+    return drafted if is_plain(tree) else max(drafted, tree.lookup + 1)
 
 
 def extend_passes(pending: list[int], budget: int) -> list[list[tuple[int, int]]]:
@@ -178,7 +179,7 @@ class ModelRunner:
         out.steady = not plan.prefill and (
             all(len(s.pending) <= max_emitted(tree_cfg) for s in spec) and len(ready) == len(spec) if drafting
             else not passes)
-        self.stage_decode(ready, plain, feed, passes)
+        self.stage_decode(ready, plain, feed, passes, tree_cfg)
         if passes:
             t = clock()
             self.draft_extend(feed, passes)
@@ -206,9 +207,10 @@ class ModelRunner:
             feed, most = [s for s in spec + prompts if len(s.pending) >= self.max_pending], 1
         return feed, extend_passes([len(s.pending) for s in feed], self.extend_budget)[:most]
 
-    def stage_decode(self, ready: list[Sequence], plain: list[Sequence], feed: list[Sequence], passes) -> None:
+    def stage_decode(self, ready: list[Sequence], plain: list[Sequence], feed: list[Sequence], passes,
+                     tree_cfg: TreeConfig | None = None) -> None:
         """Send the step's small inputs to the device in one copy (see ``Uploads``): slots, target and head cache
-        lengths, roots, the head's first pass, and the sampling rows."""
+        lengths, roots, the head's first pass, context tokens, lookup chains, and the sampling rows."""
         arrays = []
         target_len, upload = self.target.cache.lengths, uploads_for(self.device)
         if passes:
@@ -225,6 +227,8 @@ class ModelRunner:
                 context = self.context_ids(seqs)
                 if context is not None:
                     arrays.append(context)
+                if tree_cfg is not None and tree_cfg.lookup:
+                    arrays.append(self.lookup_ids(seqs, tree_cfg))
             sampled_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
             if sampled_rows:
                 arrays += [upload.float_bits(SamplingBatch.params_of(seqs)), SamplingBatch.seeds_of(seqs),
@@ -325,6 +329,16 @@ class ModelRunner:
             s.context.update(s.prompt_ids, s.output_ids)
         return context_rows([s.context for s in seqs])
 
+    def lookup_ids(self, seqs: list[Sequence], tree_cfg: TreeConfig) -> np.ndarray:
+        """Each sequence's prompt-lookup chain, ``[B, L + 1]`` (``spec/lookup.py``: tokens, then the length), ``L``
+        the longest chain found this step: the host knows the widths, so the verify pass is never wider."""
+        for s in seqs:
+            if s.history is None:
+                s.history = TokenHistory()
+            s.history.sync(s.prompt_ids, s.output_ids)
+        rows = lookup_rows([s.history for s in seqs], tree_cfg.lookup_ngram, tree_cfg.lookup)
+        return np.concatenate([rows[:, : int(rows[:, -1].max())], rows[:, -1:]], axis=1)
+
     def grow_from(self, seqs: list[Sequence], root_hidden: torch.Tensor, tree_cfg: TreeConfig) -> Tree:
         """Grow every sequence's tree from its root (one batched head call per level)."""
         draft, device = self.draft, self.device
@@ -356,6 +370,11 @@ class ModelRunner:
         times, clock = self.times, self.clock
         t0 = clock()
         tree = self.grow_from(seqs, torch.stack([s.draft_hidden for s in seqs]), tree_cfg)
+        if tree_cfg.lookup:
+            chains = self.lookup_ids(seqs, tree_cfg)
+            if chains.shape[1] > 1:
+                chains = uploads_for(self.device).ints(chains)
+                tree = graft_chain(tree, chains[:, :-1], chains[:, -1])
         if max_verify_tokens:
             tree = fit_batch_budget(tree, max_verify_tokens)
         tree = drop_padding(tree)

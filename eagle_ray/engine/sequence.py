@@ -9,6 +9,7 @@ import torch
 from eagle_ray.config import SamplingParams
 from eagle_ray.engine.text import Detokenizer, StopStrings
 from eagle_ray.spec.context_vocab import ContextTokens
+from eagle_ray.spec.lookup import TokenHistory
 from eagle_ray.stats import RequestStats
 
 
@@ -62,6 +63,7 @@ class Sequence:
     pending: PendingPairs = field(default_factory=PendingPairs)   # the head's unconsumed inputs
     draft_hidden: torch.Tensor | None = None    # the head's output at the last pair it consumed: the tree's root
     context: ContextTokens | None = None        # its context tokens outside the head's map (the runner's)
+    history: TokenHistory | None = None         # its prompt and output ids for prompt lookups (the runner's)
     stats: RequestStats = field(default_factory=RequestStats)
     start_time: float = 0.0
     stops: StopStrings | None = None

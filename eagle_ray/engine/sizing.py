@@ -18,7 +18,7 @@ from eagle_ray.model.memory import MemoryPlan, fit_slots, free_memory, plan_memo
 def tree_demand(spec: SpeculationConfig) -> tuple[int, int, int]:
     """(verify tokens per sequence, draft-cache room, draft rows scored per sequence) the engine's trees may need;
     with ``tree_policy: auto`` also the tuner's largest shapes, which it runs while measuring."""
-    from eagle_ray.engine.engine import tree_budget
+    from eagle_ray.engine.engine import draft_budget, draft_room, tree_budget
     trees = spec.trees()
     if spec.tree_policy == "auto":
         from eagle_ray.engine.tuning import GRID_DEPTH, GRID_TOPK, GRID_TOTAL, TRACE_TREE
@@ -26,8 +26,8 @@ def tree_demand(spec: SpeculationConfig) -> tuple[int, int, int]:
                                                 top_k=max(GRID_TOPK))]
     dynamic = [t for t in trees if t.mode == "dynamic"]
     verify = max(tree_budget(t) for t in trees)
-    room = max(t.depth * t.top_k if t.mode == "dynamic" else tree_budget(t) for t in trees)
-    rows = max([t.top_k for t in dynamic] + [tree_budget(t) for t in trees if t.mode != "dynamic"])
+    room = max(draft_room(t) for t in trees)
+    rows = max([t.top_k for t in dynamic] + [draft_budget(t) for t in trees if t.mode != "dynamic"])
     return verify, room, rows
 
 

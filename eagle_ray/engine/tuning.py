@@ -30,7 +30,7 @@ from eagle_ray.spec.trace import TreeTrace
 GRID_TOTAL = (2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48)
 GRID_DEPTH = (0, 1, 2, 3, 4, 5)
 GRID_TOPK = (1, 2, 3, 4, 6, 8)
-TRACE_TREE = TreeConfig(total_tokens=48, depth=5, top_k=8)
+TRACE_TREE = TreeConfig(total_tokens=48, depth=5, top_k=8, lookup=0)   # the head's trees alone
 MIN_GAIN = 1.05  # a tree must be predicted this much faster than plain decoding to be chosen: the costs are medians
                  # of 1-3 passes at one context, and on the CPUs measured two runs of the same work differ by up to
                  # 10%; a predicted 2% gain measured 0.96x plain (batch 64, bf16), so plain wins ties

@@ -1,0 +1,62 @@
+"""Prompt-lookup drafts: the tokens that followed the latest earlier occurrence of a sequence's last n tokens.
+
+Text often repeats itself: code restates a signature, a summary quotes its article, a small model loops. Where
+the last ``ngram`` tokens occurred before (in the prompt or the output), the tokens that followed them then are a
+cheap guess at what follows now, and one that can run deeper than the head's tree. ``graft_chain``
+(``spec/tree.py``) adds that guess to the draft tree; the target verifies it like any other branch, so output is
+unchanged and only the number of accepted tokens can grow.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+class TokenHistory:
+    """A sequence's prompt and output ids in one growing array, so a lookup scans them without a list copy."""
+
+    def __init__(self):
+        self.ids = np.zeros(0, dtype=np.int64)
+        self.n = 0
+
+    def sync(self, prompt_ids: list[int], output_ids: list[int]) -> None:
+        """Append what the sequence gained since the last call (prompt and output only grow)."""
+        total = len(prompt_ids) + len(output_ids)
+        if total <= self.n:
+            return
+        if total > len(self.ids):
+            grown = np.zeros(max(total, 2 * len(self.ids), 64), dtype=np.int64)
+            grown[: self.n] = self.ids[: self.n]
+            self.ids = grown
+        new = (prompt_ids[self.n:] + output_ids) if self.n < len(prompt_ids) else \
+            output_ids[self.n - len(prompt_ids):]
+        self.ids[self.n: total] = new
+        self.n = total
+
+    def propose(self, ngram: int, length: int) -> np.ndarray:
+        """Up to ``length`` tokens that followed the latest earlier occurrence of the last ``ngram`` tokens
+        (empty when they never occurred before)."""
+        ids, n = self.ids, self.n
+        if n <= ngram or length <= 0:
+            return ids[:0]
+        last = ids[n - ngram: n]
+        starts = n - ngram   # candidate occurrences start at 0 .. n - ngram - 1 (the suffix itself excluded)
+        hit = np.ones(starts, dtype=bool)
+        for k in range(ngram):
+            hit &= ids[k: k + starts] == last[k]
+        found = np.flatnonzero(hit)
+        if not found.size:
+            return ids[:0]
+        follow = found[-1] + ngram
+        seen = ids[follow: n]     # if the text repeats from there, it repeats with period n - follow
+        return np.resize(seen, length) if len(seen) < length else seen[:length]
+
+
+def lookup_rows(histories: list[TokenHistory], ngram: int, length: int) -> np.ndarray:
+    """``[B, length + 1]`` int64: each sequence's proposal, zero padded, then its length in the last column (one
+    array, so the step sends it to the device with its other small inputs)."""
+    rows = np.zeros((len(histories), length + 1), dtype=np.int64)
+    for b, h in enumerate(histories):
+        p = h.propose(ngram, length)
+        rows[b, : len(p)] = p
+        rows[b, -1] = len(p)
+    return rows

@@ -179,14 +179,15 @@ class ModelRunner:
         out.steady = not plan.prefill and (
             all(len(s.pending) <= max_emitted(tree_cfg) for s in spec) and len(ready) == len(spec) if drafting
             else not passes)
-        self.stage_decode(ready, plain, feed, passes, tree_cfg)
+        chains = self.lookup_ids(ready, tree_cfg) if ready and tree_cfg.lookup else None
+        self.stage_decode(ready, plain, feed, passes, chains)
         if passes:
             t = clock()
             self.draft_extend(feed, passes)
             out.times.extend_s = clock() - t
             out.times.draft_s += out.times.extend_s
         if ready:
-            out.results += self.decode_speculative(ready, tree_cfg, cap)
+            out.results += self.decode_speculative(ready, tree_cfg, cap, chains)
             out.decoded[True] = len(ready)
         if plain:
             out.results += self.decode_plain(plain)
@@ -208,7 +209,7 @@ class ModelRunner:
         return feed, extend_passes([len(s.pending) for s in feed], self.extend_budget)[:most]
 
     def stage_decode(self, ready: list[Sequence], plain: list[Sequence], feed: list[Sequence], passes,
-                     tree_cfg: TreeConfig | None = None) -> None:
+                     chains: np.ndarray | None = None) -> None:
         """Send the step's small inputs to the device in one copy (see ``Uploads``): slots, target and head cache
         lengths, roots, the head's first pass, context tokens, lookup chains, and the sampling rows."""
         arrays = []
@@ -227,8 +228,8 @@ class ModelRunner:
                 context = self.context_ids(seqs)
                 if context is not None:
                     arrays.append(context)
-                if tree_cfg is not None and tree_cfg.lookup:
-                    arrays.append(self.lookup_ids(seqs, tree_cfg))
+                if chains is not None:
+                    arrays.append(chains)
             sampled_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
             if sampled_rows:
                 arrays += [upload.float_bits(SamplingBatch.params_of(seqs)), SamplingBatch.seeds_of(seqs),
@@ -364,17 +365,16 @@ class ModelRunner:
         roots = uploads_for(device).ints([s.root for s in seqs])
         return grow_tree(draft_fn, topk_fn, root_hidden, roots, tree_cfg)
 
-    def decode_speculative(self, seqs: list[Sequence], tree_cfg: TreeConfig,
-                           max_verify_tokens: int | None) -> list[SeqResult]:
-        """Grow and verify the trees of sequences the head has caught up with (no pending pair left)."""
+    def decode_speculative(self, seqs: list[Sequence], tree_cfg: TreeConfig, max_verify_tokens: int | None,
+                           chains: np.ndarray | None = None) -> list[SeqResult]:
+        """Grow and verify the trees of sequences the head has caught up with (no pending pair left), ``chains``
+        (``lookup_ids``) grafted on."""
         times, clock = self.times, self.clock
         t0 = clock()
         tree = self.grow_from(seqs, torch.stack([s.draft_hidden for s in seqs]), tree_cfg)
-        if tree_cfg.lookup:
-            chains = self.lookup_ids(seqs, tree_cfg)
-            if chains.shape[1] > 1:
-                chains = uploads_for(self.device).ints(chains)
-                tree = graft_chain(tree, chains[:, :-1], chains[:, -1])
+        if chains is not None and chains.shape[1] > 1:
+            chains = uploads_for(self.device).ints(chains)
+            tree = graft_chain(tree, chains[:, :-1], chains[:, -1])
         if max_verify_tokens:
             tree = fit_batch_budget(tree, max_verify_tokens)
         tree = drop_padding(tree)

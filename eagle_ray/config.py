@@ -76,7 +76,7 @@ class SamplingParams(StrictModel):
     temperature: float = Field(0.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, le=2**31 - 1, description="0 = off")
-    max_new_tokens: int = Field(128, ge=1)
+    max_new_tokens: int = Field(128, ge=1, le=2**31 - 1)
     stop: list[str] = Field(default_factory=list, description="stop strings; not included in the output")
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
@@ -319,11 +319,20 @@ def _auto_tree_by_default(data):
     return data
 
 
+def _a_head_to_speculate_with(self):
+    """``draft: none`` runs no head: speculation would refuse every request, so the config fails at load."""
+    if self.speculative and self.engine.model.draft == "none":
+        raise ValueError("engine.draft is 'none' (no draft head) but speculative is true: set speculative: false "
+                         "for plain decoding, or name a draft head")
+    return self
+
+
 class JobConfig(StrictModel):
     """``jobs/generate.py --config job.yaml``: everything the batch generation job needs."""
     engine: EngineConfig = Field(default_factory=EngineConfig)
 
     _default_tree = model_validator(mode="before")(_auto_tree_by_default)
+    _head = model_validator(mode="after")(_a_head_to_speculate_with)
     sampling: SamplingParams = Field(default_factory=SamplingParams, description="defaults; rows may override")
     speculative: bool = True
     input: InputConfig
@@ -354,6 +363,7 @@ class ServeConfig(StrictModel):
     engine: EngineConfig = Field(default_factory=EngineConfig)
 
     _default_tree = model_validator(mode="before")(_auto_tree_by_default)
+    _head = model_validator(mode="after")(_a_head_to_speculate_with)
     model_name: str = Field("eagle-ray/smollm2-135m-instruct", description="the id clients send as `model`")
     speculative: bool = True
     host: str = Field("127.0.0.1", description="bind address; 0.0.0.0 exposes the server to the network")

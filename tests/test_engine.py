@@ -205,12 +205,16 @@ def test_stop_strings_cut_the_text_before_the_match(tiny_dir, tiny_hf, tiny_head
     assert out.token_ids == full[:n]
 
 
-def test_context_limit_finishes_with_length(tiny_dir, tiny_hf, tiny_head):
-    engine = tiny_engine(tiny_dir, tiny_head, max_model_len=64)
+def test_context_limit_finishes_with_length_where_plain_decoding_does(tiny_dir, tiny_hf, tiny_head):
+    """Near the end of its slot a speculative sequence decodes plainly (a tree no longer fits), so it fills the
+    context like plain decoding: every slot position holds a token, and the last emitted token needs none."""
+    engine = tiny_engine(tiny_dir, tiny_head, TreeConfig(total_tokens=32, depth=5, top_k=8), max_model_len=64)
     prompt = mixed_prompts(1, seed=4)[0]
-    out = engine.generate([prompt], SamplingParams(max_new_tokens=500, ignore_eos=True))[0]
-    assert out.finish_reason == "length"
-    assert len(prompt) + len(out.token_ids) <= 64
+    params = SamplingParams(max_new_tokens=500, ignore_eos=True)
+    out = engine.generate([prompt], params)[0]
+    plain = engine.generate([prompt], params, speculative=False)[0]
+    assert out.finish_reason == plain.finish_reason == "length"
+    assert len(prompt) + len(out.token_ids) == 64 + 1 and out.token_ids == plain.token_ids
     assert out.token_ids == reference_greedy(tiny_hf, prompt, len(out.token_ids))
 
 

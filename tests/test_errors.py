@@ -12,7 +12,7 @@ from eagle_ray.model.draft_head import DraftHead
 @pytest.mark.parametrize("kw,field", [
     ({"temperature": -0.5}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
     ({"max_new_tokens": 0}, "max_new_tokens"), ({"top_k": -1}, "top_k"), ({"max_tokens": 0}, "max_new_tokens"),
-    ({"temprature": 1.0}, "temprature"),
+    ({"temprature": 1.0}, "temprature"), ({"max_new_tokens": 10**19}, "max_new_tokens"),
 ])
 def test_invalid_sampling_values_name_the_field(kw, field):
     with pytest.raises(ConfigError) as e:
@@ -35,6 +35,43 @@ def test_mismatched_head_fails_before_the_target_loads(tiny_dir, tmp_path):
     DraftHead.for_target(other).save(tmp_path / "head")
     with pytest.raises(CheckpointError, match="head hidden_size=48, target hidden_size=32"):
         EagleEngine.from_pretrained(target=str(tiny_dir), draft=str(tmp_path / "head"))
+
+
+def damaged(head_dir, what):
+    """``head_dir`` (a saved head) damaged the way a failed copy or a hand edit leaves it."""
+    import torch
+    from safetensors.torch import save_file
+    if what == "truncated config.json":
+        (head_dir / "config.json").write_text('{"hidden_size": 32, ')
+    elif what == "config.json not an object":
+        (head_dir / "config.json").write_text("[]")
+    elif what == "half-copied weights":
+        weights = (head_dir / "model.safetensors").read_bytes()
+        (head_dir / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    elif what == "2-D token map":
+        save_file({"token_map": torch.arange(10).view(2, 5)}, str(head_dir / "token_map.safetensors"))
+
+
+@pytest.mark.parametrize("what,reason", [
+    ("truncated config.json", "config.json cannot be read as JSON"),
+    ("config.json not an object", "config.json must hold a JSON object, got list"),
+    ("half-copied weights", "model.safetensors cannot be read .* is the file complete"),
+    ("2-D token map", "token_map.safetensors must hold one 1-D integer tensor 'token_map', got \\(\\(2, 5\\)"),
+])
+def test_a_damaged_head_fails_at_load_naming_its_file(tiny_dir, tmp_path, what, reason):
+    from transformers import AutoConfig
+    DraftHead.for_target(AutoConfig.from_pretrained(tiny_dir)).save(tmp_path / "head")
+    damaged(tmp_path / "head", what)
+    with pytest.raises(CheckpointError, match=f"{tmp_path / 'head'}.*{reason}"):
+        EagleEngine.from_pretrained(target=str(tiny_dir), draft=str(tmp_path / "head"))
+
+
+def test_speculation_without_a_head_fails_when_the_config_loads():
+    from eagle_ray.config import JobConfig, ServeConfig
+    for make in (lambda **kw: ServeConfig(**kw), lambda **kw: JobConfig(input={"uri": "x"}, output={"uri": "y"}, **kw)):
+        with pytest.raises(ConfigError, match="engine.draft is 'none' .* set speculative: false"):
+            make(engine={"draft": "none"})
+        assert make(engine={"draft": "none"}, speculative=False).speculative is False
 
 
 def test_missing_target_files(tmp_path):

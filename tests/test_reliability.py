@@ -60,9 +60,9 @@ def test_prompts_of_100_to_1900_tokens_arrive_while_others_run_near_the_context_
     outs = engine.generate(prompts, params)
     for out, prompt, n in zip(outs, prompts, sizes):
         if n in (1900, 1850):  # ran to the end of the context
-            # a sequence stops when its next step's tree might not fit (the budget: 8 drafted + 5 lookup tokens)
+            # where its next tree might not fit, a sequence decodes plainly to the last position of its slot
             assert out.finish_reason == "length"
-            assert len(prompt) + len(out.token_ids) > 2048 - engine.max_tree_budget() - 2
+            assert len(prompt) + len(out.token_ids) == 2048 + 1
         assert out.token_ids == reference_greedy(hf, prompt, len(out.token_ids))
 
 
@@ -122,6 +122,15 @@ def test_embedded_style_tokenizer_streams_the_same_text_it_decodes_at_once():
     pieces = [d.add([i]) for i in ids]
     assert "".join(pieces) == d.text == fast.decode(ids) == text
     assert all("\ufffd" not in p for p in pieces)
+
+    # steps of several tokens that each end inside a character (speculative steps do): the text before the
+    # broken character comes at once, so a request that ends there loses only that character
+    d = Detokenizer(fast)
+    e, tokyo = fast("東")["input_ids"], fast("東京")["input_ids"]
+    steps = [fast("a ")["input_ids"] + e[:1], e[1:2], e[2:] + fast(" b")["input_ids"] + tokyo[3:5]]
+    assert [d.add(s) for s in steps] == ["a ", "", "東 b"]
+    assert d.text == "a 東 b" and fast.decode(sum(steps, [])) == "a 東 b\ufffd"
+    assert d.add(tokyo[5:]) == "京" and d.text == "a 東 b京"
 
 
 def test_a_stop_string_cuts_tokens_and_text_once(tiny_dir, tiny_head):
@@ -192,12 +201,14 @@ def test_bad_lines_become_error_rows_that_name_their_kind(tmp_path):
              b"null", b"[1, 2]", b"42", b"{broken",
              b"[" * 100_000 + b"]" * 100_000,                       # nested far too deep
              json.dumps({"id": "deep", "prompt": "x", "meta": [[[[[[[[1]]]]]]]] * 1}).encode(),
-             json.dumps({"id": "deeper", "prompt": "x", "meta": json.loads("[" * 80 + "]" * 80)}).encode()]
+             json.dumps({"id": "deeper", "prompt": "x", "meta": json.loads("[" * 80 + "]" * 80)}).encode(),
+             b'{"id": "big", "prompt": "x", "sampling_params": {"seed": ' + b"9" * 5000 + b"}}"]  # over 4,300 digits
     rows = local_rows(write_lines(tmp_path, lines))
     got = [(r.id, r.kind) for r in rows]
     assert got == [("bom", ""), ("row-1", INVALID_ROW), ("row-2", INVALID_ROW), ("row-3", INVALID_ROW),
-                   ("row-4", INVALID_JSON), ("row-5", INVALID_ROW), ("deep", ""), ("row-7", INVALID_ROW)]
-    assert "got null" in rows[1].error
+                   ("row-4", INVALID_JSON), ("row-5", INVALID_ROW), ("deep", ""), ("row-7", INVALID_ROW),
+                   ("row-8", INVALID_JSON)]
+    assert "got null" in rows[1].error and "4300 digits" in rows[8].error
 
 
 def test_a_lone_surrogate_is_one_error_row_and_every_row_stays_storable(tmp_path):
@@ -211,6 +222,41 @@ def test_a_lone_surrogate_is_one_error_row_and_every_row_stays_storable(tmp_path
     table = to_table([{"id": r.id, "row_index": r.row_index, "input": r.payload,
                        "error": "prompt: 'lone \ud800 x'"} for r in rows])
     assert table.num_rows == 3 and table["id"].to_pylist()[1] == "q\\udfff"
+
+
+def test_a_stop_string_given_alone_is_checked_like_one_in_a_list():
+    for stop in ("\ud800", ["\ud800"]):
+        with pytest.raises(InvalidRequestError, match="stop\\[0\\] is not valid Unicode"):
+            parse_row({"prompt": "w1", "sampling_params": {"stop": stop}}, SamplingParams())
+    assert parse_row({"prompt": "w1", "sampling_params": {"stop": "w2"}}, SamplingParams()).params.stop == ["w2"]
+
+
+def test_an_earlier_answer_may_be_empty_but_a_question_may_not():
+    """A turn can end before its first character (a stop string at its start): the next turn still runs."""
+    turns = [{"role": "user", "content": "w1"}, {"role": "assistant", "content": ""}, {"role": "user", "content": "w2"}]
+    assert parse_row({"messages": turns}, SamplingParams()).prompt.value[1] == {"role": "assistant", "content": ""}
+    with pytest.raises(InvalidRequestError, match="messages\\[0\\].content must be a non-empty string"):
+        parse_row({"messages": [{"role": "user", "content": ""}]}, SamplingParams())
+
+
+def test_the_serve_parser_reads_null_as_unset_and_refuses_what_it_would_ignore():
+    from eagle_ray.serve.openai_api import ApiError, parse_body
+
+    def parse(body, kind="completion"):
+        return parse_body(body if isinstance(body, bytes) else json.dumps(body).encode(), kind, "m", 100, 16)
+    nulls = {k: None for k in ("temperature", "top_p", "top_k", "n", "stream", "seed", "stop", "max_tokens",
+                                 "presence_penalty", "frequency_penalty", "logprobs", "echo", "logit_bias")}
+    got = parse({"model": "m", "prompt": "w1", **nulls})
+    assert (got.params.temperature, got.params.top_p, got.params.max_new_tokens, got.stream) == (1.0, 1.0, 16, False)
+    for field, value in [("echo", True), ("logit_bias", {"5": 100}), ("best_of", 2), ("suffix", "w9"),
+                         ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}])]:
+        with pytest.raises(ApiError, match=f"{field} is not supported") as e:
+            parse({"model": "m", "messages": [{"role": "user", "content": "w1"}], field: value}, "chat")
+        assert e.value.status == 400 and e.value.param == field
+    assert parse({"model": "m", "prompt": "w1", "echo": False, "logit_bias": {}, "best_of": 1}).params
+    with pytest.raises(ApiError, match="not valid JSON: Exceeds the limit \\(4300 digits\\)") as e:
+        parse(b'{"model": "m", "prompt": "w1", "seed": ' + b"9" * 5000 + b"}")
+    assert e.value.status == 400
 
 
 def test_null_means_absent_in_parquet_columns_and_structs(tmp_path):

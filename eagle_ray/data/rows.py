@@ -89,6 +89,8 @@ def decode_line(raw: bytes, first: bool) -> tuple[object, str, str]:
         rec = json.loads(text)
     except json.JSONDecodeError as e:
         return None, f"invalid JSON ({e.msg} at column {e.colno})", INVALID_JSON
+    except ValueError as e:   # an integer of more digits than Python converts (4,300)
+        return None, f"invalid JSON ({str(e).split(';')[0]})", INVALID_JSON
     except RecursionError:
         return None, f"JSON nested deeper than {MAX_NESTING} levels", INVALID_ROW
     return rec, "", ""

@@ -58,7 +58,8 @@ def nesting_depth(value, limit: int = MAX_NESTING) -> int:
 
 
 def parse_messages(value, field: str = "messages") -> list[dict]:
-    """Chat messages: a non-empty list of ``{"role", "content"}``; content is a string or OpenAI text parts."""
+    """Chat messages: a non-empty list of ``{"role", "content"}``; content is a string or OpenAI text parts, empty
+    only in an assistant message (an earlier answer may have been empty: a stop string at its start)."""
     if not isinstance(value, list) or not value:
         raise InvalidRequestError(f"{field} must be a non-empty list of {{role, content}} objects")
     out = []
@@ -69,8 +70,12 @@ def parse_messages(value, field: str = "messages") -> list[dict]:
         role = m.get("role")
         if role not in CHAT_ROLES:
             raise InvalidRequestError(f"{where}.role must be one of {list(CHAT_ROLES)}, got {_show(role)}")
-        out.append({"role": role, "content": check_text(_content_text(m.get("content"), f"{where}.content"),
-                                                        f"{where}.content")})
+        content = m.get("content")
+        if role == "assistant" and content in ("", None, []):
+            content = ""
+        else:
+            content = _content_text(content, f"{where}.content")
+        out.append({"role": role, "content": check_text(content, f"{where}.content")})
     return out
 
 
@@ -134,6 +139,8 @@ def sampling_params(overrides, defaults: SamplingParams | None = None, field: st
     if unknown:
         raise InvalidRequestError(f"{field or 'sampling'}: unknown field(s) {unknown}; known: "
                                   f"{sorted(SamplingParams.model_fields)}")
+    if isinstance(given.get("stop"), str):
+        given["stop"] = [given["stop"]]
     if isinstance(given.get("stop"), list):
         for i, s in enumerate(given["stop"]):
             if isinstance(s, str):

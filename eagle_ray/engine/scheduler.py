@@ -81,13 +81,16 @@ class Scheduler:
     def schedule(self, room: dict[bool, int], max_len: int) -> StepPlan:
         """Admit waiting requests, then plan this step: a decode step for every sequence past its prompt and prompt
         chunks in the rest of the step's budget. ``room[speculative]`` is the most verify tokens a sequence's step
-        takes; a sequence whose next step could overrun its slot finishes with ``length`` instead. With prompt
+        takes. A speculative sequence whose next tree could overrun its slot decodes plainly from then on, so it
+        ends where plain decoding would; one whose next token cannot fit finishes with ``length``. With prompt
         chunks in the step, ``verify_room`` is what they leave the speculative sequences (their roots included)."""
         self._admit()
         decode = []
         for s in self.running:
             if s.finished or s.in_prefill:
                 continue
+            if s.speculative and s.cached_len + room[True] > max_len:
+                s.speculative = False    # the context's last tokens: one a step
             if s.cached_len + room[s.speculative] > max_len:
                 s.finish_reason = "length"
             else:

@@ -72,8 +72,9 @@ class Detokenizer:
     """Incremental text of one output: ``add(ids)`` returns the new text since the last call.
 
     Decodes only the window ``ids[prefix:]`` and subtracts the text of ``ids[prefix:read]``: a token whose text
-    depends on its neighbours (a leading space, half a UTF-8 character) is settled once the window shows it. Text
-    that ends in an incomplete character is held back until the next token completes it.
+    depends on its neighbours (a leading space, half a UTF-8 character) is settled once the window shows it. Where
+    the window ends in an incomplete character, the text before it is given now (``shown`` counts it) and only the
+    incomplete character waits for the tokens that complete it, however many steps end inside one.
     """
 
     def __init__(self, tokenizer):
@@ -82,6 +83,7 @@ class Detokenizer:
         self.text = ""
         self.prefix = 0   # window start
         self.read = 0     # tokens whose text is already in self.text
+        self.shown = 0    # characters of the window past ids[prefix:read]'s text already in self.text
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -90,11 +92,14 @@ class Detokenizer:
         self.ids.extend(ids)
         before = self._decode(self.ids[self.prefix:self.read])
         window = self._decode(self.ids[self.prefix:])
-        if len(window) <= len(before) or window.endswith("\ufffd"):
-            return ""
-        new = window[len(before):]
+        whole = not window.endswith("\ufffd")
+        settled = len(before) + self.shown
+        new = (window if whole else window.rstrip("\ufffd"))[settled:]
+        if whole and len(window) > len(before):
+            self.prefix, self.read, self.shown = self.read, len(self.ids), 0
+        else:
+            self.shown += len(new)
         self.text += new
-        self.prefix, self.read = self.read, len(self.ids)
         return new
 
     def tokens_reaching(self, chars: int) -> int:
@@ -113,6 +118,7 @@ class Detokenizer:
         del self.ids[tokens:]
         self.text = self.text[:chars]
         self.prefix = self.read = len(self.ids)
+        self.shown = 0
 
 
 class StopStrings:

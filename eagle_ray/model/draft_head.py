@@ -104,8 +104,11 @@ class DraftHead(nn.Module):
         load_checked(head, state, f"draft head {path}", "the EAGLE layout",
                      ignore={"layers.0.input_layernorm.weight"})
         if (path / "token_map.safetensors").exists():
-            from safetensors.torch import load_file
-            tm = load_file(str(path / "token_map.safetensors"))["token_map"].long()
+            tm = read_safetensors(path / "token_map.safetensors", f"draft head {path}").get("token_map")
+            if tm is None or tm.dim() != 1 or tm.is_floating_point():
+                raise CheckpointError(f"draft head {path}: token_map.safetensors must hold one 1-D integer tensor "
+                                      f"'token_map', got {None if tm is None else (tuple(tm.shape), str(tm.dtype))}")
+            tm = tm.long()
             if tm.numel() and (tm.min() < 0 or tm.max() >= head.config.vocab_size):
                 raise CheckpointError(f"draft head {path}: token_map holds ids outside [0, {head.config.vocab_size})")
             head.token_map = tm
@@ -114,10 +117,7 @@ class DraftHead(nn.Module):
     @staticmethod
     def check_config(path: str | Path, target_config=None) -> dict:
         """The head's config.json; with ``target_config``, fail unless hidden size and vocabulary match."""
-        cfg_file = Path(path) / "config.json"
-        if not cfg_file.exists():
-            raise CheckpointError(f"draft head {path} has no config.json")
-        raw = json.loads(cfg_file.read_text())
+        raw = read_config(path)
         if target_config is not None:
             for key in ("hidden_size", "vocab_size"):
                 if raw.get(key) != getattr(target_config, key):
@@ -186,10 +186,33 @@ class DraftHead(nn.Module):
         return decoder_layer(self.layers[0], x, cos, sin, self.cache, 0, meta)
 
 
+def read_config(path: str | Path) -> dict:
+    """A head's config.json as a dict; a missing, unreadable or malformed file fails naming itself."""
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.exists():
+        raise CheckpointError(f"draft head {path} has no config.json")
+    try:
+        raw = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"draft head {cfg_file} cannot be read as JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"draft head {cfg_file} must hold a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def read_safetensors(file: Path, name: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file; a damaged file (an interrupted copy, say) fails naming it."""
+    from safetensors.torch import load_file
+    try:
+        return load_file(str(file))
+    except Exception as e:  # noqa: BLE001  (safetensors raises its own error types)
+        raise CheckpointError(f"{name}: {file.name} cannot be read ({type(e).__name__}: {e}); "
+                              "is the file complete?") from None
+
+
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     if (path / "model.safetensors").exists():
-        from safetensors.torch import load_file
-        return load_file(str(path / "model.safetensors"))
+        return read_safetensors(path / "model.safetensors", f"draft head {path}")
     if (path / "pytorch_model.bin").exists():
         return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
     raise CheckpointError(f"draft head {path} has neither model.safetensors nor pytorch_model.bin")
@@ -213,10 +236,7 @@ def load_checked(head: nn.Module, state: dict, name: str, layout: str, ignore: s
 def head_kind(path: str | Path) -> str:
     """``eagle3`` or ``eagle2``, read from the checkpoint's config.json."""
     from eagle_ray.model.eagle3_head import is_eagle3_config
-    cfg_file = Path(path) / "config.json"
-    if not cfg_file.exists():
-        raise CheckpointError(f"draft head {path} has no config.json")
-    return "eagle3" if is_eagle3_config(json.loads(cfg_file.read_text())) else "eagle2"
+    return "eagle3" if is_eagle3_config(read_config(path)) else "eagle2"
 
 
 def check_head(path: str | Path, target_config) -> str:
@@ -224,7 +244,7 @@ def check_head(path: str | Path, target_config) -> str:
     from eagle_ray.model import eagle3_head
     kind = head_kind(path)
     if kind == "eagle3":
-        eagle3_head.check_config(path, json.loads((Path(path) / "config.json").read_text()), target_config)
+        eagle3_head.check_config(path, read_config(path), target_config)
     else:
         DraftHead.check_config(path, target_config)
     return kind

@@ -40,7 +40,7 @@ def capture_layers(num_target_layers: int) -> tuple[int, int, int]:
 
 def is_eagle3_config(raw: dict) -> bool:
     return "draft_vocab_size" in raw or "target_hidden_size" in raw or \
-        any(a in ARCHITECTURES for a in raw.get("architectures") or [])
+        any(a in ARCHITECTURES for a in (raw.get("architectures") if isinstance(raw.get("architectures"), list) else []))
 
 
 class Eagle3Head(nn.Module):
@@ -144,9 +144,9 @@ class Eagle3Head(nn.Module):
     @classmethod
     def load(cls, path: str | Path, target_config, target_embed: torch.Tensor | None = None,
              dtype: torch.dtype = torch.float32, device="cpu") -> "Eagle3Head":
-        from eagle_ray.model.draft_head import load_checked, read_state_dict
+        from eagle_ray.model.draft_head import load_checked, read_config, read_state_dict
         path = Path(path)
-        raw = json.loads((path / "config.json").read_text())
+        raw = read_config(path)
         check_config(path, raw, target_config)
         raw = {k: v for k, v in raw.items() if k not in ("architectures", "model_type", "transformers_version")}
         raw["num_hidden_layers"] = 1

@@ -3,8 +3,10 @@
 :func:`parse_body` turns the raw bytes of a request into a typed :class:`ParsedRequest` or raises
 :class:`ApiError` (a 4xx with OpenAI's error body naming the field). It is pure and cheap (no tokenisation), so it
 runs on the event loop and is fuzzed directly by the tests. Prompt and sampling values go through the engine's
-request parser, the same one the batch job uses. Unknown fields are ignored (clients send many); unsupported ones
-that change semantics (``n > 1``, ``logprobs``, penalties) are refused.
+request parser, the same one the batch job uses. Unknown fields are ignored (clients send many), and so is an
+explicit ``null`` (OpenAI's fields are nullable: clients send unset options as ``null``); unsupported ones that
+change semantics (``n > 1``, ``logprobs``, penalties, ``logit_bias``, ``echo``, ``best_of``, ``suffix``, tools, a
+JSON ``response_format``) are refused.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from eagle_ray.config import SamplingParams
 from eagle_ray.engine.request import (MAX_NESTING, Prompt, nesting_depth, parse_messages, parse_prompt,
@@ -35,8 +37,23 @@ class ApiError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
 
+# fields that would change what is generated or returned, with the values that change nothing
+UNSUPPORTED = {"logit_bias": (None, {}), "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
+               "tools": (None, []), "functions": (None, []), "response_format": (None, {"type": "text"})}
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_and_unsupported(cls, data):
+        if not isinstance(data, dict):
+            return data
+        for key, harmless in UNSUPPORTED.items():
+            if key in data and data[key] not in harmless:
+                raise ApiError(400, f"{key} is not supported by this server", param=key)
+        return {k: v for k, v in data.items() if v is not None}
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -123,8 +140,8 @@ def parse_body(raw: bytes, kind: str, model_name: str, max_tokens_cap: int, defa
     """Validate one request body (``kind``: "completion" or "chat"); raises :class:`ApiError`."""
     try:
         data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"request body is not valid JSON: {e}") from None
+    except ValueError as e:   # JSONDecodeError, UnicodeDecodeError, an integer of more digits than Python converts
+        raise ApiError(400, f"request body is not valid JSON: {str(e).split(';')[0]}") from None
     except RecursionError:
         raise ApiError(400, f"request body is nested deeper than {MAX_NESTING} levels") from None
     if not isinstance(data, dict):

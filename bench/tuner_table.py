@@ -31,7 +31,9 @@ def main() -> None:
     trace = collect_trace(engine, trace_prompts(4), 48)    # autotune's defaults
     verify = {int(b): {int(n): s for n, s in c.items()} for b, c in tuning.costs["verify"].items()}
     draft = {int(b): c for b, c in tuning.costs["draft"].items()}
-    choices, table = choose_trees(trace, {a.batch: verify[a.batch]}, {a.batch: draft[a.batch]})
+    tree = engine.config.speculation.tree
+    choices, table = choose_trees(trace, {a.batch: verify[a.batch]}, {a.batch: draft[a.batch]}, tree.lookup,
+                                  tree.lookup_ngram)
     rows = sorted(table, key=lambda r: -r["tok_s"])
     trees = [r for r in rows if "max_verify_tokens" not in r and r["total_tokens"] > 1][: a.top]
     result = {"cpu": cpu_model(), "batch": a.batch, "choice": choices[a.batch].__dict__,

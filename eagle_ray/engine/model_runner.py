@@ -179,15 +179,16 @@ class ModelRunner:
         out.steady = not plan.prefill and (
             all(len(s.pending) <= max_emitted(tree_cfg) for s in spec) and len(ready) == len(spec) if drafting
             else not passes)
+        context = self.context_ids(ready) if ready else None
         chains = self.lookup_ids(ready, tree_cfg) if ready and tree_cfg.lookup else None
-        self.stage_decode(ready, plain, feed, passes, chains)
+        self.stage_decode(ready, plain, feed, passes, context, chains)
         if passes:
             t = clock()
             self.draft_extend(feed, passes)
             out.times.extend_s = clock() - t
             out.times.draft_s += out.times.extend_s
         if ready:
-            out.results += self.decode_speculative(ready, tree_cfg, cap, chains)
+            out.results += self.decode_speculative(ready, tree_cfg, cap, context, chains)
             out.decoded[True] = len(ready)
         if plain:
             out.results += self.decode_plain(plain)
@@ -209,9 +210,10 @@ class ModelRunner:
         return feed, extend_passes([len(s.pending) for s in feed], self.extend_budget)[:most]
 
     def stage_decode(self, ready: list[Sequence], plain: list[Sequence], feed: list[Sequence], passes,
-                     chains: np.ndarray | None = None) -> None:
+                     context: np.ndarray | None = None, chains: np.ndarray | None = None) -> None:
         """Send the step's small inputs to the device in one copy (see ``Uploads``): slots, target and head cache
-        lengths, roots, the head's first pass, context tokens, lookup chains, and the sampling rows."""
+        lengths, roots, the head's first pass, the ready sequences' context tokens (``context_ids``) and lookup
+        chains (``lookup_ids``), and the sampling rows."""
         arrays = []
         target_len, upload = self.target.cache.lengths, uploads_for(self.device)
         if passes:
@@ -225,11 +227,7 @@ class ModelRunner:
             arrays += [slots, target_len[slots], [s.root for s in seqs]]
             if drafting:    # where the tree levels sit once this step's passes have fed every pending pair
                 arrays.append(self.draft.cache.lengths[slots] + [len(s.pending) for s in seqs])
-                context = self.context_ids(seqs)
-                if context is not None:
-                    arrays.append(context)
-                if chains is not None:
-                    arrays.append(chains)
+                arrays += [a for a in (context, chains) if a is not None]
             sampled_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
             if sampled_rows:
                 arrays += [upload.float_bits(SamplingBatch.params_of(seqs)), SamplingBatch.seeds_of(seqs),
@@ -340,12 +338,13 @@ class ModelRunner:
         rows = lookup_rows([s.history for s in seqs], tree_cfg.lookup_ngram, tree_cfg.lookup)
         return np.concatenate([rows[:, : int(rows[:, -1].max())], rows[:, -1:]], axis=1)
 
-    def grow_from(self, seqs: list[Sequence], root_hidden: torch.Tensor, tree_cfg: TreeConfig) -> Tree:
-        """Grow every sequence's tree from its root (one batched head call per level)."""
+    def grow_from(self, seqs: list[Sequence], root_hidden: torch.Tensor, tree_cfg: TreeConfig,
+                  context_ids: np.ndarray | None) -> Tree:
+        """Grow every sequence's tree from its root (one batched head call per level), drafting over the head's
+        map plus ``context_ids`` (``context_ids()``, computed once per step)."""
         draft, device = self.draft, self.device
         slots = [s.slot for s in seqs]
-        ids = self.context_ids(seqs)
-        context = None if ids is None else uploads_for(device).ints(ids)
+        context = None if context_ids is None else uploads_for(device).ints(context_ids)
 
         clock, times = self.clock, self.times
 
@@ -366,12 +365,12 @@ class ModelRunner:
         return grow_tree(draft_fn, topk_fn, root_hidden, roots, tree_cfg)
 
     def decode_speculative(self, seqs: list[Sequence], tree_cfg: TreeConfig, max_verify_tokens: int | None,
-                           chains: np.ndarray | None = None) -> list[SeqResult]:
-        """Grow and verify the trees of sequences the head has caught up with (no pending pair left), ``chains``
-        (``lookup_ids``) grafted on."""
+                           context: np.ndarray | None = None, chains: np.ndarray | None = None) -> list[SeqResult]:
+        """Grow and verify the trees of sequences the head has caught up with (no pending pair left), drafting
+        over ``context`` (``context_ids``) too, with ``chains`` (``lookup_ids``) grafted on."""
         times, clock = self.times, self.clock
         t0 = clock()
-        tree = self.grow_from(seqs, torch.stack([s.draft_hidden for s in seqs]), tree_cfg)
+        tree = self.grow_from(seqs, torch.stack([s.draft_hidden for s in seqs]), tree_cfg, context)
         if chains is not None and chains.shape[1] > 1:
             chains = uploads_for(self.device).ints(chains)
             tree = graft_chain(tree, chains[:, :-1], chains[:, -1])
@@ -391,7 +390,7 @@ class ModelRunner:
         """Feed every pending pair, then grow every sequence's tree (what a speculative step does before it
         verifies; the tuner times it)."""
         self.draft_extend(seqs)
-        return self.grow_from(seqs, torch.stack([s.draft_hidden for s in seqs]), tree_cfg)
+        return self.grow_from(seqs, torch.stack([s.draft_hidden for s in seqs]), tree_cfg, self.context_ids(seqs))
 
     def verify(self, seqs: list[Sequence], tree: Tree) -> list[SeqResult]:
         """One target pass over every tree, acceptance, and the accepted path's K/V moved next to the prefix;
@@ -413,7 +412,7 @@ class ModelRunner:
         choice = choose_tokens(logits, SamplingBatch.of(seqs, device), base + tree.depth + 1)
         acc = accept(tree, choice)
         if self.trace is not None and W > 1:
-            self.trace.record(tree, acc.nodes)
+            self.trace.record(tree, acc.nodes, [(s.request_id, len(s.prompt_ids) + len(s.output_ids)) for s in seqs])
         A = acc.nodes.shape[1]
         # the one read back to the host: counts, bonus tokens, tree sizes and accepted tokens of every sequence
         packed = torch.cat([acc.count.view(B, 1), acc.bonus.view(B, 1), tree.size.view(B, 1),

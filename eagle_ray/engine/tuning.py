@@ -6,7 +6,11 @@ its token budget, ``total_token=-1``); here both sides are estimated per batch s
 - cost: on this device, the time of a target verify pass of ``B x n`` tokens for every ``n`` of the grid, and of
   growing a draft tree of ``(depth, top_k)`` for ``B`` sequences (the rerank to ``total_tokens`` is free);
 - acceptance: one traced run with a large tree (``TRACE_TREE``) on bundled prompts; every smaller shape's tau is
-  read off those trees (:meth:`TreeTrace.simulated_tau`).
+  read off those trees (:meth:`TreeTrace.simulated_tau`);
+- prompt lookups (``TreeConfig.lookup``): each candidate is also tried with the configured chain grafted on. The
+  trace says how deep each step's chain would have been accepted and how often a pass of ``B`` sequences has one,
+  which widens that pass by the chain (the costs, interpolated between measured widths). Where a chain pays at one
+  batch size it can cost more than it brings at another: on a CPU a verify pass costs about its width.
 
 The shape with the highest expected tokens/s per batch size wins. The result is cached on disk per (models, dtype,
 device, threads); a cached result that covers the batch sizes asked for serves them (each batch size's costs are
@@ -160,13 +164,17 @@ def trace_prompts(n: int) -> list:
 
 
 def collect_trace(engine, prompts: list, max_new_tokens: int, tree: TreeConfig = TRACE_TREE) -> TreeTrace:
-    """Greedy-generate ``prompts`` with ``tree`` and record every verified tree."""
+    """Greedy-generate ``prompts`` with ``tree`` and record every verified tree, with the engine's configured
+    prompt-lookup chains matched against the outputs (:meth:`TreeTrace.match_chains`)."""
     saved = (engine.config.speculation.tree, engine.config.speculation.trees_by_batch)
     chooser, engine.chooser = engine.chooser, None      # every step drafts the trace's tree
     engine.set_trees(tree)
     trace = engine.runner.trace = TreeTrace()
     try:
-        engine.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens))
+        outs = engine.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens))
+        lookup = saved[0]
+        trace.match_chains({o.request_id: list(o.prompt_token_ids) + list(o.token_ids) for o in outs},
+                           lookup.lookup_ngram, lookup.lookup)
         return trace
     finally:
         engine.runner.trace = None
@@ -190,12 +198,28 @@ def candidate_trees(max_total: int = TRACE_TREE.total_tokens):
                 yield t, d, k
 
 
+def pass_seconds(costs: dict[int, float], width: float) -> float:
+    """A verify pass ``width`` tokens wide per sequence: linear between the measured widths, along the last
+    segment beyond the widest."""
+    if width in costs:
+        return costs[width]
+    widths = sorted(costs)
+    above = [w for w in widths if w > width]
+    below = [w for w in widths if w < width]
+    if not below:
+        return costs[above[0]]
+    lo, hi = (below[-1], above[0]) if above else (widths[-2], widths[-1])
+    return costs[lo] + (costs[hi] - costs[lo]) * (width - lo) / (hi - lo)
+
+
 def choose_trees(trace: TreeTrace, verify_s: dict[int, dict[int, float]], draft_s: dict[int, dict[str, float]],
+                 lookup: int = 0, lookup_ngram: int = TreeConfig().lookup_ngram,
                  ) -> tuple[dict[int, BatchChoice], list[dict]]:
     """Per batch size the candidate with the highest expected tokens/s, plain decoding (one token per step at the
     cost of a one-token verify pass) included, which a tree must beat by :data:`MIN_GAIN`; also every candidate's
-    estimate."""
-    taus = {c: trace.simulated_tau(*c) for c in candidate_trees()}
+    estimate. Each tree is tried without prompt lookups and, if ``lookup``, with ``lookup``-token chains."""
+    lookups = (0, lookup) if lookup else (0,)
+    taus = {(t, d, k, n): trace.simulated_tau(t, d, k, n) for t, d, k in candidate_trees() for n in lookups}
     choices, table = {}, []
     for b in verify_s:
         plain_s = verify_s[b][1]
@@ -203,16 +227,19 @@ def choose_trees(trace: TreeTrace, verify_s: dict[int, dict[int, float]], draft_
         table.append({"batch": b, "total_tokens": 1, "depth": 0, "top_k": 1, "tau": 1.0, "step_s": plain_s,
                       "tok_s": b / plain_s})
         tree = None   # the best speculative tree
-        for (t, d, k), tau in taus.items():
-            step = draft_s[b][f"{d},{k}"] + verify_s[b][t]
+        chained = trace.chain_rate(b)   # passes a chain widens
+        for (t, d, k, n), tau in taus.items():
+            verify = verify_s[b][t] if not n else \
+                (1 - chained) * verify_s[b][t] + chained * pass_seconds(verify_s[b], t + n)
+            step = draft_s[b][f"{d},{k}"] + verify
             tok_s = b * tau / step
-            table.append({"batch": b, "total_tokens": t, "depth": d, "top_k": k, "tau": tau, "step_s": step,
-                          "tok_s": tok_s})
+            table.append({"batch": b, "total_tokens": t, "depth": d, "top_k": k, "lookup": n, "tau": tau,
+                          "step_s": step, "tok_s": tok_s})
             if tree is None or tok_s > tree.expected_tok_s:
-                tree = BatchChoice(TreeConfig(total_tokens=t, depth=d, top_k=k).model_dump(), tau, step, tok_s,
-                                   b / plain_s)
+                shape = TreeConfig(total_tokens=t, depth=d, top_k=k, lookup=n, lookup_ngram=lookup_ngram)
+                tree = BatchChoice(shape.model_dump(), tau, step, tok_s, b / plain_s)
         capped = None
-        shape = TreeConfig(**tree.tree)
+        shape = TreeConfig(**tree.tree).model_copy(update={"lookup": 0})   # caps are simulated without chains
         if b > 1 and shape.total_tokens > 2:  # a cap over the batch: confident sequences keep big trees
             t, d, k = shape.total_tokens, shape.depth, shape.top_k
             for per_seq in range(2, t):
@@ -220,8 +247,8 @@ def choose_trees(trace: TreeTrace, verify_s: dict[int, dict[int, float]], draft_
                 tau, width = trace.simulated_budget(t, d, k, b, cap)
                 w = next((n for n in sorted(verify_s[b]) if n >= width), max(verify_s[b]))
                 step = draft_s[b][f"{d},{k}"] + verify_s[b][w]
-                table.append({"batch": b, "total_tokens": t, "depth": d, "top_k": k, "max_verify_tokens": cap,
-                              "tau": tau, "step_s": step, "tok_s": b * tau / step})
+                table.append({"batch": b, "total_tokens": t, "depth": d, "top_k": k, "lookup": 0,
+                              "max_verify_tokens": cap, "tau": tau, "step_s": step, "tok_s": b * tau / step})
                 if capped is None or b * tau / step > capped.expected_tok_s:
                     capped = BatchChoice(shape.model_dump(), tau, step, b * tau / step, b / plain_s, cap)
         best = max([tree] + ([capped] if capped else []), key=lambda c: c.expected_tok_s)
@@ -262,7 +289,9 @@ def cache_key(engine) -> str:
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu{os.cpu_count()}"
     blob = json.dumps([fingerprint(engine.target_dir), fingerprint(getattr(engine, "draft_dir", None)),
                        str(engine.target.dtype), name, torch.get_num_threads(), engine.target.numerics.cpu_linears,
-                       engine.config.speculation.draft_vocab_size, engine.runner.context_vocab, 5], sort_keys=True)
+                       engine.config.speculation.draft_vocab_size, engine.runner.context_vocab,
+                       engine.config.speculation.tree.lookup, engine.config.speculation.tree.lookup_ngram, 6],
+                      sort_keys=True)
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
 
 
@@ -295,7 +324,8 @@ def autotune(engine, batch_sizes: list[int] | None = None, num_prompts: int = 4,
     say(f"verify costs: {verify}")
     draft = {b: {f"{d},{k}": draft_seconds(engine, b, d, k) for d in GRID_DEPTH for k in GRID_TOPK}
              for b in batch_sizes}
-    choices, _ = choose_trees(trace, verify, draft)
+    configured = engine.config.speculation.tree
+    choices, _ = choose_trees(trace, verify, draft, configured.lookup, configured.lookup_ngram)
     result = TuningResult(str(engine.device), str(engine.target.dtype).replace("torch.", ""), torch.get_num_threads(),
                           choices, len(trace), trace.simulated_tau(*_shape(TRACE_TREE)), time.perf_counter() - t0,
                           json.loads(json.dumps({"verify": verify, "draft": draft})))  # str keys, as cached

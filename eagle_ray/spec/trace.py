@@ -2,14 +2,18 @@
 
 Recording is off unless a :class:`TreeTrace` is attached to the engine. Each verify step adds, per sequence, the
 verified tree's nodes (cumulative draft log-prob, parent, depth) and which of them the target accepted, as a
-few small CPU tensors; nothing is looped over in Python.
+few small CPU tensors; nothing is looped over in Python. It also notes where each sequence stood, so that once the
+outputs are known (:meth:`TreeTrace.match_chains`) the trace can say how deep a prompt-lookup chain
+(``spec/lookup.py``) would have been accepted at each step.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from eagle_ray.spec.lookup import TokenHistory
 from eagle_ray.spec.tree import Tree
 
 CALIBRATION_BINS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
@@ -25,12 +29,17 @@ class TreeTrace:
     valid: list[torch.Tensor] = field(default_factory=list)     # [B, T]
     accepted: list[torch.Tensor] = field(default_factory=list)  # [B, T] on the accepted path (root included)
     tokens: list[torch.Tensor] = field(default_factory=list)    # [B, T] node tokens (root first)
+    where: list[list | None] = field(default_factory=list)      # per step: (request id, tokens so far) per sequence
+    chain_found: torch.Tensor | None = None   # [N] a lookup found its n-gram (match_chains)
+    chain_match: torch.Tensor | None = None   # [N] leading chain tokens equal to what the target emitted next
     _stacked: dict | None = field(default=None, repr=False)
 
-    def record(self, tree: Tree, accepted_nodes: torch.Tensor) -> None:
+    def record(self, tree: Tree, accepted_nodes: torch.Tensor, where: list[tuple[str, int]] | None = None) -> None:
+        """``where``: each sequence's request id and its prompt + output length at this step (root included)."""
         if len(self.scores) >= self.max_steps:
             return
         self._stacked = None
+        self.where.append(where)
         on_path = torch.zeros_like(tree.valid).scatter_(1, accepted_nodes, True)
         self.scores.append(tree.scores.float().cpu())
         self.parents.append(tree.parents.cpu())
@@ -41,6 +50,39 @@ class TreeTrace:
 
     def __len__(self) -> int:
         return sum(s.shape[0] for s in self.scores)
+
+    def match_chains(self, texts: dict[str, list[int]], ngram: int, length: int) -> None:
+        """For every recorded sequence-step, the prompt-lookup chain of ``length`` tokens its history then gave
+        (``TokenHistory.propose``), and how many of its leading tokens equal what the sequence emitted after that
+        step's root (``texts``: request id -> prompt + output ids). Greedy acceptance of a tree with that chain
+        grafted on is the deeper of the two: the tree's accepted path and the chain's match."""
+        found, match = [], []
+        for where, scores in zip(self.where, self.scores):
+            for b in range(scores.shape[0]):
+                text = texts.get(where[b][0]) if where else None
+                if text is None:
+                    found.append(False)
+                    match.append(0)
+                    continue
+                n = where[b][1]
+                history = TokenHistory()
+                history.sync(text[:n], [])
+                chain = history.propose(ngram, length)
+                ahead = np.asarray(text[n: n + len(chain)], dtype=np.int64)
+                same = chain[: len(ahead)] == ahead
+                found.append(len(chain) > 0)
+                match.append(int(same.size if same.all() else same.argmin()))
+        self.chain_found, self.chain_match = torch.tensor(found, dtype=torch.bool), torch.tensor(match)
+
+    def chain_rate(self, batch: int) -> float:
+        """How often at least one of ``batch`` consecutive sequence-steps found a chain: the share of verify passes a
+        lookup widens (the pass is as wide as its widest tree)."""
+        if self.chain_found is None or not len(self.chain_found):
+            return 0.0
+        found = self.chain_found
+        n = max(len(found) // batch * batch, batch)
+        found = torch.nn.functional.pad(found, (0, max(0, n - len(found))))[:n]
+        return float(found.view(-1, batch).any(1).float().mean())
 
     def stacked(self) -> dict[str, torch.Tensor]:
         """All recorded trees as ``[N, W]`` tensors (N = sequence-steps), padding marked invalid."""
@@ -79,16 +121,22 @@ class TreeTrace:
                          "acceptance_rate": float(acc[sel].mean()) if n else None})
         return rows
 
-    def simulated_tau(self, total_tokens: int, depth: int, top_k: int) -> float:
-        """Mean accepted length (bonus included) had the trees been cut to ``(total_tokens, depth, top_k)``.
+    def simulated_tau(self, total_tokens: int, depth: int, top_k: int, lookup: int = 0) -> float:
+        """Mean accepted length (bonus included) had the trees been cut to ``(total_tokens, depth, top_k)``, with
+        ``lookup``-token prompt-lookup chains grafted on (needs :meth:`match_chains`; else none are counted).
 
         A node survives the cut when it is among its parent's ``top_k`` children, at most ``depth + 1`` deep, and
         among the ``total_tokens - 1`` best-scoring such nodes (the EAGLE-2 rerank). Greedy acceptance walks the
-        target's path, so the cut tree accepts exactly the recorded path's nodes that survive, from the root down.
-        Trees recorded with a larger budget are needed for larger cuts; missing nodes count as absent.
+        target's path, so the cut tree accepts exactly the recorded path's nodes that survive, from the root down,
+        and a grafted chain is one more path: the deeper of the two is accepted. The steps are the traced run's, so
+        with chains this is an estimate (a deeper accept moves the following steps). Trees recorded with a larger
+        budget are needed for larger cuts; missing nodes count as absent.
         """
         t = self.stacked()
-        return float(((self._cut(total_tokens, depth, top_k) & t["accepted"]).sum(1) + 1).float().mean())
+        accepted = (self._cut(total_tokens, depth, top_k) & t["accepted"]).sum(1)
+        if lookup and self.chain_match is not None and len(self.chain_match) == len(accepted):
+            accepted = torch.maximum(accepted, self.chain_match.clamp(max=lookup))
+        return float((accepted + 1).float().mean())
 
     def simulated_budget(self, total_tokens: int, depth: int, top_k: int, batch: int,
                          max_verify_tokens: int) -> tuple[float, float]:

@@ -5,7 +5,8 @@ decoding), and ``--plot`` draws measured and predicted curves. Sizes run largest
 every size once and the smaller engines read that result from its cache. ``--compare-cap`` also runs, wherever
 the tuner chose a verify cap, the same trees without it (the cap's measured worth). ``--repeats 2`` times each
 mode twice per size in the order A B B A after warming both, so the first run of an engine does not pay the
-warm-up alone and a drift over the run cancels.
+warm-up alone and a drift over the run cancels. ``--compare-lookup 0 5`` also runs the tuner's trees with every
+prompt-lookup chain set to 0 and to 5 tokens (the tuner's own choice is per batch size).
 
     .venv/bin/python bench/batch_sweep.py --dtype float32 --num-prompts 64 --max-new-tokens 96 \
         --batch-sizes 1 4 8 16 --out bench/results/batch_lossless_fp32.json
@@ -53,6 +54,8 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--plot", action="store_true", help="also write <out>.png: tokens/s against max batch")
     p.add_argument("--compare-cap", action="store_true", help="where the tuner chose a verify cap, also run without")
+    p.add_argument("--compare-lookup", type=int, nargs="*", default=[],
+                   help="also run the tuner's trees with their prompt lookup set to each of these")
     p.add_argument("--plain-first", action="store_true", help="run plain before EAGLE at each size (a second run in "
                    "this order shows how much the first run's warm-up costs it)")
     p.add_argument("--repeats", type=int, default=1, help="timed runs of each mode per size, the order reversed every "
@@ -72,12 +75,19 @@ def main() -> None:
                             speculative=speculative)
         if a.compare_cap and engine.verify_budget_for(bs):
             modes.insert(1, ("spec_uncapped", True))
+        for n in a.compare_lookup:
+            modes.insert(1, (f"spec_lookup{n}", True))
+        trees = engine.config.speculation.trees_by_batch
         if a.plain_first:
             modes.reverse()
         caps = engine.config.speculation.verify_budget_by_batch
         order = [(rep, m) for rep in range(a.repeats) for m in (modes if rep % 2 == 0 else modes[::-1])]
         for rep, (mode, speculative) in order:
             engine.config = engine.config.replace(verify_budget_by_batch=None if mode == "spec_uncapped" else caps)
+            if trees:
+                n = int(mode.removeprefix("spec_lookup")) if mode.startswith("spec_lookup") else None
+                engine.set_trees(trees_by_batch={b: t if n is None or t.total_tokens == 1 else
+                                                 t.model_copy(update={"lookup": n}) for b, t in trees.items()})
             for k in engine.counters:
                 engine.counters[k] = 0
             t0 = time.perf_counter()

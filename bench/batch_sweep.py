@@ -23,6 +23,7 @@ from pathlib import Path
 
 from eagle_ray.cli import add_precision_args, precision_kwargs
 from eagle_ray.config import EngineConfig, SamplingParams
+from eagle_ray.engine.chooser import SpeculationChooser
 from eagle_ray.engine.engine import EagleEngine
 from eagle_ray.model.device import cpu_model
 from eagle_ray.prompts import first_turn_prompt, read_jsonl
@@ -88,6 +89,8 @@ def main() -> None:
                 n = int(mode.removeprefix("spec_lookup")) if mode.startswith("spec_lookup") else None
                 engine.set_trees(trees_by_batch={b: t if n is None or t.total_tokens == 1 else
                                                  t.model_copy(update={"lookup": n}) for b, t in trees.items()})
+                if engine.chooser is not None and engine.tuning is not None:   # each mode starts where the
+                    engine.chooser = SpeculationChooser.for_trees(engine.tuning.trees_by_batch())  # engine does
             for k in engine.counters:
                 engine.counters[k] = 0
             t0 = time.perf_counter()

@@ -99,6 +99,7 @@ def test_pass_costs_between_measured_widths_are_interpolated():
     from eagle_ray.engine.tuning import pass_seconds
     costs = {1: 1.0, 4: 4.0, 8: 6.0}
     assert [pass_seconds(costs, w) for w in (4, 2, 6, 10, 0.5)] == [4.0, 2.0, 5.0, 7.0, 1.0]
+    assert pass_seconds({4: 2.0}, 9) == 2.0
 
 
 def test_tree_for_uses_the_largest_batch_entry_at_or_below(tiny_dir, tiny_head):

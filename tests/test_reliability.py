@@ -235,6 +235,8 @@ def test_an_earlier_answer_may_be_empty_but_a_question_may_not():
     """A turn can end before its first character (a stop string at its start): the next turn still runs."""
     turns = [{"role": "user", "content": "w1"}, {"role": "assistant", "content": ""}, {"role": "user", "content": "w2"}]
     assert parse_row({"messages": turns}, SamplingParams()).prompt.value[1] == {"role": "assistant", "content": ""}
+    turns[1]["content"] = [{"type": "text", "text": ""}]
+    assert parse_row({"messages": turns}, SamplingParams()).prompt.value[1] == {"role": "assistant", "content": ""}
     with pytest.raises(InvalidRequestError, match="messages\\[0\\].content must be a non-empty string"):
         parse_row({"messages": [{"role": "user", "content": ""}]}, SamplingParams())
 
@@ -254,6 +256,9 @@ def test_the_serve_parser_reads_null_as_unset_and_refuses_what_it_would_ignore()
             parse({"model": "m", "messages": [{"role": "user", "content": "w1"}], field: value}, "chat")
         assert e.value.status == 400 and e.value.param == field
     assert parse({"model": "m", "prompt": "w1", "echo": False, "logit_bias": {}, "best_of": 1}).params
+    with pytest.raises(ApiError, match="prompt.str: Input should be a valid string") as e:  # null, not "missing"
+        parse({"model": "m", "prompt": None})
+    assert e.value.param.startswith("prompt")
     with pytest.raises(ApiError, match="not valid JSON: Exceeds the limit \\(4300 digits\\)") as e:
         parse(b'{"model": "m", "prompt": "w1", "seed": ' + b"9" * 5000 + b"}")
     assert e.value.status == 400

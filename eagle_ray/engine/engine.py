@@ -232,7 +232,8 @@ class EagleEngine:
 
     # ---- requests -------------------------------------------------------------------------------------------------
     def prompt_room(self) -> int:
-        """The most prompt tokens a request may bring: the context minus one verify budget."""
+        """The most prompt tokens a request may bring: the context minus one verify budget (so a request's first
+        step can speculate; near the end of its slot a sequence decodes plainly)."""
         return self.target.max_len - self.max_tree_budget() - 1
 
     def encode(self, prompt) -> list[int]:

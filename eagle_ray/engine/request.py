@@ -71,7 +71,8 @@ def parse_messages(value, field: str = "messages") -> list[dict]:
         if role not in CHAT_ROLES:
             raise InvalidRequestError(f"{where}.role must be one of {list(CHAT_ROLES)}, got {_show(role)}")
         content = m.get("content")
-        if role == "assistant" and content in ("", None, []):
+        if role == "assistant" and (content in ("", None, []) or isinstance(content, list) and all(
+                isinstance(p, dict) and p.get("type") == "text" and p.get("text") == "" for p in content)):
             content = ""
         else:
             content = _content_text(content, f"{where}.content")

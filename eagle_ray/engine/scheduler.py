@@ -90,7 +90,9 @@ class Scheduler:
             if s.finished or s.in_prefill:
                 continue
             if s.speculative and s.cached_len + room[True] > max_len:
-                s.speculative = False    # the context's last tokens: one a step
+                s.speculative = False    # the context's last tokens: one a step, and no more head inputs
+                s.pending.clear()
+                s.draft_hidden = None
             if s.cached_len + room[s.speculative] > max_len:
                 s.finish_reason = "length"
             else:

@@ -204,6 +204,8 @@ def pass_seconds(costs: dict[int, float], width: float) -> float:
     if width in costs:
         return costs[width]
     widths = sorted(costs)
+    if len(widths) == 1:
+        return costs[widths[0]]
     above = [w for w in widths if w > width]
     below = [w for w in widths if w < width]
     if not below:

@@ -214,7 +214,11 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     if (path / "model.safetensors").exists():
         return read_safetensors(path / "model.safetensors", f"draft head {path}")
     if (path / "pytorch_model.bin").exists():
-        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        try:
+            return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001  (a truncated archive, or one holding more than tensors)
+            raise CheckpointError(f"draft head {path}: pytorch_model.bin cannot be read ({type(e).__name__}: "
+                                  f"{e}); is the file complete?") from None
     raise CheckpointError(f"draft head {path} has neither model.safetensors nor pytorch_model.bin")
 
 

@@ -53,7 +53,8 @@ class _Request(BaseModel):
         for key, harmless in UNSUPPORTED.items():
             if key in data and data[key] not in harmless:
                 raise ApiError(400, f"{key} is not supported by this server", param=key)
-        return {k: v for k, v in data.items() if v is not None}
+        required = {k for k, f in cls.model_fields.items() if f.is_required()}
+        return {k: v for k, v in data.items() if v is not None or k in required}
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)

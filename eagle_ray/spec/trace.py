@@ -76,7 +76,9 @@ class TreeTrace:
 
     def chain_rate(self, batch: int) -> float:
         """How often at least one of ``batch`` consecutive sequence-steps found a chain: the share of verify passes a
-        lookup widens (the pass is as wide as its widest tree)."""
+        lookup widens (the pass is as wide as its widest tree). With fewer traced sequences than ``batch`` a group
+        holds several steps of the same sequences, whose chains come and go together: an estimate, like
+        :meth:`simulated_budget`'s groups."""
         if self.chain_found is None or not len(self.chain_found):
             return 0.0
         found = self.chain_found

@@ -44,17 +44,6 @@ UNSUPPORTED = {"logit_bias": (None, {}), "echo": (None, False), "best_of": (None
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _nulls_and_unsupported(cls, data):
-        if not isinstance(data, dict):
-            return data
-        for key, harmless in UNSUPPORTED.items():
-            if key in data and data[key] not in harmless:
-                raise ApiError(400, f"{key} is not supported by this server", param=key)
-        required = {k for k, f in cls.model_fields.items() if f.is_required()}
-        return {k: v for k, v in data.items() if v is not None or k in required}
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -69,6 +58,18 @@ class _Request(BaseModel):
     logprobs: bool | int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_and_unsupported(cls, data):
+        """A null means unset (a required field keeps it, to be named invalid); unsupported fields are refused."""
+        if not isinstance(data, dict):
+            return data
+        for key, harmless in UNSUPPORTED.items():
+            if key in data and data[key] not in harmless:
+                raise ApiError(400, f"{key} is not supported by this server", param=key)
+        required = {k for k, f in cls.model_fields.items() if f.is_required()}
+        return {k: v for k, v in data.items() if v is not None or k in required}
 
     @field_validator("logprobs")
     @classmethod

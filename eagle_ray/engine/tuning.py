@@ -172,9 +172,9 @@ def collect_trace(engine, prompts: list, max_new_tokens: int, tree: TreeConfig =
     trace = engine.runner.trace = TreeTrace()
     try:
         outs = engine.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens))
-        lookup = saved[0]
+        configured = saved[0]
         trace.match_chains({o.request_id: list(o.prompt_token_ids) + list(o.token_ids) for o in outs},
-                           lookup.lookup_ngram, lookup.lookup)
+                           configured.lookup_ngram, configured.lookup)
         return trace
     finally:
         engine.runner.trace = None

@@ -104,7 +104,7 @@ class DraftHead(nn.Module):
         load_checked(head, state, f"draft head {path}", "the EAGLE layout",
                      ignore={"layers.0.input_layernorm.weight"})
         if (path / "token_map.safetensors").exists():
-            tm = read_safetensors(path / "token_map.safetensors", f"draft head {path}").get("token_map")
+            tm = read_tensors(path / "token_map.safetensors", f"draft head {path}").get("token_map")
             if tm is None or tm.dim() != 1 or tm.is_floating_point():
                 raise CheckpointError(f"draft head {path}: token_map.safetensors must hold one 1-D integer tensor "
                                       f"'token_map', got {None if tm is None else (tuple(tm.shape), str(tm.dtype))}")
@@ -200,25 +200,23 @@ def read_config(path: str | Path) -> dict:
     return raw
 
 
-def read_safetensors(file: Path, name: str) -> dict[str, torch.Tensor]:
-    """Every tensor of a safetensors file; a damaged file (an interrupted copy, say) fails naming it."""
+def read_tensors(file: Path, name: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file (or a ``.bin`` torch archive, tensors only); a damaged file (an
+    interrupted copy, say) fails naming it."""
     from safetensors.torch import load_file
     try:
+        if file.suffix == ".bin":
+            return torch.load(file, map_location="cpu", weights_only=True)
         return load_file(str(file))
-    except Exception as e:  # noqa: BLE001  (safetensors raises its own error types)
+    except Exception as e:  # noqa: BLE001  (safetensors and torch.load raise their own error types)
         raise CheckpointError(f"{name}: {file.name} cannot be read ({type(e).__name__}: {e}); "
                               "is the file complete?") from None
 
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    if (path / "model.safetensors").exists():
-        return read_safetensors(path / "model.safetensors", f"draft head {path}")
-    if (path / "pytorch_model.bin").exists():
-        try:
-            return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-        except Exception as e:  # noqa: BLE001  (a truncated archive, or one holding more than tensors)
-            raise CheckpointError(f"draft head {path}: pytorch_model.bin cannot be read ({type(e).__name__}: "
-                                  f"{e}); is the file complete?") from None
+    for file in (path / "model.safetensors", path / "pytorch_model.bin"):
+        if file.exists():
+            return read_tensors(file, f"draft head {path}")
     raise CheckpointError(f"draft head {path} has neither model.safetensors nor pytorch_model.bin")
 
 

@@ -39,8 +39,9 @@ def capture_layers(num_target_layers: int) -> tuple[int, int, int]:
 
 
 def is_eagle3_config(raw: dict) -> bool:
+    archs = raw.get("architectures")
     return "draft_vocab_size" in raw or "target_hidden_size" in raw or \
-        any(a in ARCHITECTURES for a in (raw.get("architectures") if isinstance(raw.get("architectures"), list) else []))
+        isinstance(archs, list) and any(a in ARCHITECTURES for a in archs)
 
 
 class Eagle3Head(nn.Module):

@@ -97,6 +97,19 @@ def test_prompts_exported_as_token_ids_are_answered_as_the_source_itself_would_b
                     max_seconds=0, **kw) == 0
 
 
+def test_an_id_the_source_repeats_is_answered_once(tmp_path, monkeypatch):
+    """Ids are the resume key and ``load_answers`` refuses a set holding one twice: a source that yields an id again
+    within a run (two functions of one name, say) gets it answered once, and the set stays loadable."""
+    from eagle_ray.train import selfdistill
+
+    prompts = [selfdistill.Prompt(i, [{"role": "user", "content": text}])
+               for i, text in (("a", "Say hi."), ("b", "Say yes."), ("a", "Say no."))]
+    monkeypatch.setattr(selfdistill, "sharegpt_prompts", lambda **kw: iter(prompts))
+    assert selfdistill.generate(tmp_path / "set", max_batch_size=3, max_new_tokens=4, skip_sets=None,
+                                log=lambda m: None) == 2
+    assert sorted(selfdistill.load_answers(tmp_path / "set")["id"].to_pylist()) == ["a", "b"]
+
+
 def test_a_prompt_longer_than_the_context_is_skipped_not_fatal(tmp_path, monkeypatch):
     """Second turns carry their first exchange, and some outgrow the context: such a prompt is skipped like one over
     ``max_prompt_tokens``, and the run goes on to the next."""

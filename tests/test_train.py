@@ -307,6 +307,21 @@ def test_code_prompts_are_documented_functions_with_their_bodies_left_out(tmp_pa
     assert [p.messages for p in python_function_prompts({"lib": tmp_path})] == [p.messages for p in got]
 
 
+def test_a_name_defined_twice_in_a_file_gives_two_prompts_with_distinct_ids(tmp_path):
+    """A property and its setter share a qualified name; each is its own prompt, the second suffixed ``#2``, so a set
+    never holds one id twice."""
+    from eagle_ray.train.selfdistill import python_function_prompts
+
+    get_doc, set_doc = "Return the expression of the series, as given by the user.", "Set the expression of the series."
+    (tmp_path / "series.py").write_text(
+        f'class Series:\n    @property\n    def expr(self):\n        """{get_doc}"""\n        x = self._e\n'
+        f'        return x\n\n    @expr.setter\n    def expr(self, e):\n        """{set_doc} It must be sympified."""\n'
+        f'        e = sympify(e)\n        self._e = e\n')
+    got = list(python_function_prompts({"lib": tmp_path}))
+    assert [p.id for p in got] == ["py-lib/series.py:Series.expr", "py-lib/series.py:Series.expr#2"]
+    assert get_doc in got[0].messages[0]["content"] and set_doc in got[1].messages[0]["content"]
+
+
 def test_conversations_of_different_lengths_run_together_get_the_states_each_gets_alone(tiny_hf):
     """Extraction batches conversations by length (right-padded); causal attention keeps every conversation's
     final states and EAGLE-3 layer inputs those of a forward of its own, and each comes back in input order."""

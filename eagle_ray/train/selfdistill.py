@@ -78,12 +78,14 @@ def python_function_prompts(roots: dict[str, Path] | None = None, max_chars: int
     ShareGPT holds little code and no completion requests, and a head trained on it alone accepts least on code;
     real library functions give code requests in any number without touching a benchmark's problems. Public
     functions and methods whose docstring has 40-1,500 characters and whose body does more than return a
-    constant are taken, files and functions in a fixed order; ids are ``py-<root>/<path>:<qualified name>``.
+    constant are taken, files and functions in a fixed order; ids are ``py-<root>/<path>:<qualified name>``, and a
+    name defined again in the same file (a property's setter, say) gets ``#2``, ``#3``, ... so every id is unique.
     """
     import ast
     import textwrap
     import zlib
 
+    seen: dict[str, int] = {}
     for root_name, root in (roots or code_roots()).items():
         for path in sorted(root.rglob("*.py")):
             rel = path.relative_to(root)
@@ -107,6 +109,8 @@ def python_function_prompts(roots: dict[str, Path] | None = None, max_chars: int
                     continue
                 stub = textwrap.dedent("\n".join(lines[node.lineno - 1:node.body[0].end_lineno])) + "\n"
                 pid = f"py-{root_name}/{rel.as_posix()}:{prefix}{node.name}"
+                seen[pid] = seen.get(pid, 0) + 1
+                pid += f"#{seen[pid]}" if seen[pid] > 1 else ""
                 text = f"{CODE_INSTRUCTIONS[zlib.crc32(pid.encode()) % len(CODE_INSTRUCTIONS)]}\n\n{stub}"
                 if len(text) <= max_chars:
                     yield Prompt(pid, [{"role": "user", "content": text}])
@@ -356,7 +360,13 @@ def generate(set_dir: str | Path, *, max_batch_size: int = 48, max_new_tokens: i
         skip |= answered_ids(skip_sets, exclude=writer.dir)
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
     eos = engine.eos_ids
-    prompts = (p for p in prompts_in if p.id not in skip)
+    def unanswered(prompts):
+        for p in prompts:   # an id a source repeats is answered once
+            if p.id not in skip:
+                skip.add(p.id)
+                yield p
+
+    prompts = unanswered(prompts_in)
     buffer: list[dict] = []
     written = 0
     queued = 0

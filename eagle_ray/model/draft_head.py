@@ -115,9 +115,10 @@ class DraftHead(nn.Module):
         return head.to(device=device, dtype=dtype).eval()
 
     @staticmethod
-    def check_config(path: str | Path, target_config=None) -> dict:
-        """The head's config.json; with ``target_config``, fail unless hidden size and vocabulary match."""
-        raw = read_config(path)
+    def check_config(path: str | Path, target_config=None, raw: dict | None = None) -> dict:
+        """The head's config.json (``raw``, if already read); with ``target_config``, fail unless hidden size and
+        vocabulary match."""
+        raw = read_config(path) if raw is None else raw
         if target_config is not None:
             for key in ("hidden_size", "vocab_size"):
                 if raw.get(key) != getattr(target_config, key):
@@ -244,12 +245,12 @@ def head_kind(path: str | Path) -> str:
 def check_head(path: str | Path, target_config) -> str:
     """Fail, naming the mismatch, unless the head at ``path`` fits ``target_config``; returns its kind."""
     from eagle_ray.model import eagle3_head
-    kind = head_kind(path)
-    if kind == "eagle3":
-        eagle3_head.check_config(path, read_config(path), target_config)
-    else:
-        DraftHead.check_config(path, target_config)
-    return kind
+    raw = read_config(path)
+    if eagle3_head.is_eagle3_config(raw):
+        eagle3_head.check_config(path, raw, target_config)
+        return "eagle3"
+    DraftHead.check_config(path, target_config, raw)
+    return "eagle2"
 
 
 def load_head(path: str | Path, target_config, target_embed: torch.Tensor | None = None,

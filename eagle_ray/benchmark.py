@@ -52,6 +52,14 @@ class BenchmarkSpec:
         unknown = set(self.methods) - set(ALL_METHODS)
         if unknown:
             raise ValueError(f"unknown methods {sorted(unknown)}; choose from {', '.join(ALL_METHODS)}")
+        for name in ("tasks", "methods", "temperatures", "batch_sizes"):
+            if not getattr(self, name):
+                raise ValueError(f"{name} must name at least one")
+        if min(self.batch_sizes) < 1 or self.num_prompts < 1 or self.max_new_tokens < 1:
+            raise ValueError(f"batch sizes, num_prompts and max_new_tokens must be >= 1 (got batch_sizes "
+                             f"{self.batch_sizes}, num_prompts {self.num_prompts}, max_new_tokens {self.max_new_tokens})")
+        if min(self.temperatures) < 0:
+            raise ValueError(f"temperatures must be >= 0, got {self.temperatures}")
 
 
 def _hf_generate(hf, prompt_ids: list[int], temperature: float, max_new_tokens: int, eos_ids, seed: int):

@@ -87,7 +87,16 @@ def cmd_generate(a) -> int:
 def cmd_measure(a) -> int:
     """``eagle-ray measure``: see :func:`eagle_ray.measure.measure`."""
     from eagle_ray.measure import measure
-    out = measure(build_engine(a), read_jsonl(a.prompts)[: a.num_prompts], a)
+    if a.out and Path(a.out).is_dir():
+        raise SystemExit(f"eagle-ray measure: --out {a.out} is a directory; name the JSON file to write")
+    if a.num_prompts is not None and a.num_prompts < 1:
+        raise SystemExit("eagle-ray measure: --num-prompts must be >= 1")
+    if not Path(a.prompts).is_file():
+        raise SystemExit(f"eagle-ray measure: --prompts {a.prompts} is not a file")
+    prompts = read_jsonl(a.prompts)[: a.num_prompts]
+    if not prompts:
+        raise SystemExit(f"eagle-ray measure: {a.prompts} holds no prompts")
+    out = measure(build_engine(a), prompts, a)
     out["summary"]["config"] = {k: v for k, v in vars(a).items() if k not in ("func",)}
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
@@ -122,7 +131,15 @@ def cmd_benchmark(a) -> int:
     """EAGLE-2's Table 1 on this machine: Parquet + summary.json + report.md + PNGs in ``--out``."""
     from eagle_ray.benchmark import run_benchmark
     from eagle_ray.report import write_report, write_results
-    _benchmark_spec(a)  # validate before loading anything
+    try:   # validate before loading anything: a bad value found after the run would lose it
+        _benchmark_spec(a)
+        from eagle_ray.prompts import load_dataset
+        for task in a.tasks:
+            load_dataset(task)
+    except ValueError as e:
+        raise SystemExit(f"eagle-ray benchmark: {e}") from None
+    if Path(a.out).exists() and not Path(a.out).is_dir():
+        raise SystemExit(f"eagle-ray benchmark: --out {a.out} is a file; it names the output directory")
     command = "eagle-ray benchmark " + " ".join(sys.argv[2:]) if a.command is None else a.command
     if a.ray:
         rows, extras = _benchmark_on_ray(a)

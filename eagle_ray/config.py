@@ -4,6 +4,8 @@ Constructing any of these with a bad value raises :class:`eagle_ray.errors.Confi
 """
 from __future__ import annotations
 
+import os
+
 import contextvars
 from typing import Annotated, Literal
 
@@ -342,6 +344,15 @@ class JobConfig(StrictModel):
     resume: bool = Field(True, description="skip ids already in the output (exactly-once re-runs)")
     ray_address: str | None = Field(None, description="None: RAY_ADDRESS or a new local Ray on 127.0.0.1")
 
+    @model_validator(mode="after")
+    def _output_outside_input(self):
+        """Output files under the input would be read back as input rows by the next run."""
+        inp, out = (u.rstrip("/") if "://" in u else os.path.abspath(u) for u in (self.input.uri, self.output.uri))
+        if not any(c in inp for c in "*?[") and (out == inp or out.startswith(inp + "/")):
+            raise ValueError(f"output.uri {self.output.uri} lies inside input.uri {self.input.uri}: the next run "
+                             "would read the job's own output as input; write it elsewhere")
+        return self
+
     @classmethod
     def from_yaml(cls, path, overrides: dict | None = None) -> "JobConfig":
         """Load a YAML file; ``overrides`` maps dotted keys (``input.uri``) to values applied on top."""
@@ -383,6 +394,13 @@ class ServeConfig(StrictModel):
     @classmethod
     def _one_gpu(cls, v):
         return one_gpu_per_engine(v, "num_replicas")
+
+    @model_validator(mode="after")
+    def _default_within_cap(self):
+        if self.default_max_tokens > self.max_tokens_cap:
+            raise ValueError(f"default_max_tokens {self.default_max_tokens} is above max_tokens_cap "
+                             f"{self.max_tokens_cap}: a request without max_tokens would get more than the cap")
+        return self
 
     @classmethod
     def from_yaml(cls, path) -> "ServeConfig":

@@ -51,4 +51,10 @@ def load_dataset(spec: str) -> tuple[str, list[dict]]:
         return spec, [{"question_id": k, "turns": ["Complete the code I provided.\n\n" + v["prompt"]]}
                       for k, v in read_problems().items()]
     name, _, path = spec.rpartition("=")
-    return name or Path(path).stem, read_jsonl(path)
+    if not Path(path).is_file():
+        raise ValueError(f"task {spec!r}: no such file; name a bundled task ({', '.join(EAGLE_TASKS)}), "
+                         "mtbench-wheel, humaneval-wheel, or name=path.jsonl")
+    records = read_jsonl(path)
+    if not records:
+        raise ValueError(f"task {spec!r}: {path} holds no questions")
+    return name or Path(path).stem, records

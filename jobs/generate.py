@@ -21,7 +21,10 @@ def parse_overrides(pairs: list[str]) -> dict:
         key, sep, value = pair.partition("=")
         if not sep:
             raise ConfigError(f"--set expects key=value, got {pair!r}")
-        out[key] = yaml.safe_load(value)
+        try:
+            out[key] = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--set {key}: {value!r} is not a YAML value ({str(e).splitlines()[0]})") from None
     return out
 
 

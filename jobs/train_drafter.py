@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from eagle_ray.errors import CheckpointError
 from eagle_ray.model.draft_head import DraftHead, load_head
 from eagle_ray.model.eagle3_head import Eagle3Head
 from eagle_ray.model.loading import resolve_target
@@ -40,7 +41,10 @@ def load_features(features_dirs: list[str], limit_tokens: int | None = None) -> 
     convs, tokens = [], 0
     for features_dir in features_dirs:
         part = []
-        for shard in sorted(Path(features_dir).glob("shard-*.safetensors")):
+        shards = sorted(Path(features_dir).glob("shard-*.safetensors"))
+        if not shards:
+            raise SystemExit(f"--features {features_dir}: no feature shards (shard-*.safetensors) there")
+        for shard in shards:
             if limit_tokens and tokens >= limit_tokens:
                 break
             new = read_shard(shard)
@@ -130,8 +134,21 @@ def main(argv=None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     torch.set_float32_matmul_precision(a.matmul_precision)
-    cfg = TrainConfig(**{f.name: (bool(getattr(a, f.name)) if f.type == "bool" else getattr(a, f.name))
-                         for f in fields(TrainConfig)})
+    try:
+        cfg = TrainConfig(**{f.name: (bool(getattr(a, f.name)) if f.type == "bool" else getattr(a, f.name))
+                             for f in fields(TrainConfig)})
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"--device {cfg.device}: this torch build sees no CUDA device")
+    if a.token_map_size < 0 or a.batch_tokens < 1:
+        raise SystemExit("--token-map-size must be >= 0 (0: the full vocabulary) and --batch-tokens >= 1")
+    if (a.limit_conversations is not None and a.limit_conversations < 1) or \
+            (a.limit_tokens is not None and a.limit_tokens < 1):
+        raise SystemExit("--limit-conversations and --limit-tokens must be >= 1 where given")
+    sources = a.features or a.answers
+    if len({str(Path(x).resolve()) for x in sources}) < len(sources):
+        raise SystemExit(f"a source is given twice: {' '.join(sources)}")
     if a.answers:
         target, convs = states_in_memory(a.answers, a.target, a.target_dtype, a.threads, cfg.device,
                                          a.batch_tokens, a.head_type == "eagle3", cfg.max_len, a.limit_conversations,
@@ -145,6 +162,8 @@ def main(argv=None) -> int:
     n_tokens = sum(len(c["input_ids"]) for c in convs)
     n_target = sum(int(c["loss_mask"].sum()) for c in convs)
     print(f"{len(convs)} conversations, {n_tokens} tokens ({n_target} assistant tokens)", flush=True)
+    if not n_target:
+        raise SystemExit("no assistant tokens to train on in " + " ".join(sources))
     vocab_size = lm_weight.shape[0]
     # the draft vocabulary is chosen before training: the cross-entropy runs over it
     init = load_head(a.init, target.config, target.model.embed_tokens.weight) if a.init else None
@@ -155,8 +174,9 @@ def main(argv=None) -> int:
     else:
         draft_vocab = frequent_tokens(convs, vocab_size, a.token_map_size,
                                       always=[t for t in (eos_id,) if t is not None]) if a.token_map_size else None
+    torch.manual_seed(cfg.seed)   # a head trained from scratch starts from the same weights for the same --seed
     if a.head_type == "eagle3":
-        if "aux" not in convs[0]:
+        if any("aux" not in c for c in convs):
             raise SystemExit("EAGLE-3 training needs features extracted with `eagle-ray extract --eagle3`")
         head = Eagle3Head.for_target(target.config, draft_vocab=draft_vocab)
         if a.lm_head_init == "target":
@@ -180,8 +200,13 @@ def main(argv=None) -> int:
         print(f"wall budget {a.wall_budget_s:.0f} s: {cfg.time_budget_s:.0f} s left for training", flush=True)
     out = Path(a.out)
     t0 = time.time()
-    state = train(convs, head, lm_weight, out, cfg, max_steps=a.max_steps,
-                  log=lambda m: print(m, flush=True), vocab=draft_vocab)
+    run = {"target": str(a.target), "init": a.init, "head_type": a.head_type, "sources": list(sources),
+           "kept_token_map": a.keep_token_map, "lm_head_init": a.lm_head_init}
+    try:
+        state = train(convs, head, lm_weight, out, cfg, max_steps=a.max_steps,
+                      log=lambda m: print(m, flush=True), vocab=draft_vocab, run=run)
+    except CheckpointError as e:
+        raise SystemExit(str(e)) from None
     done = bool(state.get("finished"))  # the whole schedule ran (a fitted one may end mid-epoch)
     head.to("cpu").save(out / "head", dtype=torch.bfloat16, include_embedding=False)
     card = {"target": str(a.target or "SmolLM2-135M-Instruct (embedded)"), "train_config": config_dict(cfg),

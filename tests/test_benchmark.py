@@ -206,3 +206,29 @@ def test_the_report_shows_what_each_batch_size_runs_plain_included():
     assert choice_table(trees, measured).splitlines()[2:] == ["| 1 | tree 4/0/3 | 30.50 | 21.00 |",
                                                               "| 16 | plain | 160.00 | 171.25 |"]
     assert choice_table(trees, {}).splitlines()[-1] == "| 16 | plain | - | - |"
+
+
+def test_benchmark_and_measure_refuse_what_would_hang_or_lose_the_run_before_loading_anything(tmp_path, capsys):
+    """A batch size of 0 admitted nothing and spun forever; an --out that cannot be written failed after the whole
+    run. Both, and empty or unknown prompt sources, now fail first, naming the argument."""
+    from eagle_ray.cli import main
+    from eagle_ray.prompts import load_dataset
+    for kw, reason in (({"batch_sizes": [0]}, "batch sizes"), ({"num_prompts": 0}, "num_prompts"),
+                       ({"tasks": []}, "tasks must name"), ({"temperatures": [-1.0]}, "temperatures")):
+        with pytest.raises(ValueError, match=reason):
+            BenchmarkSpec(**kw)
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ValueError, match="holds no questions"):
+        load_dataset(f"e={tmp_path / 'empty.jsonl'}")
+    with pytest.raises(ValueError, match="no such file; name a bundled task \\(mt_bench"):
+        load_dataset("nosuchtask")
+    (tmp_path / "file").write_text("x")
+    cases = [(["benchmark", "--batch-sizes", "0", "--out", str(tmp_path / "o")], "batch sizes"),
+             (["benchmark", "--tasks", "nosuchtask", "--out", str(tmp_path / "o")], "no such file"),
+             (["benchmark", "--tasks", "qa", "--out", str(tmp_path / "file")], "is a file"),
+             (["measure", "--prompts", str(tmp_path / "empty.jsonl")], "holds no prompts"),
+             (["measure", "--prompts", str(tmp_path / "nope.jsonl")], "is not a file"),
+             (["measure", "--prompts", str(tmp_path / "file"), "--out", str(tmp_path)], "is a directory")]
+    for argv, reason in cases:
+        with pytest.raises(SystemExit, match=reason):
+            main(argv)

@@ -278,6 +278,46 @@ def test_null_means_absent_in_parquet_columns_and_structs(tmp_path):
         [(0.0, 5, None), (0.5, 9, 3), (0.0, 9, None)]
 
 
+def test_every_row_keeps_an_id_no_other_row_has(tmp_path):
+    """Ids key exactly-once re-runs, so two rows sharing one would lose one: a duplicate's new name never takes a
+    real row's id, and a row's own id wins over the ``row-<index>`` given to a row without one."""
+    lines = [b'{"id": "q1", "prompt": "a"}', b'{"id": "q1@row2", "prompt": "b"}', b'{"id": "q1", "prompt": "c"}',
+             b'{"prompt": "d"}', b'{"id": "row-3", "prompt": "e"}']
+    rows = local_rows(write_lines(tmp_path, lines))
+    assert [(r.id, r.kind) for r in rows] == [("q1", ""), ("q1@row2", ""), ("q1@row2#2", "duplicate_id"),
+                                              ("row-3@row3", ""), ("row-3", "")]
+    assert len({r.id for r in rows}) == len(rows)
+
+
+def test_a_json_array_file_and_binary_parquet_prompts_are_read_as_what_they_hold(tmp_path):
+    """A ``.json`` file may hold one array of rows (one row a line still works); a Parquet ``binary`` column holds
+    UTF-8 text, which is the prompt (never its Python repr), and bytes that are not UTF-8 make an error row."""
+    (tmp_path / "a.json").write_text(json.dumps([{"id": "x", "prompt": "hi"}, {"prompt": "yo"}, 3], indent=2))
+    rows = local_rows(str(tmp_path / "a.json"))
+    assert [(r.id, r.kind, r.payload) for r in rows] == [("x", "", '{"id": "x", "prompt": "hi"}'),
+                                                         ("row-1", "", '{"prompt": "yo"}'), ("row-2", INVALID_ROW, "3")]
+    (tmp_path / "b.json").write_text('{"prompt": "one"}\n{"prompt": "two"}\n')
+    assert [json.loads(r.payload)["prompt"] for r in local_rows(str(tmp_path / "b.json"))] == ["one", "two"]
+    pq.write_table(pa.table({"id": [b"k", b"l"], "prompt": [b"The capital of France is", b"\xff\xfe"]}),
+                   tmp_path / "c.parquet")
+    rows = local_rows(str(tmp_path / "c.parquet"))
+    assert json.loads(rows[0].payload) == {"id": "k", "prompt": "The capital of France is"} and rows[0].id == "k"
+    assert rows[1].kind == "invalid_utf8" and "not UTF-8" in rows[1].error
+
+
+def test_configs_that_could_only_fail_later_fail_at_load(tiny_dir, tiny_head):
+    from eagle_ray.config import JobConfig, ServeConfig
+    with pytest.raises(ConfigError, match="max_model_len 16 leaves no room for a prompt next to the largest tree's "
+                                          "verify budget"):
+        tiny_engine(tiny_dir, tiny_head, TreeConfig(total_tokens=32, depth=4, top_k=8), max_model_len=16)
+    with pytest.raises(ConfigError, match="default_max_tokens 100 is above max_tokens_cap 16"):
+        ServeConfig(max_tokens_cap=16, default_max_tokens=100)
+    for out in ("data/out", "data", "./data/"):
+        with pytest.raises(ConfigError, match="lies inside input.uri"):
+            JobConfig(input={"uri": "data"}, output={"uri": out})
+    JobConfig(input={"uri": "data/*.jsonl"}, output={"uri": "data2/out"})
+
+
 def test_bad_sampling_values_are_request_errors_naming_the_field():
     with pytest.raises(InvalidRequestError, match="stop strings must be non-empty"):
         parse_row({"prompt": "x", "sampling_params": {"stop": [""]}}, SamplingParams())
@@ -300,6 +340,9 @@ def test_input_paths_that_hold_nothing_to_read_are_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="no .jsonl"):
         read_input(str(tmp_path / "empty"), fs)
     assert len(read_input(str(tmp_path / "s*"), fs)) == 1  # a glob matching a directory reads what is in it
+    (tmp_path / "blank.jsonl").write_text("\n\n")
+    with pytest.raises(ConfigError, match="blank.jsonl holds no rows"):
+        read_input(str(tmp_path / "blank.jsonl"), fs)
 
 
 # ---- the job's command line and its tuning cache ------------------------------------------------------------------
@@ -325,6 +368,7 @@ def test_the_job_cli_answers_bad_paths_with_one_line_and_status_2(tmp_path, caps
         "no .jsonl": ["--input", str(tmp_path / "empty"), "--output", str(tmp_path / "o")],
         "is a file": ["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "file-out")],
         "not a section": ["--set", "input.uri.x=1"],
+        "is not a YAML value": ["--set", "sampling.stop=[unclosed"],
         "part-x-00000.parquet is not readable Parquet": ["--input", str(tmp_path / "in.jsonl"), "--output",
                                                           str(tmp_path / "out")],
     }

@@ -36,6 +36,50 @@ def test_training_killed_mid_epoch_resumes_to_the_same_weights(tiny_hf, tmp_path
     assert s1["history"] == s2["history"] and "eval_top1" in s1["history"][-1]
 
 
+def test_a_checkpoint_resumes_only_the_run_that_wrote_it(tiny_hf, tmp_path):
+    """Resuming with other settings, other data or another caller's run description would train on from someone
+    else's weights and write a card describing a run that never was: it fails, naming each difference; a damaged
+    checkpoint fails naming the file."""
+    from eagle_ray.errors import CheckpointError
+
+    convs = self_distilled_convs(tiny_hf, n=32, new_tokens=20)
+    lm = tiny_hf.lm_head.weight.detach()
+    quiet = dict(log=lambda *_: None)
+    train(convs, fresh_head(tiny_hf), lm, tmp_path / "run", CFG, max_steps=4, run={"init": None}, **quiet)
+    with pytest.raises(CheckpointError, match=r"another run \(lr: 0.001 there, 0.01 now; tokens_per_step: 128 there"):
+        train(convs, fresh_head(tiny_hf), lm, tmp_path / "run", TrainConfig(**{**CFG.identity(), "lr": 1e-2,
+              "tokens_per_step": 256}), run={"init": None}, **quiet)
+    with pytest.raises(CheckpointError, match="conversations: 32 there, 31 now"):
+        train(convs[:31], fresh_head(tiny_hf), lm, tmp_path / "run", CFG, run={"init": None}, **quiet)
+    with pytest.raises(CheckpointError, match="init: None there, 'other/head' now"):
+        train(convs, fresh_head(tiny_hf), lm, tmp_path / "run", CFG, run={"init": "other/head"}, **quiet)
+    state = train(convs, fresh_head(tiny_hf), lm, tmp_path / "run", CFG, run={"init": None}, **quiet)
+    assert state["finished"]     # the same run resumes, whatever device or time budget it is given
+    (tmp_path / "run" / "checkpoint.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="checkpoint.pt cannot be read"):
+        train(convs, fresh_head(tiny_hf), lm, tmp_path / "run", CFG, **quiet)
+
+
+def test_held_out_conversations_are_never_trained_on_even_when_a_source_repeats_them(tiny_hf):
+    """Two sets can hold the same text under different ids: a training conversation equal to a held-out one is
+    left out, so held-out accuracy is measured on unseen text only."""
+    from eagle_ray.train.trainer import split_held_out
+
+    convs = self_distilled_convs(tiny_hf, n=10, new_tokens=8)
+    held, rest = split_held_out(convs + [dict(convs[0]), dict(convs[5])], 0.1)
+    assert held == [convs[0]] and len(rest) == 10 and all(c is not convs[0] for c in rest)
+    assert sum(torch.equal(c["input_ids"], convs[5]["input_ids"]) for c in rest) == 2
+
+
+def test_training_settings_no_run_can_use_fail_naming_the_field(tiny_hf, tmp_path):
+    for field, value in (("warmup_steps", 0), ("checkpoint_every", 0), ("unroll_steps", 0), ("lr", -1.0),
+                         ("epochs", 0), ("max_len", 1), ("eval_fraction", 1.0), ("tokens_per_step", 0)):
+        with pytest.raises(ValueError, match=f"{field}={value!r}"):
+            TrainConfig(**{field: value})
+    with pytest.raises(ValueError, match="no conversations to train on"):
+        train([], fresh_head(tiny_hf), tiny_hf.lm_head.weight.detach(), tmp_path, CFG)
+
+
 def test_extraction_killed_and_restarted_writes_each_conversation_once(tiny_dir, tmp_path, monkeypatch):
     src = tmp_path / "convs.jsonl"
     with open(src, "w") as f:
@@ -153,6 +197,21 @@ def test_train_job_fine_tunes_an_existing_head_over_several_feature_dirs(tiny_di
                  str(tmp_path / "init_map"), "--max-steps", "0", "--keep-token-map"]) == 0
     kept = DraftHead.load(tmp_path / "kept" / "head", tiny_hf.config, embed)
     assert torch.equal(kept.token_map, torch.arange(40, 8, -1))
+    # what no run can use fails before any step, naming the argument
+    base = ["--out", str(tmp_path / "bad"), "--target", str(tiny_dir)]
+    for args, reason in ((["--features", str(tmp_path / "nothing")], "no feature shards"),
+                         (["--features", dirs[0], dirs[0]], "a source is given twice"),
+                         (["--features", dirs[0], "--warmup-steps", "0"], "warmup_steps=0"),
+                         (["--features", dirs[0], "--token-map-size", "-5"], "--token-map-size must be >= 0"),
+                         (["--features", dirs[0], "--head-type", "eagle3"], "needs features extracted with")):
+        with pytest.raises(SystemExit, match=reason):
+            main(args + base)
+    # a checkpoint of another run is refused, not trained on: here another draft vocabulary and start point
+    assert main(["--features", *dirs, "--out", str(tmp_path / "r"), "--target", str(tiny_dir), "--epochs", "1",
+                 "--token-map-size", "0", "--tokens-per-step", "64", "--warmup-steps", "1"]) == 0
+    with pytest.raises(SystemExit, match="belongs to another run .*init: None there"):
+        main(["--features", *dirs, "--out", str(tmp_path / "r"), "--target", str(tiny_dir), "--init",
+              str(tmp_path / "init"), "--token-map-size", "0", "--tokens-per-step", "64", "--warmup-steps", "1"])
 
 
 def test_cross_entropy_runs_over_the_draft_vocabulary_the_engine_will_use(tiny_hf):
@@ -439,3 +498,22 @@ def test_answer_states_can_be_kept_apart_from_the_device_that_computes_them(tmp_
     assert next(target.parameters()).device.type == "cpu"
     size = 3 * 7 * (1 + layers) * d * 2   # bf16
     assert f"{size / 2**30:.2f} GiB on meta" in capsys.readouterr().out
+
+
+def test_an_answer_set_whose_manifest_no_longer_describes_it_fails_naming_the_file(tmp_path):
+    from eagle_ray.train.selfdistill import MANIFEST, ShardWriter, load_answers
+
+    rows = [{"id": f"p{i}", "prompt_ids": [5, 6], "answer_ids": [7, 8, 9], "eos": False} for i in range(3)]
+    ShardWriter(tmp_path / "set", {"what": "test answers"}).write(rows)
+    assert load_answers(tmp_path / "set").num_rows == 3
+    path = tmp_path / "set" / MANIFEST
+    good = json.loads(path.read_text())
+    for damage, reason in (("{broken", "cannot be read as JSON"),
+                           (json.dumps({k: v for k, v in good.items() if k != "rows"}), "lacks rows"),
+                           (json.dumps({**good, "shards": [{"file": "answers-00000.parquet"}]}),
+                            "lacks shards\\[0\\].rows, shards\\[0\\].answer_tokens"),
+                           (json.dumps({**good, "shards": [{**good["shards"][0], "file": "gone.parquet"}]}),
+                            "gone.parquet: listed in the manifest but not readable")):
+        path.write_text(damage)
+        with pytest.raises(ValueError, match=reason):
+            load_answers(tmp_path / "set")

@@ -47,6 +47,7 @@ class InputRow:
     payload: str          # the row as JSON text ("" when it could not be parsed)
     error: str = ""       # set when the row is already known to be bad (parse error, duplicate id)
     kind: str = ""        # its error kind
+    own_id: bool = False  # the id is the row's own (else ``row-<index>``, given here)
 
     def as_item(self) -> dict:
         return {"row_index": self.row_index, "id": self.id, "payload": self.payload, "error": self.error,
@@ -108,26 +109,74 @@ def read_input(uri: str, fs, fmt: str = "auto", limit: int | None = None) -> lis
             except (pa.ArrowException, OSError) as e:
                 raise ConfigError(f"input file {path} is not readable Parquet: {e}") from None
             for rec in records:
-                rows.append(_row(len(rows), rec, "", ""))
+                try:
+                    rec, err, kind = text_bytes(rec), "", ""
+                except UnicodeDecodeError as e:
+                    rec, err, kind = None, f"{path}: a binary column is not UTF-8 text ({e.reason} at byte " \
+                                           f"{e.start})", INVALID_UTF8
+                rows.append(_row(len(rows), rec, err, kind))
                 if limit and len(rows) >= limit:
                     break
         else:
-            with fs.open(path, "rb") as fh:
-                for row in rows_from_lines(fh, path, len(rows)):
-                    rows.append(row)
-                    if limit and len(rows) >= limit:
-                        break
+            for row in text_file_rows(fs, path, len(rows)):
+                rows.append(row)
+                if limit and len(rows) >= limit:
+                    break
         if limit and len(rows) >= limit:
             break
+    if not rows:
+        raise ConfigError(f"input.uri: {uri} holds no rows")
+    return unique_ids(rows)
+
+
+def unique_ids(rows: list[InputRow]) -> list[InputRow]:
+    """Give every row an id no other row has (ids key exactly-once re-runs, so two rows sharing one would lose
+    one). A row's own id wins over a given ``row-<index>``; the second row with an id is an error row keyed
+    ``<id>@row<index>``; a given id that a row's own id already holds becomes ``row-<index>@row<index>``. Either is
+    suffixed ``#2``, ``#3``, ... should a row hold that name too. Deterministic, so a re-run keys rows the same."""
     first: dict[str, int] = {}
-    for r in rows:
-        if r.id in first:
-            if not r.error:
-                r.error, r.kind = f"duplicate id {r.id!r} (first at row {first[r.id]})", DUPLICATE_ID
-            r.id = f"{r.id}@row{r.row_index}"
-        else:
+    moved = []
+    for r in sorted(rows, key=lambda r: not r.own_id):   # stable: own ids first, each group in file order
+        if r.id not in first:
             first[r.id] = r.row_index
+            continue
+        if r.own_id and not r.error:
+            r.error, r.kind = f"duplicate id {r.id!r} (first at row {first[r.id]})", DUPLICATE_ID
+        moved.append(r)
+    taken = set(first)
+    for r in moved:
+        base = name = f"{r.id}@row{r.row_index}"
+        k = 1
+        while name in taken:
+            k += 1
+            name = f"{base}#{k}"
+        r.id = name
+        taken.add(name)
     return rows
+
+
+def text_file_rows(fs, path: str, first_index: int):
+    """A JSON-lines file's rows, or a ``.json`` file's rows whether it holds JSON lines or one array."""
+    if path.endswith(".json"):
+        with fs.open(path, "rb") as fh:
+            doc = json_document_rows(fh.read(), first_index)
+        if doc is not None:
+            yield from doc
+            return
+    with fs.open(path, "rb") as fh:
+        yield from rows_from_lines(fh, path, first_index)
+
+
+def json_document_rows(data: bytes, first_index: int) -> list[InputRow] | None:
+    """The rows of a ``.json`` file holding one JSON array of rows (as many tools write it), or None where the
+    file is not one parseable array: then it is read as JSON lines, one row a line."""
+    body = data[3:] if data.startswith(b"\xef\xbb\xbf") else data
+    if not body.lstrip().startswith(b"["):
+        return None
+    rec, err, _ = decode_line(body, False)
+    if err or not isinstance(rec, list):
+        return None
+    return [_row(first_index + i, r, "", "") for i, r in enumerate(rec)]
 
 
 def rows_from_lines(lines, path: str, first_index: int = 0):
@@ -150,8 +199,20 @@ def _row(index: int, rec, err: str, kind: str) -> InputRow:
     if nesting_depth(rec) > MAX_NESTING:
         return InputRow(index, f"row-{index}", "", f"row nested deeper than {MAX_NESTING} levels", INVALID_ROW)
     rid = rec.get("id")
-    rid = f"row-{index}" if rid is None or rid == "" else storable(str(rid))
-    return InputRow(index, rid, _dump(rec))
+    own = not (rid is None or rid == "")
+    return InputRow(index, storable(str(rid)) if own else f"row-{index}", _dump(rec), own_id=own)
+
+
+def text_bytes(value):
+    """A Parquet ``binary`` value (bytes) as the UTF-8 text it holds, through lists and structs, so a prompt
+    stored as bytes is the prompt, not its Python repr; bytes that are not UTF-8 raise UnicodeDecodeError."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8")
+    if isinstance(value, dict):
+        return {k: text_bytes(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [text_bytes(v) for v in value]
+    return value
 
 
 def _dump(rec) -> str:

@@ -20,7 +20,7 @@ from eagle_ray.engine.model_runner import ModelRunner, StepOutput
 from eagle_ray.engine.scheduler import Scheduler, StepPlan
 from eagle_ray.engine.sequence import Sequence
 from eagle_ray.engine.text import Detokenizer, StopStrings, TextCodec
-from eagle_ray.errors import InvalidRequestError
+from eagle_ray.errors import ConfigError, InvalidRequestError
 from eagle_ray.model.compiled import compile_forwards
 from eagle_ray.model.device import pick_device, pick_dtype
 from eagle_ray.model.draft_head import DraftHead, check_head, load_head
@@ -77,6 +77,10 @@ class EagleEngine:
         self.tuning = None  # the TuningResult when tree_policy is "auto"
         self.chooser: SpeculationChooser | None = None   # speculate or not per batch size, measured (measured_choice)
         self.codec = TextCodec(tokenizer, target.vocab_size)
+        if self.prompt_room() < 1:   # every request would be refused as too long
+            raise ConfigError(f"cache.max_model_len {target.max_len} leaves no room for a prompt next to the largest "
+                              f"tree's verify budget ({self.max_tree_budget()} tokens): raise max_model_len or use a "
+                              "smaller tree")
         self._ids = itertools.count()
         budget = config.cache.step_budget(target.device)
         self.scheduler = Scheduler(config.cache.max_batch_size, budget)

@@ -33,8 +33,9 @@ ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 def capture_layers(num_target_layers: int) -> tuple[int, int, int]:
     """Target layers whose inputs an EAGLE-3 head reads: low, middle and high."""
     L = num_target_layers
-    if L < 3:
-        raise CheckpointError(f"an EAGLE-3 head reads target layers 2, L/2 and L-3; this target has only {L} layers")
+    if L < 7:   # fewer layers: 2, L/2 and L-3 are not three distinct layers (check_config refuses such a head)
+        raise CheckpointError(f"an EAGLE-3 head reads three distinct target layers 2, L/2 and L-3, which needs at "
+                              f"least 7 layers; this target has {L}")
     return (2, L // 2, L - 3)
 
 

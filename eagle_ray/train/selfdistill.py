@@ -214,7 +214,18 @@ def set_dirs(root: str | Path | None = None) -> list[Path]:
 
 
 def read_manifest(set_dir: str | Path) -> dict:
-    return json.loads((Path(set_dir) / MANIFEST).read_text())
+    """A set's manifest; an unreadable one, or one without its counts, fails naming the file."""
+    path = Path(set_dir) / MANIFEST
+    try:
+        man = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} cannot be read as JSON: {e}") from None
+    missing = [k for k in ("rows", "answer_tokens") if not isinstance(man, dict) or k not in man] + \
+        [f"shards[{i}].{k}" for i, sh in enumerate(man.get("shards", []) if isinstance(man, dict) else [])
+         for k in ("file", "rows", "answer_tokens") if not isinstance(sh, dict) or k not in sh]
+    if missing:
+        raise ValueError(f"{path} lacks {', '.join(missing)}: it no longer describes its set")
+    return man
 
 
 def load_answers(root: str | Path | None = None, check: bool = True):
@@ -232,7 +243,10 @@ def load_answers(root: str | Path | None = None, check: bool = True):
         man = read_manifest(d)
         shards = man.get("shards") or [{"file": p.name} for p in sorted(d.glob("answers-*.parquet"))]
         for s in shards:
-            t = pq.read_table(d / s["file"], columns=list(SCHEMA_FIELDS))
+            try:
+                t = pq.read_table(d / s["file"], columns=list(SCHEMA_FIELDS))
+            except (OSError, pa.ArrowException) as e:
+                raise ValueError(f"{d.name}/{s['file']}: listed in the manifest but not readable ({e})") from None
             if check and "rows" in s and (t.num_rows != s["rows"] or
                                           pc.sum(pc.list_value_length(t["answer_ids"])).as_py() != s["answer_tokens"]):
                 raise ValueError(f"{d.name}/{s['file']}: manifest says {s['rows']} rows / {s['answer_tokens']} "

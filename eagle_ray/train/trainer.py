@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from eagle_ray.errors import CheckpointError
 from eagle_ray.model.draft_head import DraftHead
 
 
@@ -48,6 +49,26 @@ class TrainConfig:
     repeat_ngram: int = 32         # the n of repeat_keep (data.repeated_tokens)
     device: str = "cpu"            # where the head trains; the conversations' tensors may live there too
     time_budget_s: float = 0.0     # >0: fit the schedule to this many seconds of training (see train)
+
+    def __post_init__(self):
+        """A value no run can use fails here, naming the field, instead of deep in the first step."""
+        rules = {"lr": self.lr > 0, "warmup_steps": self.warmup_steps >= 1, "epochs": self.epochs >= 1,
+                 "tokens_per_step": self.tokens_per_step >= 1, "max_len": self.max_len >= 2,
+                 "grad_clip": self.grad_clip > 0, "noise": self.noise >= 0, "ce_weight": self.ce_weight >= 0,
+                 "ce_fraction": 0 < self.ce_fraction <= 1, "eval_fraction": 0 <= self.eval_fraction < 1,
+                 "checkpoint_every": self.checkpoint_every >= 1, "unroll_steps": self.unroll_steps >= 1,
+                 "unroll_weight": self.unroll_weight > 0, "eval_steps": self.eval_steps >= 1,
+                 "repeat_keep": 0 < self.repeat_keep <= 1, "repeat_ngram": self.repeat_ngram >= 1,
+                 "time_budget_s": self.time_budget_s >= 0}
+        bad = [f"{k}={getattr(self, k)!r}" for k, ok in rules.items() if not ok]
+        if bad:
+            raise ValueError(f"invalid training settings: {', '.join(bad)} (rates and counts must be positive; "
+                             "ce_fraction in (0, 1], eval_fraction in [0, 1), repeat_keep in (0, 1])")
+
+    def identity(self) -> dict:
+        """The settings a resumed run must share with the run that wrote its checkpoint (where the head trains and
+        the time budget, refitted from each start's clock, may change)."""
+        return {k: v for k, v in asdict(self).items() if k not in ("device", "time_budget_s")}
 
 
 def make_batches(lengths: list[int], tokens_per_step: int, seed: int, epoch: int) -> list[list[int]]:
@@ -237,11 +258,68 @@ def save_checkpoint(path: Path, head, opt, state: dict) -> None:
     os.replace(tmp, path)
 
 
+def content_key(conv: dict) -> bytes:
+    """A conversation's tokens and scored positions: two sources may hold the same text under different ids."""
+    return conv["input_ids"].cpu().numpy().tobytes() + conv["loss_mask"].cpu().bool().numpy().tobytes()
+
+
+def split_held_out(convs: list[dict], eval_fraction: float) -> tuple[list[dict], list[dict]]:
+    """(held-out, training): the first ``eval_fraction`` of ``convs`` (at least one where there are two or more),
+    and the rest less any conversation equal to a held-out one, so held-out accuracy is never measured on text the
+    head trained on."""
+    n_eval = max(1, int(len(convs) * eval_fraction)) if len(convs) > 1 else 0
+    held_out = convs[:n_eval]
+    seen = {content_key(c) for c in held_out}
+    return held_out, [c for c in convs[n_eval:] if content_key(c) not in seen]
+
+
+def run_identity(convs: list[dict], head, cfg: TrainConfig, vocab: torch.Tensor | None, run: dict | None) -> dict:
+    """What a checkpoint's run was: its settings, its data (count, tokens, a content digest), the head's kind and
+    shapes, the draft vocabulary, and ``run`` (the caller's own: target, start point, sources)."""
+    import hashlib
+    digest = hashlib.sha256()
+    for c in convs:
+        digest.update(content_key(c))
+    return {"settings": cfg.identity(), "conversations": len(convs),
+            "tokens": sum(len(c["input_ids"]) for c in convs), "data_sha256": digest.hexdigest()[:16],
+            "head": f"{getattr(head, 'kind', 'eagle2')} " + " ".join(
+                f"{k}:{tuple(v.shape)}" for k, v in head.state_dict().items() if k != "embed_tokens.weight"),
+            "draft_vocab": None if vocab is None else hashlib.sha256(
+                vocab.cpu().numpy().astype("int64").tobytes()).hexdigest()[:16],
+            **(run or {})}
+
+
+def load_checkpoint(ckpt: Path, device, identity: dict) -> dict:
+    """The saved run, refused (naming what differs) unless it is the run now asked for: resuming someone else's
+    checkpoint would train on with other data or settings and write a card describing a run that never was."""
+    try:
+        saved = torch.load(ckpt, weights_only=True, map_location=device)
+        state = saved["state"]
+    except Exception as e:  # noqa: BLE001  (torch raises several types for a damaged file)
+        raise CheckpointError(f"training checkpoint {ckpt} cannot be read ({type(e).__name__}: {e}); delete it to "
+                              "start this run afresh") from None
+    before = state.get("run")
+    if before is not None and before != identity:
+        diff = []
+        for k in sorted(set(before) | set(identity)):
+            a, b = before.get(k), identity.get(k)
+            if k == "settings":
+                diff += [f"{n}: {a.get(n)!r} there, {b.get(n)!r} now" for n in sorted(set(a) | set(b))
+                         if a.get(n) != b.get(n)]
+            elif a != b:
+                diff.append(f"{k}: {a!r} there, {b!r} now")
+        raise CheckpointError(f"{ckpt} belongs to another run ({'; '.join(diff)}): resume with the same data and "
+                              "flags, or use another --out")
+    return saved
+
+
 def train(convs: list[dict], head: DraftHead, lm_weight: torch.Tensor, out_dir: str | Path, cfg: TrainConfig,
-          max_steps: int | None = None, log=print, vocab: torch.Tensor | None = None, clock=time.time) -> dict:
-    """Train ``head`` in place (on ``cfg.device``); resumes from ``out_dir/checkpoint.pt`` when present. Returns
-    the final metrics. ``vocab``: the draft vocabulary the head will be served with (the cross-entropy's ids, see
-    ``losses``).
+          max_steps: int | None = None, log=print, vocab: torch.Tensor | None = None, clock=time.time,
+          run: dict | None = None) -> dict:
+    """Train ``head`` in place (on ``cfg.device``); resumes from ``out_dir/checkpoint.pt`` when present, if that
+    checkpoint was written by the same run (settings, data, head shapes, draft vocabulary and ``run``, the
+    caller's description: see ``run_identity``). Returns the final metrics. ``vocab``: the draft vocabulary the
+    head will be served with (the cross-entropy's ids, see ``losses``).
 
     The schedule runs ``cfg.epochs`` epochs. With ``cfg.time_budget_s`` it is fitted to that many seconds instead
     (at most ``cfg.epochs``): twenty steps from the tenth on are timed, the total is set from their pace (less a
@@ -253,8 +331,12 @@ def train(convs: list[dict], head: DraftHead, lm_weight: torch.Tensor, out_dir: 
     lm_weight = lm_weight.to(cfg.device)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    n_eval = max(1, int(len(convs) * cfg.eval_fraction)) if len(convs) > 1 else 0
-    eval_set, train_set = convs[:n_eval], convs[n_eval:] or convs
+    eval_set, train_set = split_held_out(convs, cfg.eval_fraction)
+    if not train_set:
+        raise ValueError(f"no conversations to train on ({len(convs)} given, {len(eval_set)} of them held out)")
+    if len(train_set) + len(eval_set) < len(convs):
+        log(f"{len(convs) - len(train_set) - len(eval_set)} training conversations equal a held-out one: left out")
+    identity = run_identity(convs, head, cfg, vocab, run)
     if cfg.repeat_keep < 1.0:  # held-out scoring stays on every token
         from eagle_ray.train.data import thin_repeats
         train_set = [{**c, "loss_mask": thin_repeats(c["input_ids"], c["loss_mask"], cfg.repeat_keep, cfg.repeat_ngram,
@@ -264,13 +346,13 @@ def train(convs: list[dict], head: DraftHead, lm_weight: torch.Tensor, out_dir: 
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     steps_per_epoch = len(make_batches(lengths, cfg.tokens_per_step, cfg.seed, 0))
-    state = {"step": 0, "epoch": 0, "batch": 0, "history": []}
+    state = {"step": 0, "epoch": 0, "batch": 0, "history": [], "run": identity}
     ckpt = out / "checkpoint.pt"
     if ckpt.exists():
-        saved = torch.load(ckpt, weights_only=True, map_location=cfg.device)
+        saved = load_checkpoint(ckpt, cfg.device, identity)
         head.load_state_dict(saved["head"])
         opt.load_state_dict(saved["opt"])
-        state = saved["state"]
+        state = {**saved["state"], "run": identity}
         log(f"resumed at step {state['step']} (epoch {state['epoch']}, batch {state['batch']})")
     total = state.get("total") or steps_per_epoch * cfg.epochs
     sched = lambda s: min(1.0, (s + 1) / cfg.warmup_steps) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total))  # noqa

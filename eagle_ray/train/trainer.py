@@ -270,16 +270,18 @@ def split_held_out(convs: list[dict], eval_fraction: float) -> tuple[list[dict],
     n_eval = max(1, int(len(convs) * eval_fraction)) if len(convs) > 1 else 0
     held_out = convs[:n_eval]
     seen = {content_key(c) for c in held_out}
-    return held_out, [c for c in convs[n_eval:] if content_key(c) not in seen]
+    lengths = {len(c["input_ids"]) for c in held_out}   # only a conversation of a held-out length is read back
+    return held_out, [c for c in convs[n_eval:] if len(c["input_ids"]) not in lengths or content_key(c) not in seen]
 
 
 def run_identity(convs: list[dict], head, cfg: TrainConfig, vocab: torch.Tensor | None, run: dict | None) -> dict:
     """What a checkpoint's run was: its settings, its data (count, tokens, a content digest), the head's kind and
     shapes, the draft vocabulary, and ``run`` (the caller's own: target, start point, sources)."""
     import hashlib
-    digest = hashlib.sha256()
-    for c in convs:
-        digest.update(content_key(c))
+    digest = hashlib.sha256(str([len(c["input_ids"]) for c in convs]).encode())
+    if convs:   # one read-back of every token and scored position, wherever the conversations live
+        digest.update(torch.cat([c["input_ids"].view(-1).long() for c in convs]).cpu().numpy().tobytes())
+        digest.update(torch.cat([c["loss_mask"].view(-1).bool() for c in convs]).cpu().numpy().tobytes())
     return {"settings": cfg.identity(), "conversations": len(convs),
             "tokens": sum(len(c["input_ids"]) for c in convs), "data_sha256": digest.hexdigest()[:16],
             "head": f"{getattr(head, 'kind', 'eagle2')} " + " ".join(

@@ -218,6 +218,9 @@ class EngineConfig(StrictModel):
                 part = FLAT_FIELDS[name]
                 section = data.get(part)
                 section = dict(section) if isinstance(section, dict) else {}
+                if name in section and section[name] != data[name]:
+                    raise ValueError(f"{name} is given twice, as {name} ({data[name]!r}) and as {part}.{name} "
+                                     f"({section[name]!r}): keep one")
                 section[name] = data.pop(name)
                 data[part] = section
         return data
@@ -364,6 +367,9 @@ class JobConfig(StrictModel):
                 node = node.setdefault(p, {})
                 if not isinstance(node, dict):
                     raise ConfigError(f"--set {key}: {'.'.join(parents[: i + 1])} is a value, not a section")
+            if len(parents) == 2 and parents[0] == "engine" and FLAT_FIELDS.get(last) == parents[1] and \
+                    isinstance(data.get("engine"), dict):
+                data["engine"].pop(last, None)   # the file's flat engine.<name> gives way to the override
             node[last] = value
         return cls(**data)
 

@@ -318,6 +318,16 @@ def test_configs_that_could_only_fail_later_fail_at_load(tiny_dir, tiny_head):
     JobConfig(input={"uri": "data/*.jsonl"}, output={"uri": "data2/out"})
 
 
+def test_a_nested_engine_override_wins_over_the_files_flat_key_and_both_in_one_file_are_refused():
+    """The shipped YAML writes engine keys flat (``engine.max_model_len``); ``--set engine.cache.max_model_len=..``
+    used to be overwritten by the file's flat value, silently."""
+    from eagle_ray.config import JobConfig
+    cfg = JobConfig.from_yaml(ROOT / "configs" / "embedded.yaml", {"engine.cache.max_model_len": 512})
+    assert cfg.engine.cache.max_model_len == 512
+    with pytest.raises(ConfigError, match="max_model_len is given twice"):
+        JobConfig(input={"uri": "a"}, output={"uri": "b"}, engine={"max_model_len": 16, "cache": {"max_model_len": 32}})
+
+
 def test_bad_sampling_values_are_request_errors_naming_the_field():
     with pytest.raises(InvalidRequestError, match="stop strings must be non-empty"):
         parse_row({"prompt": "x", "sampling_params": {"stop": [""]}}, SamplingParams())
@@ -369,6 +379,9 @@ def test_the_job_cli_answers_bad_paths_with_one_line_and_status_2(tmp_path, caps
         "is a file": ["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "file-out")],
         "not a section": ["--set", "input.uri.x=1"],
         "is not a YAML value": ["--set", "sampling.stop=[unclosed"],
+        "max_model_len 16 leaves no room for a prompt": ["--set", "engine.cache.max_model_len=16", "--set",
+                                                         "engine.speculation.tree={total_tokens: 32, depth: 4}"],
+        "lies inside input.uri": ["--input", str(tmp_path), "--output", str(tmp_path / "o")],
         "part-x-00000.parquet is not readable Parquet": ["--input", str(tmp_path / "in.jsonl"), "--output",
                                                           str(tmp_path / "out")],
     }

@@ -148,6 +148,8 @@ def run_job(cfg: JobConfig, print_fn=print) -> dict:
     true when SIGTERM stopped it early: what finished is committed)."""
     import ray
 
+    from eagle_ray.engine.engine import check_prompt_room
+    check_prompt_room(cfg.engine.cache.max_model_len, cfg.engine.speculation.trees())
     in_fs, in_path = filesystem(cfg.input.uri, cfg)
     out_fs, out_root = filesystem(cfg.output.uri, cfg)
     rows = read_input(in_path, in_fs, cfg.input.format, cfg.input.limit)

@@ -63,6 +63,15 @@ def tree_budget(tree: TreeConfig) -> int:
     return draft_budget(tree) + (0 if is_plain(tree) else tree.lookup)
 
 
+def check_prompt_room(max_len: int, trees: list[TreeConfig]) -> None:
+    """Fail unless a context of ``max_len`` leaves room for a prompt next to the largest verify budget (see
+    ``EagleEngine.prompt_room``): else every request would be refused as too long. Callers check before loading."""
+    budget = max(tree_budget(t) for t in trees)
+    if max_len - budget - 1 < 1:
+        raise ConfigError(f"cache.max_model_len {max_len} leaves no room for a prompt next to the largest tree's "
+                          f"verify budget ({budget} tokens): raise max_model_len or use a smaller tree")
+
+
 def draft_room(tree: TreeConfig) -> int:
     """Tree tokens a cycle stacks on a slot's draft cache (lookup tokens are never drafted)."""
     return tree.depth * tree.top_k if tree.mode == "dynamic" else draft_budget(tree)
@@ -77,10 +86,7 @@ class EagleEngine:
         self.tuning = None  # the TuningResult when tree_policy is "auto"
         self.chooser: SpeculationChooser | None = None   # speculate or not per batch size, measured (measured_choice)
         self.codec = TextCodec(tokenizer, target.vocab_size)
-        if self.prompt_room() < 1:   # every request would be refused as too long
-            raise ConfigError(f"cache.max_model_len {target.max_len} leaves no room for a prompt next to the largest "
-                              f"tree's verify budget ({self.max_tree_budget()} tokens): raise max_model_len or use a "
-                              "smaller tree")
+        check_prompt_room(target.max_len, config.speculation.trees())
         self._ids = itertools.count()
         budget = config.cache.step_budget(target.device)
         self.scheduler = Scheduler(config.cache.max_batch_size, budget)

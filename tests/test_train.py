@@ -109,6 +109,20 @@ def test_extraction_killed_and_restarted_writes_each_conversation_once(tiny_dir,
     assert sorted(seen) == [i for i in range(23) if i != 7]
 
 
+def test_extraction_refuses_to_mix_shards_made_otherwise_into_one_directory(tiny_dir, tmp_path):
+    src = tmp_path / "convs.jsonl"
+    src.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"w{i}"},
+                                                    {"role": "assistant", "content": f"w{i + 1}"}]}) + "\n"
+                           for i in range(4)))
+    kw = dict(target=str(tiny_dir), source=str(src), max_conversations=4, dtype="float32", threads=1)
+    extract.run_local(out_dir=str(tmp_path / "f"), shard_size=2, max_len=64, **kw)
+    extract.run_local(out_dir=str(tmp_path / "f"), shard_size=2, max_len=64, **kw)     # the same run: resumes
+    with pytest.raises(SystemExit, match="max_len: 64 there, 32 now; shard_size: 2 there, 4 now"):
+        extract.run_local(out_dir=str(tmp_path / "f"), shard_size=4, max_len=32, **kw)
+    with pytest.raises(SystemExit, match="max_conversations >= shard_size"):
+        extract.run_local(out_dir=str(tmp_path / "g"), shard_size=8, max_len=64, **kw)
+
+
 def test_self_distilled_conversations_come_from_a_job_output(tmp_path):
     """jobs/generate.py output -> (prompt messages + the target's answer) in input order; error rows skipped."""
     import json

@@ -239,7 +239,15 @@ def run_local(out_dir: str, target: str | None, source: str | None, max_conversa
               max_len: int, dtype: str, threads: int, worker: int = 0, num_workers: int = 1,
               eagle3: bool = False, batch_tokens: int = 0) -> None:
     """Single-process extraction; ``workers`` processes split the shards by index. Each shard is written
-    atomically, so a killed run restarted with the same arguments writes every conversation exactly once."""
+    atomically, so a killed run restarted with the same arguments writes every conversation exactly once.
+    ``extraction.json`` records what the shards were made with; extending a directory made otherwise (another
+    target, length cap, shard size, source or layer set) is refused, since its shards would be mixed silently."""
+    if shard_size < 1 or max_conversations < shard_size or max_len < 2 or not 0 <= worker < num_workers:
+        raise SystemExit(f"extract: need shard_size >= 1, max_conversations >= shard_size (whole shards only), "
+                         f"max_len >= 2 and 0 <= worker < workers; got {shard_size}, {max_conversations}, {max_len}, "
+                         f"{worker}, {num_workers}")
+    check_extraction_record(Path(out_dir), {"target": str(target or "embedded"), "source": str(source or "sharegpt"),
+                                            "max_len": max_len, "shard_size": shard_size, "eagle3": eagle3})
     model, tok = load_target(target, dtype, threads)
     capture = None
     if eagle3:
@@ -254,6 +262,28 @@ def run_local(out_dir: str, target: str | None, source: str | None, max_conversa
         done_tokens += len(tensors["input_ids"])
         print(f"shard {shard}: {len(batch)} convs, {len(tensors['input_ids'])} tokens, "
               f"{done_tokens / (time.time() - t0):.0f} tok/s", flush=True)
+
+
+def check_extraction_record(out: Path, record: dict) -> None:
+    """Write ``out/extraction.json`` on a directory's first run; on a later one, fail naming what differs."""
+    import json
+    path = out / "extraction.json"
+    if path.exists():
+        try:
+            before = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"extract: {path} cannot be read ({e})") from None
+        diff = [f"{k}: {before.get(k)!r} there, {v!r} now" for k, v in record.items() if before.get(k) != v]
+        if diff:
+            raise SystemExit(f"extract: {out} holds shards made otherwise ({'; '.join(diff)}); use another --out")
+        return
+    if any(out.glob("shard-*.safetensors")):
+        raise SystemExit(f"extract: {out} holds shards with no extraction.json: not knowing how they were made, "
+                         "this run will not add to them; use another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".extraction.json.tmp{os.getpid()}"
+    tmp.write_text(json.dumps(record, indent=1))
+    os.replace(tmp, path)
 
 
 def _shard_bytes(tensors: dict) -> bytes:

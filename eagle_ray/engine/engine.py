@@ -63,11 +63,17 @@ def tree_budget(tree: TreeConfig) -> int:
     return draft_budget(tree) + (0 if is_plain(tree) else tree.lookup)
 
 
+def prompt_room(max_len: int, verify_budget: int) -> int:
+    """The most prompt tokens a context of ``max_len`` takes: one verify budget stays free, so a request's first
+    step can speculate (near the end of its slot a sequence decodes plainly)."""
+    return max_len - verify_budget - 1
+
+
 def check_prompt_room(max_len: int, trees: list[TreeConfig]) -> None:
     """Fail unless a context of ``max_len`` leaves room for a prompt next to the largest verify budget (see
     ``EagleEngine.prompt_room``): else every request would be refused as too long. Callers check before loading."""
     budget = max(tree_budget(t) for t in trees)
-    if max_len - budget - 1 < 1:
+    if prompt_room(max_len, budget) < 1:
         raise ConfigError(f"cache.max_model_len {max_len} leaves no room for a prompt next to the largest tree's "
                           f"verify budget ({budget} tokens): raise max_model_len or use a smaller tree")
 
@@ -242,9 +248,8 @@ class EagleEngine:
 
     # ---- requests -------------------------------------------------------------------------------------------------
     def prompt_room(self) -> int:
-        """The most prompt tokens a request may bring: the context minus one verify budget (so a request's first
-        step can speculate; near the end of its slot a sequence decodes plainly)."""
-        return self.target.max_len - self.max_tree_budget() - 1
+        """The most prompt tokens a request may bring (see the module-level ``prompt_room``)."""
+        return prompt_room(self.target.max_len, self.max_tree_budget())
 
     def encode(self, prompt) -> list[int]:
         """A raw string, a chat message list (templated with a generation prompt) or a list of token ids."""

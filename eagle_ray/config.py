@@ -4,9 +4,9 @@ Constructing any of these with a bad value raises :class:`eagle_ray.errors.Confi
 """
 from __future__ import annotations
 
-import os
-
 import contextvars
+import os
+import re
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -351,7 +351,7 @@ class JobConfig(StrictModel):
     def _output_outside_input(self):
         """Output files under the input would be read back as input rows by the next run."""
         inp, out = (u.rstrip("/") if "://" in u else os.path.abspath(u) for u in (self.input.uri, self.output.uri))
-        if not any(c in inp for c in "*?[") and (out == inp or out.startswith(inp + "/")):
+        if reads_path(inp, out):
             raise ValueError(f"output.uri {self.output.uri} lies inside input.uri {self.input.uri}: the next run "
                              "would read the job's own output as input; write it elsewhere")
         return self
@@ -361,17 +361,75 @@ class JobConfig(StrictModel):
         """Load a YAML file; ``overrides`` maps dotted keys (``input.uri``) to values applied on top."""
         data = read_yaml_mapping(path, "job config")
         for key, value in (overrides or {}).items():
+            spell_engine_key_as(data, key)
             node = data
             *parents, last = key.split(".")
             for i, p in enumerate(parents):
                 node = node.setdefault(p, {})
                 if not isinstance(node, dict):
                     raise ConfigError(f"--set {key}: {'.'.join(parents[: i + 1])} is a value, not a section")
-            if len(parents) == 2 and parents[0] == "engine" and FLAT_FIELDS.get(last) == parents[1] and \
-                    isinstance(data.get("engine"), dict):
-                data["engine"].pop(last, None)   # the file's flat engine.<name> gives way to the override
             node[last] = value
         return cls(**data)
+
+
+def spell_engine_key_as(data: dict, key: str) -> None:
+    """An engine setting may be written flat (``engine.max_model_len``) or in its part
+    (``engine.cache.max_model_len``). Before ``--set key=...`` applies, the file's setting is moved to the spelling
+    ``key`` uses, so the override lands on it (and on the part of it ``key`` names) instead of beside it, where the
+    two spellings would clash or one would silently win. A file that gives both spellings different values is left
+    as it is: the engine section refuses it."""
+    keys = key.split(".")
+    engine = data.get("engine")
+    if keys[0] != "engine" or len(keys) < 2 or not isinstance(engine, dict):
+        return
+    if keys[1] in FLAT_FIELDS:                                    # flat: engine.<name>[...]
+        name, part = keys[1], FLAT_FIELDS[keys[1]]
+        section = engine.get(part)
+        if isinstance(section, dict) and name in section and engine.get(name, section[name]) == section[name]:
+            engine[name] = section.pop(name)
+    elif len(keys) >= 3 and FLAT_FIELDS.get(keys[2]) == keys[1]:  # in its part: engine.<part>.<name>[...]
+        part, name = keys[1], keys[2]
+        section = engine.get(part)
+        if name in engine and section is None:
+            section = engine[part] = {}
+        if name in engine and isinstance(section, dict) and section.get(name, engine[name]) == engine[name]:
+            section[name] = engine.pop(name)
+
+
+def reads_path(input_uri: str, path: str) -> bool:
+    """Whether reading ``input_uri`` (a file, a directory read whole, or a glob whose matches are read whole)
+    would read ``path`` or a file under it."""
+    if not any(c in input_uri for c in "*?["):
+        return path == input_uri or path.startswith(input_uri + "/")
+    pattern = re.compile(_glob_regex(input_uri))
+    parts = path.split("/")
+    under = [path + "/part-20260101T000000-a1b2c3-00000.parquet", path + "/summary.json"]  # what a job writes
+    return any(pattern.fullmatch("/".join(parts[:i])) for i in range(1, len(parts) + 1)) or \
+        any(pattern.fullmatch(p) for p in under)
+
+
+def _glob_regex(pattern: str) -> str:
+    """A glob as fsspec reads it: ``**`` crosses directories, ``*`` and ``?`` do not, ``[...]`` is a class."""
+    out, i = [], 0
+    while i < len(pattern):
+        c = pattern[i]
+        if pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+            continue
+        if c == "*":
+            out.append("[^/]*")
+        elif c == "?":
+            out.append("[^/]")
+        elif c == "[" and "]" in pattern[i + 1:]:
+            j = pattern.index("]", i + 1)
+            out.append("[" + pattern[i + 1:j].replace("!", "^", 1) + "]")
+            i = j + 1
+            continue
+        else:
+            out.append(re.escape(c))
+        i += 1
+    return "".join(out)
 
 
 # ---- the Serve app ------------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from eagle_ray.model.eagle3_head import Eagle3Head
 from eagle_ray.model.loading import resolve_target
 from eagle_ray.train.extract import read_shard
 from eagle_ray.train.token_map import coverage, frequent_tokens
-from eagle_ray.train.trainer import TrainConfig, config_dict, train, widen_mlp
+from eagle_ray.train.trainer import TrainConfig, TrainingDataError, config_dict, train, widen_mlp
 
 
 def load_features(features_dirs: list[str], limit_tokens: int | None = None) -> list[dict]:
@@ -205,7 +205,7 @@ def main(argv=None) -> int:
     try:
         state = train(convs, head, lm_weight, out, cfg, max_steps=a.max_steps,
                       log=lambda m: print(m, flush=True), vocab=draft_vocab, run=run)
-    except CheckpointError as e:
+    except (CheckpointError, TrainingDataError) as e:
         raise SystemExit(str(e)) from None
     done = bool(state.get("finished"))  # the whole schedule ran (a fitted one may end mid-epoch)
     head.to("cpu").save(out / "head", dtype=torch.bfloat16, include_embedding=False)

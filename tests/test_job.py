@@ -247,6 +247,21 @@ def test_rows_that_failed_on_an_engine_failure_are_run_again_on_resume(ray_local
     assert final["bad"]["error_kind"] == "invalid_request"
 
 
+def test_a_resume_says_how_many_written_rows_no_input_row_claims_any_more(ray_local, pair, tmp_path):
+    """Rows are keyed by id: once an input's ids change, its rows already written are kept, and the resume says
+    how many match no input row, since their prompts run again under the new ids."""
+    write_jsonl(tmp_path / "in.jsonl", prompts(3))
+    out = tmp_path / "out"
+    cfg = config(pair, str(tmp_path / "in.jsonl"), str(out), actors__num_actors=1)
+    assert run_job(cfg, print_fn=lambda *_: None)["rows_matching_no_input"] == 0
+    write_jsonl(tmp_path / "in.jsonl", [r | {"id": f"new-{r['id']}"} if r["id"] == "q1" else r for r in prompts(3)])
+    said = []
+    summary = run_job(cfg, print_fn=said.append)
+    assert summary["rows_matching_no_input"] == 1 and summary["written_this_run"] == 1 and summary["rows"] == 4
+    assert any(line.startswith("eagle-ray job: 1 rows already in") and "match no input row id" in line
+               for line in said)
+
+
 def _job_process(tmp_path, cfg, env=None):
     (tmp_path / "job.yaml").write_text(json.dumps(json.loads(cfg.model_dump_json())))
     return subprocess.Popen([sys.executable, str(ROOT / "jobs" / "generate.py"), "--config", str(tmp_path / "job.yaml")],

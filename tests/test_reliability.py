@@ -302,7 +302,33 @@ def test_a_json_array_file_and_binary_parquet_prompts_are_read_as_what_they_hold
                    tmp_path / "c.parquet")
     rows = local_rows(str(tmp_path / "c.parquet"))
     assert json.loads(rows[0].payload) == {"id": "k", "prompt": "The capital of France is"} and rows[0].id == "k"
-    assert rows[1].kind == "invalid_utf8" and "not UTF-8" in rows[1].error
+    assert rows[1].kind == "invalid_utf8" and "not UTF-8" in rows[1].error and rows[1].id == "l"
+
+
+def test_a_binary_column_the_job_does_not_read_never_spoils_a_row(tmp_path):
+    """Only the fields a request is read from must be text: a non-UTF-8 hash beside the prompt leaves the row a
+    good row with its own id, and a non-UTF-8 id makes an error row keyed by its index."""
+    pq.write_table(pa.table({"id": [b"k", b"\xff"], "prompt": ["hi", "yo"], "sha": [b"\x8a\x00\xfe", b"ok"]}),
+                   tmp_path / "c.parquet")
+    rows = local_rows(str(tmp_path / "c.parquet"))
+    assert [(r.id, r.kind) for r in rows] == [("k", ""), ("row-1", "invalid_utf8")]
+    assert json.loads(rows[0].payload) == {"id": "k", "prompt": "hi", "sha": "b'\\x8a\\x00\\xfe'"}
+    assert "column 'id' is not UTF-8" in rows[1].error
+
+
+def test_a_json_array_that_does_not_parse_is_one_error_row_not_a_row_per_line(tmp_path):
+    """Read line by line, a broken pretty-printed array would become rows it never held ("[", "{", ...), numbered
+    so that every later file's rows moved; it is one ``invalid_json`` row saying where. A ``.json`` file of JSON
+    lines whose first line is an array is still read a row a line."""
+    (tmp_path / "a.json").write_text('[\n  {"prompt": "hi"},\n  {"prompt": "yo",}\n]\n')
+    (tmp_path / "b.jsonl").write_text('{"prompt": "next"}\n')
+    rows = local_rows(str(tmp_path))
+    assert [(r.id, r.kind) for r in rows] == [("row-0", INVALID_JSON), ("row-1", "")]
+    assert rows[0].error.endswith("a.json: invalid JSON array (Expecting property name enclosed in double quotes "
+                                  "at line 3 column 19)")
+    (tmp_path / "c.json").write_text('[1, 2]\n{"prompt": "x"}\n{"prompt": \n')
+    assert [(r.id, r.kind) for r in local_rows(str(tmp_path / "c.json"))] == [
+        ("row-0", INVALID_ROW), ("row-1", ""), ("row-2", INVALID_JSON)]
 
 
 def test_configs_that_could_only_fail_later_fail_at_load(tiny_dir, tiny_head):
@@ -315,7 +341,12 @@ def test_configs_that_could_only_fail_later_fail_at_load(tiny_dir, tiny_head):
     for out in ("data/out", "data", "./data/"):
         with pytest.raises(ConfigError, match="lies inside input.uri"):
             JobConfig(input={"uri": "data"}, output={"uri": out})
-    JobConfig(input={"uri": "data/*.jsonl"}, output={"uri": "data2/out"})
+    for inp, out in (("data/*", "data/out"), ("data/**", "data/a/out"), ("data/*/*.json", "data/out"),
+                     ("s3://b/in/*", "s3://b/in/out")):   # a glob reads a matching directory whole
+        with pytest.raises(ConfigError, match="lies inside input.uri"):
+            JobConfig(input={"uri": inp}, output={"uri": out})
+    for inp, out in (("data/*.jsonl", "data2/out"), ("data/*.jsonl", "data/out"), ("s3://b/in/*", "s3://b/out")):
+        JobConfig(input={"uri": inp}, output={"uri": out})
 
 
 def test_a_nested_engine_override_wins_over_the_files_flat_key_and_both_in_one_file_are_refused():
@@ -326,6 +357,27 @@ def test_a_nested_engine_override_wins_over_the_files_flat_key_and_both_in_one_f
     assert cfg.engine.cache.max_model_len == 512
     with pytest.raises(ConfigError, match="max_model_len is given twice"):
         JobConfig(input={"uri": "a"}, output={"uri": "b"}, engine={"max_model_len": 16, "cache": {"max_model_len": 32}})
+
+
+@pytest.mark.parametrize("engine, key, value, expect", [
+    ({"cache": {"max_model_len": 1024}}, "engine.max_model_len", 512, ("cache", "max_model_len", 512)),
+    ({"max_model_len": 1024}, "engine.cache.max_model_len", 512, ("cache", "max_model_len", 512)),
+    ({"max_model_len": 1024, "cache": {"max_model_len": 1024}}, "engine.max_model_len", 512,
+     ("cache", "max_model_len", 512)),
+    ({"tree": {"total_tokens": 40, "depth": 5, "top_k": 8}}, "engine.speculation.tree.depth", 4,
+     ("speculation", "tree", TreeConfig(total_tokens=40, depth=4, top_k=8))),
+    ({"speculation": {"tree": {"total_tokens": 40, "depth": 5, "top_k": 8}}}, "engine.tree.depth", 4,
+     ("speculation", "tree", TreeConfig(total_tokens=40, depth=4, top_k=8))),
+])
+def test_an_engine_override_lands_on_the_files_setting_whichever_way_each_spells_it(tmp_path, engine, key, value,
+                                                                                   expect):
+    """``engine.max_model_len`` and ``engine.cache.max_model_len`` are one setting: ``--set`` in one spelling over a
+    file in the other replaces it (or the part of it the key names), never clashes with it or loses to it."""
+    from eagle_ray.config import JobConfig
+    (tmp_path / "job.yaml").write_text(json.dumps({"input": {"uri": "a"}, "output": {"uri": "b"}, "engine": engine}))
+    cfg = JobConfig.from_yaml(tmp_path / "job.yaml", {key: value})
+    part, name, want = expect
+    assert getattr(getattr(cfg.engine, part), name) == want
 
 
 def test_bad_sampling_values_are_request_errors_naming_the_field():

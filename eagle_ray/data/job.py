@@ -162,6 +162,10 @@ def run_job(cfg: JobConfig, print_fn=print) -> dict:
     print_fn(f"eagle-ray job: {len(rows)} input rows, {len(rows) - len(todo)} already in {cfg.output.uri}"
              f"{f' ({retried} failed rows to retry)' if retried else ''}, {len(todo)} to run on "
              f"{cfg.actors.num_actors} actor(s)")
+    unmatched = len(done - {r.id for r in rows})
+    if unmatched:   # kept as they are; said aloud, since the same prompt may now run again under another id
+        print_fn(f"eagle-ray job: {unmatched} rows already in {cfg.output.uri} match no input row id (the input, "
+                 "its ids or input.limit changed since they were written); they are kept")
     writer = PartWriter(out_fs, out_root, cfg.output.rows_per_file, done)
     t0 = time.time()
     started = now()
@@ -199,6 +203,7 @@ def run_job(cfg: JobConfig, print_fn=print) -> dict:
     wall = time.time() - t0
     summary = summarize(read_output(out_fs, out_root), writer, wall, started)
     summary["interrupted"] = interrupted
+    summary["rows_matching_no_input"] = unmatched
     with out_fs.open(f"{out_root.rstrip('/')}/summary.json", "w") as f:
         json.dump(summary, f, indent=1, default=str)
     print_fn(format_summary(summary))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from eagle_ray.engine.request import MAX_NESTING, nesting_depth, storable
+from eagle_ray.engine.request import MAX_NESTING, PROMPT_KINDS, SAMPLING_KEYS, nesting_depth, storable
 from eagle_ray.errors import ConfigError, EngineDeadError, InvalidRequestError, PromptTooLongError
 
 # error kinds (the ``error_kind`` column and summary.json's ``error_kinds`` keys)
@@ -109,12 +109,7 @@ def read_input(uri: str, fs, fmt: str = "auto", limit: int | None = None) -> lis
             except (pa.ArrowException, OSError) as e:
                 raise ConfigError(f"input file {path} is not readable Parquet: {e}") from None
             for rec in records:
-                try:
-                    rec, err, kind = text_bytes(rec), "", ""
-                except UnicodeDecodeError as e:
-                    rec, err, kind = None, f"{path}: a binary column is not UTF-8 text ({e.reason} at byte " \
-                                           f"{e.start})", INVALID_UTF8
-                rows.append(_row(len(rows), rec, err, kind))
+                rows.append(parquet_row(len(rows), rec, path))
                 if limit and len(rows) >= limit:
                     break
         else:
@@ -159,7 +154,7 @@ def text_file_rows(fs, path: str, first_index: int):
     """A JSON-lines file's rows, or a ``.json`` file's rows whether it holds JSON lines or one array."""
     if path.endswith(".json"):
         with fs.open(path, "rb") as fh:
-            doc = json_document_rows(fh.read(), first_index)
+            doc = json_document_rows(fh.read(), path, first_index)
         if doc is not None:
             yield from doc
             return
@@ -167,16 +162,27 @@ def text_file_rows(fs, path: str, first_index: int):
         yield from rows_from_lines(fh, path, first_index)
 
 
-def json_document_rows(data: bytes, first_index: int) -> list[InputRow] | None:
+def json_document_rows(data: bytes, path: str, first_index: int) -> list[InputRow] | None:
     """The rows of a ``.json`` file holding one JSON array of rows (as many tools write it), or None where the
-    file is not one parseable array: then it is read as JSON lines, one row a line."""
+    file is JSON lines (its first line is a whole JSON value): then it is read one row a line. An array that does
+    not parse is one ``invalid_json`` row naming where: read line by line, its pieces would be rows it never held."""
     body = data[3:] if data.startswith(b"\xef\xbb\xbf") else data
     if not body.lstrip().startswith(b"["):
         return None
-    rec, err, _ = decode_line(body, False)
-    if err or not isinstance(rec, list):
+    rec, err, kind = decode_line(body, False)
+    if not err and isinstance(rec, list):
+        return [_row(first_index + i, r, "", "") for i, r in enumerate(rec)]
+    first_line = body.lstrip().split(b"\n", 1)[0]
+    if not decode_line(first_line, False)[1]:
         return None
-    return [_row(first_index + i, r, "", "") for i, r in enumerate(rec)]
+    if kind == INVALID_JSON:   # the same error again, for its line number
+        try:
+            json.loads(body.decode("utf-8"))
+        except json.JSONDecodeError as e:
+            err = f"invalid JSON array ({e.msg} at line {e.lineno} column {e.colno})"
+        except ValueError:
+            pass
+    return [_row(first_index, None, f"{path}: {err}", kind)]
 
 
 def rows_from_lines(lines, path: str, first_index: int = 0):
@@ -201,6 +207,31 @@ def _row(index: int, rec, err: str, kind: str) -> InputRow:
     rid = rec.get("id")
     own = not (rid is None or rid == "")
     return InputRow(index, storable(str(rid)) if own else f"row-{index}", _dump(rec), own_id=own)
+
+
+# the fields a row's request is read from (:func:`eagle_ray.engine.request.parse_row`)
+READ_FIELDS = ("id", *PROMPT_KINDS, *SAMPLING_KEYS)
+
+
+def parquet_row(index: int, rec: dict, path: str) -> InputRow:
+    """One Parquet record as a row. ``binary`` values are UTF-8 text: the fields a request is read from are decoded
+    (a prompt stored as bytes is the prompt, never its Python repr) and make an ``invalid_utf8`` row, keeping the
+    row's id, when they are not UTF-8; other columns (a hash, say) are decoded where they are text and otherwise
+    written as they are, like any column the job does not read."""
+    out, bad = {}, ""
+    for key, value in rec.items():
+        try:
+            out[key] = text_bytes(value)
+        except UnicodeDecodeError as e:
+            out[key] = value
+            if key in READ_FIELDS and not bad:
+                bad = f"{path}: column {key!r} is not UTF-8 text ({e.reason} at byte {e.start})"
+    row = _row(index, out, "", "")
+    if bad and not row.error:
+        row.error, row.kind = bad, INVALID_UTF8
+        if isinstance(out.get("id"), bytes):
+            row.id, row.own_id = f"row-{index}", False
+    return row
 
 
 def text_bytes(value):

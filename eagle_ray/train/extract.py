@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle_ray.train.data import iter_json_array, sharegpt_path, to_messages, tokenize_with_loss_mask
+from eagle_ray.train.records import differences
 
 
 def shard_name(index: int) -> str:
@@ -273,7 +274,7 @@ def check_extraction_record(out: Path, record: dict) -> None:
             before = json.loads(path.read_text())
         except (OSError, ValueError) as e:
             raise SystemExit(f"extract: {path} cannot be read ({e})") from None
-        diff = [f"{k}: {before.get(k)!r} there, {v!r} now" for k, v in record.items() if before.get(k) != v]
+        diff = differences(before, record)
         if diff:
             raise SystemExit(f"extract: {out} holds shards made otherwise ({'; '.join(diff)}); use another --out")
         return

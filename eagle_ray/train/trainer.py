@@ -24,6 +24,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from eagle_ray.errors import CheckpointError
 from eagle_ray.model.draft_head import DraftHead
+from eagle_ray.train.records import differences
 
 
 @dataclass
@@ -258,6 +259,10 @@ def save_checkpoint(path: Path, head, opt, state: dict) -> None:
     os.replace(tmp, path)
 
 
+class TrainingDataError(ValueError):
+    """The data leaves nothing to train on: a one-line exit for the command line, not a traceback."""
+
+
 def content_key(conv: dict) -> bytes:
     """A conversation's tokens and scored positions: two sources may hold the same text under different ids."""
     return conv["input_ids"].cpu().numpy().tobytes() + conv["loss_mask"].cpu().bool().numpy().tobytes()
@@ -302,16 +307,8 @@ def load_checkpoint(ckpt: Path, device, identity: dict) -> dict:
                               "start this run afresh") from None
     before = state.get("run")
     if before is not None and before != identity:
-        diff = []
-        for k in sorted(set(before) | set(identity)):
-            a, b = before.get(k), identity.get(k)
-            if k == "settings":
-                diff += [f"{n}: {a.get(n)!r} there, {b.get(n)!r} now" for n in sorted(set(a) | set(b))
-                         if a.get(n) != b.get(n)]
-            elif a != b:
-                diff.append(f"{k}: {a!r} there, {b!r} now")
-        raise CheckpointError(f"{ckpt} belongs to another run ({'; '.join(diff)}): resume with the same data and "
-                              "flags, or use another --out")
+        raise CheckpointError(f"{ckpt} belongs to another run ({'; '.join(differences(before, identity))}): resume "
+                              "with the same data and flags, or use another --out")
     return saved
 
 
@@ -335,7 +332,8 @@ def train(convs: list[dict], head: DraftHead, lm_weight: torch.Tensor, out_dir: 
     out.mkdir(parents=True, exist_ok=True)
     eval_set, train_set = split_held_out(convs, cfg.eval_fraction)
     if not train_set:
-        raise ValueError(f"no conversations to train on ({len(convs)} given, {len(eval_set)} of them held out)")
+        raise TrainingDataError(f"no conversations to train on ({len(convs)} given, {len(eval_set)} of them held "
+                                "out)")
     if len(train_set) + len(eval_set) < len(convs):
         log(f"{len(convs) - len(train_set) - len(eval_set)} training conversations equal a held-out one: left out")
     identity = run_identity(convs, head, cfg, vocab, run)

@@ -174,7 +174,13 @@ def main(argv=None) -> dict:
     p.add_argument("--profile", action="store_true", help="add torch.profiler tables of the decode-step probe")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
-    a.batches, a.widths, a.depths = ([int(x) for x in v.split(",")] for v in (a.batches, a.widths, a.depths))
+    try:
+        a.batches, a.widths, a.depths = ([int(x) for x in v.split(",")] for v in (a.batches, a.widths, a.depths))
+    except ValueError as e:
+        p.error(f"--batches, --widths and --depths are comma lists of whole numbers ({e})")
+    unknown = sorted(set(a.shapes.split(",")) - set(SHAPES))
+    if unknown:
+        p.error(f"--shapes: unknown {unknown}; choose from {sorted(SHAPES)}")
 
     import torch
     import transformers

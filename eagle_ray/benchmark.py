@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from eagle_ray.config import SamplingParams, TreeConfig
+from eagle_ray.errors import ConfigError
 from eagle_ray.prompts import first_turn_prompt, load_dataset
 from eagle_ray.spec.trace import TreeTrace
 
@@ -58,8 +59,11 @@ class BenchmarkSpec:
         if min(self.batch_sizes) < 1 or self.num_prompts < 1 or self.max_new_tokens < 1:
             raise ValueError(f"batch sizes, num_prompts and max_new_tokens must be >= 1 (got batch_sizes "
                              f"{self.batch_sizes}, num_prompts {self.num_prompts}, max_new_tokens {self.max_new_tokens})")
-        if min(self.temperatures) < 0:
-            raise ValueError(f"temperatures must be >= 0, got {self.temperatures}")
+        for t in self.temperatures:   # each must make a valid SamplingParams, as the run will
+            try:
+                SamplingParams(temperature=t, max_new_tokens=self.max_new_tokens)
+            except ConfigError as e:
+                raise ValueError(f"temperature {t}: {e}") from None
 
 
 def _hf_generate(hf, prompt_ids: list[int], temperature: float, max_new_tokens: int, eos_ids, seed: int):

@@ -9,8 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-
-from eagle_ray.config import SamplingParams, TreeConfig
+from eagle_ray.config import SamplingParams, TreeConfig, out_path_problem
+from eagle_ray.errors import CheckpointError, ConfigError
 from eagle_ray.prompts import demo_prompts_path, first_turn_prompt, read_jsonl
 
 
@@ -68,12 +68,22 @@ def build_engine(a):
 
 
 def cmd_generate(a) -> int:
-    engine = build_engine(a)
-    records = read_jsonl(a.prompts or demo_prompts_path())[: a.num_prompts]
+    if a.num_prompts is not None and a.num_prompts < 1:
+        raise ConfigError("--num-prompts must be >= 1")
+    if a.prompts and not Path(a.prompts).is_file():
+        raise ConfigError(f"--prompts {a.prompts} is not a file")
+    try:
+        records = read_jsonl(a.prompts or demo_prompts_path())[: a.num_prompts]
+        prompts = [first_turn_prompt(r) for r in records]
+    except (ValueError, TypeError, LookupError) as e:
+        raise ConfigError(f"--prompts {a.prompts}: not a JSONL of prompt/messages/turns records ({e})") from None
+    if not records:
+        raise ConfigError(f"--prompts {a.prompts} holds no prompts")
     params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k_sampling,
                             max_new_tokens=a.max_new_tokens)
+    engine = build_engine(a)
     t0 = time.perf_counter()
-    outs = engine.generate([first_turn_prompt(r) for r in records], params, speculative=not a.plain)
+    outs = engine.generate(prompts, params, speculative=not a.plain)
     wall = time.perf_counter() - t0
     for r, o in zip(records, outs):
         print(json.dumps({"id": r.get("id", o.request_id), "text": o.text, "finish_reason": o.finish_reason,
@@ -87,8 +97,9 @@ def cmd_generate(a) -> int:
 def cmd_measure(a) -> int:
     """``eagle-ray measure``: see :func:`eagle_ray.measure.measure`."""
     from eagle_ray.measure import measure
-    if a.out and Path(a.out).is_dir():
-        raise SystemExit(f"eagle-ray measure: --out {a.out} is a directory; name the JSON file to write")
+    problem = a.out and out_path_problem(a.out, directory=False)
+    if problem:
+        raise SystemExit(f"eagle-ray measure: --out {problem}")
     if a.num_prompts is not None and a.num_prompts < 1:
         raise SystemExit("eagle-ray measure: --num-prompts must be >= 1")
     if not Path(a.prompts).is_file():
@@ -116,15 +127,17 @@ def _benchmark_spec(a, methods=None):
                          seed=a.seed)
 
 
-def _benchmark_engine(a):
+def _benchmark_engine_config(a):
     from eagle_ray.config import EngineConfig
+    return EngineConfig(target=a.target, draft=a.draft, dtype=a.dtype, device=a.device, tree=tree_of(a),
+                        tree_policy=a.tree_policy, max_batch_size=max(max(a.batch_sizes), a.batch_size),
+                        max_model_len=a.max_model_len, threads=a.threads, max_verify_tokens=a.max_verify_tokens,
+                        **precision_kwargs(a))
+
+
+def _benchmark_engine(a):
     from eagle_ray.engine.engine import EagleEngine
-    tree = tree_of(a)
-    cfg = EngineConfig(target=a.target, draft=a.draft, dtype=a.dtype, device=a.device, tree=tree,
-                       tree_policy=a.tree_policy, max_batch_size=max(max(a.batch_sizes), a.batch_size),
-                       max_model_len=a.max_model_len, threads=a.threads, max_verify_tokens=a.max_verify_tokens,
-                       **precision_kwargs(a))
-    return EagleEngine.from_config(cfg)
+    return EagleEngine.from_config(_benchmark_engine_config(a))
 
 
 def cmd_benchmark(a) -> int:
@@ -132,14 +145,17 @@ def cmd_benchmark(a) -> int:
     from eagle_ray.benchmark import run_benchmark
     from eagle_ray.report import write_report, write_results
     try:   # validate before loading anything: a bad value found after the run would lose it
-        _benchmark_spec(a)
+        spec = _benchmark_spec(a)
+        _benchmark_engine_config(a)
         from eagle_ray.prompts import load_dataset
         for task in a.tasks:
-            load_dataset(task)
-    except ValueError as e:
+            for r in load_dataset(task)[1][: spec.num_prompts]:
+                first_turn_prompt(r)
+    except (ValueError, TypeError, LookupError) as e:
         raise SystemExit(f"eagle-ray benchmark: {e}") from None
-    if Path(a.out).exists() and not Path(a.out).is_dir():
-        raise SystemExit(f"eagle-ray benchmark: --out {a.out} is a file; it names the output directory")
+    problem = out_path_problem(a.out, directory=True)
+    if problem:
+        raise SystemExit(f"eagle-ray benchmark: --out {problem}")
     command = "eagle-ray benchmark " + " ".join(sys.argv[2:]) if a.command is None else a.command
     if a.ray:
         rows, extras = _benchmark_on_ray(a)
@@ -177,12 +193,7 @@ def _benchmark_on_ray(a):
 def cmd_serve(a) -> int:
     from eagle_ray.config import ServeConfig
     from eagle_ray.serve.app import run
-    cfg = ServeConfig.from_yaml(a.config) if a.config else ServeConfig()
-    if a.host:
-        cfg.host = a.host
-    if a.port is not None:
-        cfg.port = a.port
-    run(cfg)
+    run(ServeConfig.from_yaml(a.config, {"host": a.host or None, "port": a.port}))
     return 0
 
 
@@ -238,7 +249,8 @@ def main(argv=None) -> int:
     sv.add_argument("--host", default=None)
     sv.add_argument("--port", type=int, default=None)
     sv.set_defaults(func=cmd_serve)
-    e = sub.add_parser("extract", help="extract drafter features (see eagle_ray.train.extract)")
+    e = sub.add_parser("extract", add_help=False,   # its own parser answers --help
+                       help="extract drafter features (see eagle_ray.train.extract)")
     e.set_defaults(func=None)
     a, rest = parser.parse_known_args(argv)
     if a.cmd == "extract":
@@ -247,7 +259,11 @@ def main(argv=None) -> int:
         return 0
     if rest:
         parser.error(f"unrecognized arguments: {rest}")
-    return a.func(a)
+    try:
+        return a.func(a)
+    except (ConfigError, CheckpointError) as e:   # what the user gave is wrong: say what, in one line
+        print(f"eagle-ray {a.cmd}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -216,8 +216,10 @@ class EngineConfig(StrictModel):
             data = dict(data)
             for name in [k for k in data if k in FLAT_FIELDS]:
                 part = FLAT_FIELDS[name]
-                section = data.get(part)
-                section = dict(section) if isinstance(section, dict) else {}
+                section = data.get(part, {})
+                if not isinstance(section, dict):
+                    raise ValueError(f"{part} is a section of engine settings, got {section!r}")
+                section = dict(section)
                 if name in section and section[name] != data[name]:
                     raise ValueError(f"{name} is given twice, as {name} ({data[name]!r}) and as {part}.{name} "
                                      f"({section[name]!r}): keep one")
@@ -249,7 +251,7 @@ def read_yaml_mapping(path, what: str) -> dict:
     except OSError as e:
         raise ConfigError(f"cannot read {what} {path}: {e}") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"{what} {path} is not valid YAML: {e}") from None
+        raise ConfigError(f"{what} {path} is not valid YAML: {' '.join(str(e).split())}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{what} {path} must be a mapping at the top level")
     return data
@@ -408,6 +410,19 @@ def reads_path(input_uri: str, path: str) -> bool:
         any(pattern.fullmatch(p) for p in under)
 
 
+def out_path_problem(path: str, directory: bool) -> str | None:
+    """Why ``path`` (a directory to fill, or a file to write) cannot be written, found before a run whose results
+    would otherwise be lost at its end; None where it can."""
+    from pathlib import Path
+    p = Path(path)
+    if p.exists() and p.is_dir() != directory:
+        return f"{path} is {'a file' if directory else 'a directory'}; name {'a directory' if directory else 'a file'}"
+    for parent in p.parents:
+        if parent.exists():
+            return None if parent.is_dir() else f"{path} lies under {parent}, which is a file"
+    return None
+
+
 def _glob_regex(pattern: str) -> str:
     """A glob as fsspec reads it: ``**`` crosses directories, ``*`` and ``?`` do not, ``[...]`` is a class."""
     out, i = [], 0
@@ -467,5 +482,8 @@ class ServeConfig(StrictModel):
         return self
 
     @classmethod
-    def from_yaml(cls, path) -> "ServeConfig":
-        return cls(**read_yaml_mapping(path, "serve config"))
+    def from_yaml(cls, path, overrides: dict | None = None) -> "ServeConfig":
+        """Load a YAML file (None: the defaults); ``overrides`` (``{"port": 8001}``) replace top-level keys before
+        validation, so a command-line value is checked like the file's."""
+        data = read_yaml_mapping(path, "serve config") if path else {}
+        return cls(**{**data, **{k: v for k, v in (overrides or {}).items() if v is not None}})

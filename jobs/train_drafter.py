@@ -27,11 +27,13 @@ from pathlib import Path
 
 import torch
 
+from eagle_ray.config import out_path_problem
 from eagle_ray.errors import CheckpointError
 from eagle_ray.model.draft_head import DraftHead, load_head
 from eagle_ray.model.eagle3_head import Eagle3Head
 from eagle_ray.model.loading import resolve_target
-from eagle_ray.train.extract import read_shard
+from eagle_ray.train.extract import check_source, read_shard
+from eagle_ray.train.selfdistill import AnswerSetError
 from eagle_ray.train.token_map import coverage, frequent_tokens
 from eagle_ray.train.trainer import TrainConfig, TrainingDataError, config_dict, train, widen_mlp
 
@@ -149,14 +151,22 @@ def main(argv=None) -> int:
     sources = a.features or a.answers
     if len({str(Path(x).resolve()) for x in sources}) < len(sources):
         raise SystemExit(f"a source is given twice: {' '.join(sources)}")
-    if a.answers:
-        target, convs = states_in_memory(a.answers, a.target, a.target_dtype, a.threads, cfg.device,
-                                         a.batch_tokens, a.head_type == "eagle3", cfg.max_len, a.limit_conversations,
-                                         a.states_device)
-    else:
-        from transformers import AutoModelForCausalLM
-        target = AutoModelForCausalLM.from_pretrained(str(resolve_target(a.target)), dtype=torch.float32)
-        convs = load_features(a.features, a.limit_tokens)
+    for source in a.answers or ():
+        check_source(source, "--answers")
+    problem = out_path_problem(a.out, directory=True)
+    if problem:   # found now, not after minutes of the target's states
+        raise SystemExit(f"--out {problem}")
+    try:
+        if a.answers:
+            target, convs = states_in_memory(a.answers, a.target, a.target_dtype, a.threads, cfg.device,
+                                             a.batch_tokens, a.head_type == "eagle3", cfg.max_len,
+                                             a.limit_conversations, a.states_device)
+        else:
+            from transformers import AutoModelForCausalLM
+            target = AutoModelForCausalLM.from_pretrained(str(resolve_target(a.target)), dtype=torch.float32)
+            convs = load_features(a.features, a.limit_tokens)
+    except AnswerSetError as e:   # a damaged answer set, named with its file
+        raise SystemExit(str(e)) from None
     lm_weight = target.lm_head.weight.detach().float()
     eos_id = target.config.eos_token_id
     n_tokens = sum(len(c["input_ids"]) for c in convs)

@@ -214,7 +214,8 @@ def test_benchmark_and_measure_refuse_what_would_hang_or_lose_the_run_before_loa
     from eagle_ray.cli import main
     from eagle_ray.prompts import load_dataset
     for kw, reason in (({"batch_sizes": [0]}, "batch sizes"), ({"num_prompts": 0}, "num_prompts"),
-                       ({"tasks": []}, "tasks must name"), ({"temperatures": [-1.0]}, "temperatures")):
+                       ({"tasks": []}, "tasks must name"), ({"temperatures": [-1.0]}, "temperature -1.0"),
+                       ({"temperatures": [200.0]}, "temperature 200.0"), ({"temperatures": [float("nan")]}, "nan")):
         with pytest.raises(ValueError, match=reason):
             BenchmarkSpec(**kw)
     (tmp_path / "empty.jsonl").write_text("")
@@ -228,7 +229,36 @@ def test_benchmark_and_measure_refuse_what_would_hang_or_lose_the_run_before_loa
              (["benchmark", "--tasks", "qa", "--out", str(tmp_path / "file")], "is a file"),
              (["measure", "--prompts", str(tmp_path / "empty.jsonl")], "holds no prompts"),
              (["measure", "--prompts", str(tmp_path / "nope.jsonl")], "is not a file"),
-             (["measure", "--prompts", str(tmp_path / "file"), "--out", str(tmp_path)], "is a directory")]
+             (["measure", "--prompts", str(tmp_path / "file"), "--out", str(tmp_path)], "is a directory"),
+             (["benchmark", "--batch-sizes", "2000", "--out", str(tmp_path / "o")], "max_batch_size"),
+             (["benchmark", "--tasks", f"x={tmp_path / 'nofield.jsonl'}", "--out", str(tmp_path / "o")],
+              "none of turns/messages/prompt"),
+             (["benchmark", "--tasks", "qa", "--out", str(tmp_path / "file" / "report")], "lies under .*file"),
+             (["measure", "--prompts", str(tmp_path / "file"), "--out", str(tmp_path / "file" / "m.json")],
+              "lies under .*file")]
+    (tmp_path / "nofield.jsonl").write_text('{"question_id": 1}\n')
     for argv, reason in cases:
         with pytest.raises(SystemExit, match=reason):
             main(argv)
+
+
+def test_every_command_says_in_one_line_what_is_wrong_with_what_it_was_given(tmp_path, capsys):
+    """A bad flag, path or config is the user's to fix: ``eagle-ray`` names it on one line and exits 2, before
+    any model loads, never with a traceback or by quietly doing less."""
+    from eagle_ray.cli import main
+    (tmp_path / "bad.yaml").write_text("engine: [1")
+    for argv, reason in ((["generate", "--num-prompts", "0"], "--num-prompts must be >= 1"),
+                         (["generate", "--num-prompts", "-1"], "--num-prompts must be >= 1"),
+                         (["generate", "--prompts", str(tmp_path / "nope.jsonl")], "is not a file"),
+                         (["generate", "--device", "cuda", "--num-prompts", "1"], "device 'cuda': this machine has"),
+                         (["generate", "--device", "bogus", "--num-prompts", "1"], "not a device torch knows"),
+                         (["generate", "--temperature", "nan"], "temperature"),
+                         (["serve", "--config", str(tmp_path / "nope.yaml")], "cannot read serve config"),
+                         (["serve", "--config", str(tmp_path / "bad.yaml")], "serve config"),
+                         (["serve", "--port", "70000"], "port")):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith(f"eagle-ray {argv[0]}: ") and reason in err and err.count("\n") == 1, (argv, err)
+    with pytest.raises(SystemExit) as done:
+        main(["extract", "--help"])
+    assert done.value.code == 0 and "--max-conversations" in capsys.readouterr().out

@@ -357,6 +357,8 @@ def test_a_nested_engine_override_wins_over_the_files_flat_key_and_both_in_one_f
     assert cfg.engine.cache.max_model_len == 512
     with pytest.raises(ConfigError, match="max_model_len is given twice"):
         JobConfig(input={"uri": "a"}, output={"uri": "b"}, engine={"max_model_len": 16, "cache": {"max_model_len": 32}})
+    with pytest.raises(ConfigError, match="cache is a section of engine settings, got 5"):   # never dropped
+        JobConfig.from_yaml(ROOT / "configs" / "embedded.yaml", {"engine.cache": 5})
 
 
 @pytest.mark.parametrize("engine, key, value, expect", [

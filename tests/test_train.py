@@ -535,3 +535,71 @@ def test_an_answer_set_whose_manifest_no_longer_describes_it_fails_naming_the_fi
         path.write_text(damage)
         with pytest.raises(ValueError, match=reason):
             load_answers(tmp_path / "set")
+
+
+def test_an_answer_set_with_counts_or_files_of_the_wrong_kind_fails_naming_them(tmp_path):
+    """Hand-edited manifests and shards written by other tools fail naming what is wrong, never with a raw
+    TypeError; an empty shard is a shard, and a set that is not there is an error, not an empty table."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from eagle_ray.train.selfdistill import MANIFEST, AnswerSetError, ShardWriter, load_answers
+
+    rows = [{"id": f"p{i}", "prompt_ids": [5, 6], "answer_ids": [7, 8, 9], "eos": False} for i in range(3)]
+    writer = ShardWriter(tmp_path / "set", {"what": "test answers"})
+    writer.write(rows)
+    writer.write([])
+    assert load_answers(tmp_path / "set").num_rows == 3
+    path = tmp_path / "set" / MANIFEST
+    good = json.loads(path.read_text())
+    for damage, reason in (({**good, "shards": 5}, "shards is 5, not a list"),
+                           ({**good, "rows": "3"}, "lacks rows"),
+                           ({**good, "shards": [{**good["shards"][0], "file": 7}]}, "lacks shards\\[0\\].file")):
+        path.write_text(json.dumps(damage))
+        with pytest.raises(AnswerSetError, match=reason):
+            load_answers(tmp_path / "set")
+    path.write_text(json.dumps(good))
+    pq.write_table(pa.table({"id": ["p0"], "prompt_ids": [["x"]], "answer_ids": [[7]]}),
+                   tmp_path / "set" / "answers-00000.parquet")
+    with pytest.raises(AnswerSetError, match="answers-00000.parquet: listed in the manifest but not readable as "):
+        load_answers(tmp_path / "set")
+    with pytest.raises(AnswerSetError, match="does not exist"):
+        load_answers(tmp_path / "no-such-set")
+
+
+def test_a_set_takes_new_shards_after_its_last_and_only_answers_made_its_way(tmp_path):
+    """A new shard never replaces one the manifest lists, even when the list has a gap; a run whose answers
+    would differ (another source, length cap or dtype) may not add to the set, and nothing is loaded first."""
+    from eagle_ray.errors import ConfigError
+    from eagle_ray.train.selfdistill import MANIFEST, AnswerSetError, ShardWriter, generate, load_answers
+
+    def rows(k):
+        return [{"id": f"{k}-{i}", "prompt_ids": [5], "answer_ids": [7, 8], "eos": True} for i in range(2)]
+    writer = ShardWriter(tmp_path / "set", {"what": "test answers"})
+    for k in range(3):
+        writer.write(rows(k))
+    man = json.loads((tmp_path / "set" / MANIFEST).read_text())
+    dropped = man["shards"].pop(1)
+    man.update(rows=4, answer_tokens=8)
+    (tmp_path / "set" / MANIFEST).write_text(json.dumps(man))
+    (tmp_path / "set" / dropped["file"]).unlink()
+    assert ShardWriter(tmp_path / "set", {"what": "test answers"}).write(rows(3)).name == "answers-00003.parquet"
+    assert sorted(load_answers(tmp_path / "set")["id"].to_pylist()) == ["0-0", "0-1", "2-0", "2-1", "3-0", "3-1"]
+    with pytest.raises(AnswerSetError, match="made otherwise \\(what: 'test answers' there, 'other' now\\)"):
+        ShardWriter(tmp_path / "set", {"what": "other", "cpu": "another machine"})
+    ShardWriter(tmp_path / "set", {"what": "test answers", "cpu": "another machine"})   # where it ran may differ
+    with pytest.raises(ConfigError, match="shard_rows, window and limit must be >= 1"):
+        generate(tmp_path / "set2", shard_rows=0)
+    with pytest.raises(AnswerSetError, match="does not exist"):
+        generate(tmp_path / "set2", skip_sets=tmp_path / "typo")
+
+
+def test_a_mistyped_source_fails_before_a_feature_directory_records_it(tmp_path):
+    """The record of how a directory was made is written only for a source that can be read: a typo used to
+    leave a record of the typo behind, and the directory then refused the corrected command."""
+    (tmp_path / "notarray.json").write_text('{"conversations": []}')
+    for source, reason in ((str(tmp_path / "typo"), "does not exist"),
+                           (str(tmp_path / "notarray.json"), "does not hold a JSON array")):
+        with pytest.raises(SystemExit, match=reason):
+            extract.run_local(str(tmp_path / "f"), None, source, 4, 2, 64, "float32", 1)
+        assert not (tmp_path / "f" / "extraction.json").exists()

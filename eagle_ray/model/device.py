@@ -9,11 +9,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from eagle_ray.errors import ConfigError
+
 
 def pick_device(device: str) -> torch.device:
+    """``device`` as a torch device ("auto": CUDA where there is one); a ConfigError, before anything loads, where
+    the name is not a device or names a CUDA device this machine does not have."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ConfigError(f"device {device!r} is not a device torch knows ({str(e).splitlines()[0]})") from None
+    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+        raise ConfigError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s) that "
+                          "torch can use")
+    return dev
 
 
 def cpu_has_fast_bf16() -> bool:

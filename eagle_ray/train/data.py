@@ -21,6 +21,8 @@ def iter_json_array(path: str | Path) -> Iterator[dict]:
     """Yield the complete records of a JSON array, stopping quietly where the file is cut off mid-record."""
     text = Path(path).read_text(encoding="utf-8", errors="replace")
     dec = json.JSONDecoder()
+    if not text.lstrip().startswith("["):
+        raise ValueError(f"{path} does not hold a JSON array of conversations")
     i = text.index("[") + 1
     n = len(text)
     while i < n:

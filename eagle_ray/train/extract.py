@@ -199,6 +199,20 @@ def iter_conversations(source: str | None) -> Iterable[list[dict] | dict | None]
                     yield to_messages(json.loads(line))
 
 
+def check_source(source: str | None, flag: str = "--source") -> None:
+    """Fail before the target loads (and before a feature directory records it) where ``source`` names nothing
+    :func:`iter_conversations` can read."""
+    if source in (None, "selfdistill"):
+        return
+    path = Path(source)
+    if not path.exists():
+        raise SystemExit(f"{flag} {source} does not exist")
+    if path.is_file() and source.endswith(".json"):
+        with open(path, "rb") as f:
+            if not f.read(4096).lstrip().startswith(b"["):
+                raise SystemExit(f"{flag} {source} does not hold a JSON array of conversations")
+
+
 def load_target(target: str | None, dtype: str, threads: int | None, storage_options: dict | None = None,
                 device: str | None = None):
     """(model, tokenizer) of the target for extraction, on ``device`` (default: CUDA when there is one)."""
@@ -247,6 +261,7 @@ def run_local(out_dir: str, target: str | None, source: str | None, max_conversa
         raise SystemExit(f"extract: need shard_size >= 1, max_conversations >= shard_size (whole shards only), "
                          f"max_len >= 2 and 0 <= worker < workers; got {shard_size}, {max_conversations}, {max_len}, "
                          f"{worker}, {num_workers}")
+    check_source(source)
     check_extraction_record(Path(out_dir), {"target": str(target or "embedded"), "source": str(source or "sharegpt"),
                                             "max_len": max_len, "shard_size": shard_size, "eagle3": eagle3})
     model, tok = load_target(target, dtype, threads)

@@ -16,14 +16,24 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from eagle_ray.errors import ConfigError
+from eagle_ray.train.records import differences
+
 REPO_DATA = Path(__file__).resolve().parents[2] / "datasets" / "selfdistill"
 MANIFEST = "manifest.json"
 SCHEMA_FIELDS = ("id", "prompt_ids", "answer_ids")
+SHARD_NAME = re.compile(r"answers-(\d+)\.parquet")
+
+
+def answer_schema():
+    import pyarrow as pa
+    return pa.schema([("id", pa.string()), ("prompt_ids", pa.list_(pa.int32())), ("answer_ids", pa.list_(pa.int32()))])
 
 
 @dataclass(frozen=True)
@@ -139,8 +149,8 @@ def source_prompts(source: str, second_turns: bool = False, prompt_file: str | P
                   "instructions picked by the id's hash; at most 2,000 characters")
         prompts = python_function_prompts(roots)
     elif source == "prompt-file":
-        if not prompt_file:
-            raise ValueError("source 'prompt-file' needs prompt_file")
+        if not prompt_file or not Path(prompt_file).is_file():
+            raise ConfigError(f"source 'prompt-file' needs a prompt file (got {prompt_file!r})")
         import pyarrow.parquet as pq
         meta = (pq.read_metadata(prompt_file).metadata or {}).get(b"eagle_ray.prompts", b"{}")
         made = json.loads(meta)
@@ -207,24 +217,41 @@ def answered_ids(root: str | Path, exclude: str | Path | None = None) -> set[str
 
 # ---- reading ----------------------------------------------------------------------------------------------------
 def set_dirs(root: str | Path | None = None) -> list[Path]:
+    """The answer sets at ``root`` (a set, or a directory of sets; default: the committed ones)."""
+    if root and not Path(root).exists():
+        raise AnswerSetError(f"{root} does not exist: name an answer set or a directory of them")
     root = Path(root) if root else REPO_DATA
     if (root / MANIFEST).exists():
         return [root]
     return sorted(p.parent for p in root.glob(f"*/{MANIFEST}"))
 
 
+class AnswerSetError(ValueError):
+    """An answer set that no longer matches its manifest, or a run that would mix other answers into it."""
+
+
+# what makes two runs' answers the same kind of answer: a run that differs here may not add to a set
+ANSWER_DEFINING = ("what", "columns", "prompts", "fidelity")
+
+
 def read_manifest(set_dir: str | Path) -> dict:
-    """A set's manifest; an unreadable one, or one without its counts, fails naming the file."""
+    """A set's manifest; an unreadable one, or one whose counts or shard list are missing or not what they say
+    (counts are whole numbers, files are names), fails naming the file."""
     path = Path(set_dir) / MANIFEST
     try:
         man = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise ValueError(f"{path} cannot be read as JSON: {e}") from None
-    missing = [k for k in ("rows", "answer_tokens") if not isinstance(man, dict) or k not in man] + \
-        [f"shards[{i}].{k}" for i, sh in enumerate(man.get("shards", []) if isinstance(man, dict) else [])
-         for k in ("file", "rows", "answer_tokens") if not isinstance(sh, dict) or k not in sh]
-    if missing:
-        raise ValueError(f"{path} lacks {', '.join(missing)}: it no longer describes its set")
+        raise AnswerSetError(f"{path} cannot be read as JSON: {e}") from None
+    count = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0   # noqa: E731
+    shards = man.get("shards", []) if isinstance(man, dict) else []
+    if not isinstance(shards, list):
+        raise AnswerSetError(f"{path}: shards is {shards!r}, not a list of shards")
+    bad = [k for k in ("rows", "answer_tokens") if not isinstance(man, dict) or not count(man.get(k))] + \
+        [f"shards[{i}].{k}" for i, sh in enumerate(shards) for k in ("file", "rows", "answer_tokens")
+         if not isinstance(sh, dict) or not (isinstance(sh.get(k), str) if k == "file" else count(sh.get(k)))]
+    if bad:
+        raise AnswerSetError(f"{path} lacks {', '.join(bad)} (or holds a value of the wrong kind there): it no longer "
+                             "describes its set")
     return man
 
 
@@ -244,29 +271,29 @@ def load_answers(root: str | Path | None = None, check: bool = True):
         shards = man.get("shards") or [{"file": p.name} for p in sorted(d.glob("answers-*.parquet"))]
         for s in shards:
             try:
-                t = pq.read_table(d / s["file"], columns=list(SCHEMA_FIELDS))
+                t = pq.read_table(d / s["file"], columns=list(SCHEMA_FIELDS)).cast(answer_schema())
             except (OSError, pa.ArrowException) as e:
-                raise ValueError(f"{d.name}/{s['file']}: listed in the manifest but not readable ({e})") from None
-            if check and "rows" in s and (t.num_rows != s["rows"] or
-                                          pc.sum(pc.list_value_length(t["answer_ids"])).as_py() != s["answer_tokens"]):
-                raise ValueError(f"{d.name}/{s['file']}: manifest says {s['rows']} rows / {s['answer_tokens']} "
-                                 f"answer tokens, file has {t.num_rows} / "
-                                 f"{pc.sum(pc.list_value_length(t['answer_ids'])).as_py()}")
+                raise AnswerSetError(f"{d.name}/{s['file']}: listed in the manifest but not readable as answers "
+                                     f"({e})") from None
+            tokens = pc.sum(pc.list_value_length(t["answer_ids"])).as_py() or 0
+            if check and "rows" in s and (t.num_rows != s["rows"] or tokens != s["answer_tokens"]):
+                raise AnswerSetError(f"{d.name}/{s['file']}: manifest says {s['rows']} rows / {s['answer_tokens']} "
+                                     f"answer tokens, file has {t.num_rows} / {tokens}")
             tables.append(t.append_column("set", pa.array([d.name] * t.num_rows, pa.string())))
     if not tables:
         return pa.table({"id": pa.array([], pa.string()), "prompt_ids": pa.array([], pa.list_(pa.int32())),
                          "answer_ids": pa.array([], pa.list_(pa.int32())), "set": pa.array([], pa.string())})
-    table = pa.concat_tables([t.cast(tables[0].schema) for t in tables])
+    table = pa.concat_tables(tables)
     if check:
         for d in set_dirs(root):
             man = read_manifest(d)
             got = table.filter(pc.equal(table["set"], d.name))
             tokens = pc.sum(pc.list_value_length(got["answer_ids"])).as_py() or 0
             if got.num_rows != man["rows"] or tokens != man["answer_tokens"]:
-                raise ValueError(f"{d.name}: manifest says {man['rows']} rows / {man['answer_tokens']} answer "
-                                 f"tokens, files hold {got.num_rows} / {tokens}")
+                raise AnswerSetError(f"{d.name}: manifest says {man['rows']} rows / {man['answer_tokens']} answer "
+                                     f"tokens, files hold {got.num_rows} / {tokens}")
         if len(pc.unique(table["id"])) != table.num_rows:
-            raise ValueError("an id appears in more than one self-distilled row")
+            raise AnswerSetError("an id appears in more than one self-distilled row")
     return table
 
 
@@ -284,20 +311,36 @@ class ShardWriter:
     def __init__(self, set_dir: str | Path, settings: dict):
         self.dir = Path(set_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        path = self.dir / MANIFEST
-        self.manifest = json.loads(path.read_text()) if path.exists() else {**settings, "shards": []}
+        if (self.dir / MANIFEST).exists():
+            self.manifest = read_manifest(self.dir)
+            diff = differences({k: self.manifest.get(k) for k in ANSWER_DEFINING if k in self.manifest},
+                               {k: settings.get(k) for k in ANSWER_DEFINING if k in self.manifest})
+            if diff:   # its manifest would describe answers it does not hold
+                raise AnswerSetError(f"{self.dir} holds answers made otherwise ({'; '.join(diff)}); use another "
+                                     "set directory")
+        else:
+            self.manifest = {**settings, "shards": []}
         self.manifest.setdefault("shards", [])
 
     def done_ids(self) -> set[str]:
+        import pyarrow as pa
         import pyarrow.parquet as pq
-        return {i for s in self.manifest["shards"] for i in
-                pq.read_table(self.dir / s["file"], columns=["id"])["id"].to_pylist()}
+        try:
+            return {i for s in self.manifest["shards"] for i in
+                    pq.read_table(self.dir / s["file"], columns=["id"])["id"].to_pylist()}
+        except (OSError, pa.ArrowException) as e:
+            raise AnswerSetError(f"{self.dir}: a shard its manifest lists is not readable ({e})") from None
+
+    def next_name(self) -> str:
+        """After the highest shard the manifest lists, never over a listed one (a file past them is a shard a
+        killed run wrote but never listed: its answers are asked again, and it is overwritten)."""
+        listed = [int(m.group(1)) for s in self.manifest["shards"] if (m := SHARD_NAME.fullmatch(s["file"]))]
+        return f"answers-{max(listed, default=-1) + 1:05d}.parquet"
 
     def write(self, rows: list[dict]) -> Path:
         import pyarrow as pa
         import pyarrow.parquet as pq
-        n = len(self.manifest["shards"])
-        name = f"answers-{n:05d}.parquet"
+        name = self.next_name()
         table = pa.table({"id": pa.array([r["id"] for r in rows], pa.string()),
                           "prompt_ids": pa.array([r["prompt_ids"] for r in rows], pa.list_(pa.int32())),
                           "answer_ids": pa.array([r["answer_ids"] for r in rows], pa.list_(pa.int32()))})
@@ -344,10 +387,9 @@ def generate(set_dir: str | Path, *, max_batch_size: int = 48, max_new_tokens: i
     from eagle_ray.errors import PromptTooLongError
     from eagle_ray.model.device import cpu_model, device_name
 
+    if shard_rows < 1 or window < 1 or (limit is not None and limit < 1):
+        raise ConfigError(f"shard_rows, window and limit must be >= 1 (got {shard_rows}, {window}, {limit})")
     what, ids, chosen, prompts_in = source_prompts(source, second_turns, prompt_file)  # a bad source fails here
-    engine = EagleEngine.from_pretrained(target, draft="none", dtype=dtype, device=device,
-                                         max_batch_size=max_batch_size, max_model_len=max_model_len, threads=threads)
-    on_gpu = engine.device.type == "cuda"
     settings = {
         "what": f"{what} answered greedily by " + ("the embedded target (SmolLM2-135M-Instruct)" if target is None
                                                      else f"the target {Path(target).name}") + ", as token ids",
@@ -365,13 +407,15 @@ def generate(set_dir: str | Path, *, max_batch_size: int = 48, max_new_tokens: i
                     "fp32, up to fp32 near-ties)" if dtype == "float32" else f"greedy in {dtype}",
         "cpu": cpu_model(),
     }
-    if on_gpu:
-        settings["device"] = f"{device_name(engine.device)} (TF32 matmuls " + \
-            ("on" if torch.backends.cuda.matmul.allow_tf32 else "off") + ")"
-    writer = ShardWriter(set_dir, settings)
+    writer = ShardWriter(set_dir, settings)   # a set made otherwise is refused before the target loads
     skip = writer.done_ids()
     if skip_sets:
         skip |= answered_ids(skip_sets, exclude=writer.dir)
+    engine = EagleEngine.from_pretrained(target, draft="none", dtype=dtype, device=device,
+                                         max_batch_size=max_batch_size, max_model_len=max_model_len, threads=threads)
+    if engine.device.type == "cuda":
+        writer.manifest.setdefault("device", f"{device_name(engine.device)} (TF32 matmuls " +
+                                   ("on" if torch.backends.cuda.matmul.allow_tf32 else "off") + ")")
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
     eos = engine.eos_ids
     def unanswered(prompts):
@@ -437,7 +481,7 @@ def generate(set_dir: str | Path, *, max_batch_size: int = 48, max_new_tokens: i
                 record(seq)
             elif stop_repeat_ngram and repeats(seq):
                 record(engine.abort(seq.request_id))
-        if len(buffer) >= shard_rows or (buffer and not engine.has_unfinished()):
+        if buffer and (len(buffer) >= shard_rows or not engine.has_unfinished()):
             path = writer.write(buffer)
             written += len(buffer)
             buffer = []

@@ -598,8 +598,11 @@ def test_a_mistyped_source_fails_before_a_feature_directory_records_it(tmp_path)
     """The record of how a directory was made is written only for a source that can be read: a typo used to
     leave a record of the typo behind, and the directory then refused the corrected command."""
     (tmp_path / "notarray.json").write_text('{"conversations": []}')
+    (tmp_path / "set").mkdir()
+    (tmp_path / "set" / "manifest.json").write_text('{"rows": 1, "answer_tokens": 2, "shards": 5}')
     for source, reason in ((str(tmp_path / "typo"), "does not exist"),
-                           (str(tmp_path / "notarray.json"), "does not hold a JSON array")):
+                           (str(tmp_path / "notarray.json"), "does not hold a JSON array"),
+                           (str(tmp_path / "set"), "shards is 5, not a list")):
         with pytest.raises(SystemExit, match=reason):
             extract.run_local(str(tmp_path / "f"), None, source, 4, 2, 64, "float32", 1)
         assert not (tmp_path / "f" / "extraction.json").exists()

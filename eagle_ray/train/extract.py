@@ -202,11 +202,19 @@ def iter_conversations(source: str | None) -> Iterable[list[dict] | dict | None]
 def check_source(source: str | None, flag: str = "--source") -> None:
     """Fail before the target loads (and before a feature directory records it) where ``source`` names nothing
     :func:`iter_conversations` can read."""
-    if source in (None, "selfdistill"):
+    if source is None:
         return
     path = Path(source)
-    if not path.exists():
+    if source != "selfdistill" and not path.exists():
         raise SystemExit(f"{flag} {source} does not exist")
+    if source == "selfdistill" or (path / "manifest.json").exists() or any(path.glob("*/manifest.json")):
+        from eagle_ray.train.selfdistill import AnswerSetError, read_manifest, set_dirs
+        try:   # the manifests now; the shards are checked against them as they are read
+            for d in set_dirs(None if source == "selfdistill" else source):
+                read_manifest(d)
+        except AnswerSetError as e:
+            raise SystemExit(f"{flag} {source}: {e}") from None
+        return
     if path.is_file() and source.endswith(".json"):
         with open(path, "rb") as f:
             if not f.read(4096).lstrip().startswith(b"["):
@@ -405,8 +413,12 @@ def main(argv=None):
                    help="run conversations of similar length together, up to this many (padded) tokens a forward "
                    "(0: one at a time; use e.g. 65536 on a GPU)")
     a = p.parse_args(argv)
-    run_local(a.out, a.target, a.source, a.max_conversations, a.shard_size, a.max_len, a.dtype, a.threads,
-              a.worker, a.workers, a.eagle3, a.batch_tokens)
+    from eagle_ray.train.selfdistill import AnswerSetError
+    try:
+        run_local(a.out, a.target, a.source, a.max_conversations, a.shard_size, a.max_len, a.dtype, a.threads,
+                  a.worker, a.workers, a.eagle3, a.batch_tokens)
+    except AnswerSetError as e:   # a damaged answer set, named with its file
+        raise SystemExit(f"extract: {e}") from None
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ def build_engine(a):
 def cmd_generate(a) -> int:
     if a.num_prompts is not None and a.num_prompts < 1:
         raise ConfigError("--num-prompts must be >= 1")
-    if a.prompts and not Path(a.prompts).is_file():
+    if a.prompts and (not Path(a.prompts).exists() or Path(a.prompts).is_dir()):   # a pipe will do
         raise ConfigError(f"--prompts {a.prompts} is not a file")
     try:
         records = read_jsonl(a.prompts or demo_prompts_path())[: a.num_prompts]

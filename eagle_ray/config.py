@@ -216,7 +216,7 @@ class EngineConfig(StrictModel):
             data = dict(data)
             for name in [k for k in data if k in FLAT_FIELDS]:
                 part = FLAT_FIELDS[name]
-                section = data.get(part, {})
+                section = data.get(part) or {}
                 if not isinstance(section, dict):
                     raise ValueError(f"{part} is a section of engine settings, got {section!r}")
                 section = dict(section)
@@ -384,7 +384,10 @@ def spell_engine_key_as(data: dict, key: str) -> None:
     engine = data.get("engine")
     if keys[0] != "engine" or len(keys) < 2 or not isinstance(engine, dict):
         return
-    if keys[1] in FLAT_FIELDS:                                    # flat: engine.<name>[...]
+    if len(keys) == 2 and keys[1] in ENGINE_PARTS:                # a whole part: the file's settings of it go
+        for name in [n for n in engine if FLAT_FIELDS.get(n) == keys[1]]:
+            del engine[name]
+    elif keys[1] in FLAT_FIELDS:                                  # flat: engine.<name>[...]
         name, part = keys[1], FLAT_FIELDS[keys[1]]
         section = engine.get(part)
         if isinstance(section, dict) and name in section and engine.get(name, section[name]) == section[name]:
@@ -403,7 +406,8 @@ def reads_path(input_uri: str, path: str) -> bool:
     would read ``path`` or a file under it."""
     if not any(c in input_uri for c in "*?["):
         return path == input_uri or path.startswith(input_uri + "/")
-    pattern = re.compile(_glob_regex(input_uri))
+    from fsspec.utils import glob_translate   # the pattern as fsspec's glob reads it (``**`` spans 0+ folders)
+    pattern = re.compile(glob_translate(input_uri))
     parts = path.split("/")
     under = [path + "/part-20260101T000000-a1b2c3-00000.parquet", path + "/summary.json"]  # what a job writes
     return any(pattern.fullmatch("/".join(parts[:i])) for i in range(1, len(parts) + 1)) or \
@@ -421,30 +425,6 @@ def out_path_problem(path: str, directory: bool) -> str | None:
         if parent.exists():
             return None if parent.is_dir() else f"{path} lies under {parent}, which is a file"
     return None
-
-
-def _glob_regex(pattern: str) -> str:
-    """A glob as fsspec reads it: ``**`` crosses directories, ``*`` and ``?`` do not, ``[...]`` is a class."""
-    out, i = [], 0
-    while i < len(pattern):
-        c = pattern[i]
-        if pattern.startswith("**", i):
-            out.append(".*")
-            i += 2
-            continue
-        if c == "*":
-            out.append("[^/]*")
-        elif c == "?":
-            out.append("[^/]")
-        elif c == "[" and "]" in pattern[i + 1:]:
-            j = pattern.index("]", i + 1)
-            out.append("[" + pattern[i + 1:j].replace("!", "^", 1) + "]")
-            i = j + 1
-            continue
-        else:
-            out.append(re.escape(c))
-        i += 1
-    return "".join(out)
 
 
 # ---- the Serve app ------------------------------------------------------------------------------------------------

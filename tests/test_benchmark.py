@@ -250,7 +250,8 @@ def test_every_command_says_in_one_line_what_is_wrong_with_what_it_was_given(tmp
     for argv, reason in ((["generate", "--num-prompts", "0"], "--num-prompts must be >= 1"),
                          (["generate", "--num-prompts", "-1"], "--num-prompts must be >= 1"),
                          (["generate", "--prompts", str(tmp_path / "nope.jsonl")], "is not a file"),
-                         (["generate", "--device", "cuda", "--num-prompts", "1"], "device 'cuda': this machine has"),
+                         (["generate", "--device", f"cuda:{torch.cuda.device_count()}", "--num-prompts", "1"],
+                          "this machine has"),   # one CUDA device more than there are
                          (["generate", "--device", "bogus", "--num-prompts", "1"], "not a device torch knows"),
                          (["generate", "--temperature", "nan"], "temperature"),
                          (["serve", "--config", str(tmp_path / "nope.yaml")], "cannot read serve config"),

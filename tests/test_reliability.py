@@ -308,11 +308,13 @@ def test_a_json_array_file_and_binary_parquet_prompts_are_read_as_what_they_hold
 def test_a_binary_column_the_job_does_not_read_never_spoils_a_row(tmp_path):
     """Only the fields a request is read from must be text: a non-UTF-8 hash beside the prompt leaves the row a
     good row with its own id, and a non-UTF-8 id makes an error row keyed by its index."""
-    pq.write_table(pa.table({"id": [b"k", b"\xff"], "prompt": ["hi", "yo"], "sha": [b"\x8a\x00\xfe", b"ok"]}),
-                   tmp_path / "c.parquet")
+    meta = [{"h": b"\xff", "note": b"hello"}, {"h": b"ok", "note": b"there"}]
+    pq.write_table(pa.table({"id": [b"k", b"\xff"], "prompt": ["hi", "yo"], "sha": [b"\x8a\x00\xfe", b"ok"],
+                             "meta": meta}), tmp_path / "c.parquet")
     rows = local_rows(str(tmp_path / "c.parquet"))
     assert [(r.id, r.kind) for r in rows] == [("k", ""), ("row-1", "invalid_utf8")]
-    assert json.loads(rows[0].payload) == {"id": "k", "prompt": "hi", "sha": "b'\\x8a\\x00\\xfe'"}
+    assert json.loads(rows[0].payload) == {"id": "k", "prompt": "hi", "sha": "b'\\x8a\\x00\\xfe'",
+                                           "meta": {"h": "b'\\xff'", "note": "hello"}}
     assert "column 'id' is not UTF-8" in rows[1].error
 
 
@@ -342,6 +344,7 @@ def test_configs_that_could_only_fail_later_fail_at_load(tiny_dir, tiny_head):
         with pytest.raises(ConfigError, match="lies inside input.uri"):
             JobConfig(input={"uri": "data"}, output={"uri": out})
     for inp, out in (("data/*", "data/out"), ("data/**", "data/a/out"), ("data/*/*.json", "data/out"),
+                     ("data/**/*.parquet", "data"),   # ``**`` spans no folder too: data/part-*.parquet
                      ("s3://b/in/*", "s3://b/in/out")):   # a glob reads a matching directory whole
         with pytest.raises(ConfigError, match="lies inside input.uri"):
             JobConfig(input={"uri": inp}, output={"uri": out})
@@ -357,7 +360,7 @@ def test_a_nested_engine_override_wins_over_the_files_flat_key_and_both_in_one_f
     assert cfg.engine.cache.max_model_len == 512
     with pytest.raises(ConfigError, match="max_model_len is given twice"):
         JobConfig(input={"uri": "a"}, output={"uri": "b"}, engine={"max_model_len": 16, "cache": {"max_model_len": 32}})
-    with pytest.raises(ConfigError, match="cache is a section of engine settings, got 5"):   # never dropped
+    with pytest.raises(ConfigError, match="engine.cache: Input should be a valid dictionary"):   # never dropped
         JobConfig.from_yaml(ROOT / "configs" / "embedded.yaml", {"engine.cache": 5})
 
 
@@ -370,6 +373,9 @@ def test_a_nested_engine_override_wins_over_the_files_flat_key_and_both_in_one_f
      ("speculation", "tree", TreeConfig(total_tokens=40, depth=4, top_k=8))),
     ({"speculation": {"tree": {"total_tokens": 40, "depth": 5, "top_k": 8}}}, "engine.tree.depth", 4,
      ("speculation", "tree", TreeConfig(total_tokens=40, depth=4, top_k=8))),
+    ({"max_model_len": 1024, "max_batch_size": 2}, "engine.cache", {"max_model_len": 512},   # a whole part
+     ("cache", "max_batch_size", 8)),
+    ({"max_model_len": 1024, "cache": None}, "engine.max_model_len", 512, ("cache", "max_model_len", 512)),
 ])
 def test_an_engine_override_lands_on_the_files_setting_whichever_way_each_spells_it(tmp_path, engine, key, value,
                                                                                    expect):

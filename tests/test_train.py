@@ -8,6 +8,7 @@ from tiny import self_distilled_convs
 
 from eagle_ray.model.draft_head import DraftHead
 from eagle_ray.train import extract
+from eagle_ray.train.data import iter_json_array
 from eagle_ray.train.trainer import TrainConfig, TrainingDataError, train
 
 CFG = TrainConfig(lr=1e-3, warmup_steps=5, epochs=2, tokens_per_step=128, checkpoint_every=4, eval_fraction=0.1,
@@ -568,8 +569,8 @@ def test_an_answer_set_with_counts_or_files_of_the_wrong_kind_fails_naming_them(
 
 
 def test_a_set_takes_new_shards_after_its_last_and_only_answers_made_its_way(tmp_path):
-    """A new shard never replaces one the manifest lists, even when the list has a gap; a run whose answers
-    would differ (another source, length cap or dtype) may not add to the set, and nothing is loaded first."""
+    """A new shard never replaces one the manifest lists, even when the list has a gap; a writer whose answers
+    would differ may not add to the set (where it runs may differ); flags no run can use fail before loading."""
     from eagle_ray.errors import ConfigError
     from eagle_ray.train.selfdistill import MANIFEST, AnswerSetError, ShardWriter, generate, load_answers
 
@@ -606,3 +607,32 @@ def test_a_mistyped_source_fails_before_a_feature_directory_records_it(tmp_path)
         with pytest.raises(SystemExit, match=reason):
             extract.run_local(str(tmp_path / "f"), None, source, 4, 2, 64, "float32", 1)
         assert not (tmp_path / "f" / "extraction.json").exists()
+    (tmp_path / "bom.json").write_bytes(b'\xef\xbb\xbf[{"conversations": []}]')   # as some editors save it
+    extract.check_source(str(tmp_path / "bom.json"))
+    assert list(iter_json_array(tmp_path / "bom.json")) == [{"conversations": []}]
+
+
+@pytest.mark.parametrize("set_name, command", [
+    ("exact-fp32", {}),
+    ("sharegpt-turn2-fp32", {"second_turns": True, "stop_repeat_ngram": 32}),
+    ("python-functions-fp32", {"source": "python-functions", "stop_repeat_ngram": 32}),
+])
+def test_a_committed_set_resumes_under_its_command_and_refuses_another_before_loading(set_name, command, tmp_path,
+                                                                                     monkeypatch):
+    """The check compares what defines the answers (source, target, length cap, repeat stop, dtype), not how a
+    manifest words its prompts or where it ran: each committed set takes more answers from the command that made
+    it, and a run with another length cap or repeat stop is refused before the target loads."""
+    import shutil
+
+    from eagle_ray.engine.engine import EagleEngine
+    from eagle_ray.train.selfdistill import REPO_DATA, AnswerSetError, generate
+
+    def loading(*args, **kwargs):
+        raise RuntimeError("the target loads")
+    monkeypatch.setattr(EagleEngine, "from_pretrained", loading)
+    shutil.copytree(REPO_DATA / set_name, tmp_path / set_name)
+    with pytest.raises(RuntimeError, match="the target loads"):
+        generate(tmp_path / set_name, **command)
+    for other in ({"max_new_tokens": 100}, {"stop_repeat_ngram": 16}):
+        with pytest.raises(AnswerSetError, match="holds answers made otherwise"):
+            generate(tmp_path / set_name, **{**command, **other})

@@ -216,16 +216,13 @@ READ_FIELDS = ("id", *PROMPT_KINDS, *SAMPLING_KEYS)
 def parquet_row(index: int, rec: dict, path: str) -> InputRow:
     """One Parquet record as a row. ``binary`` values are UTF-8 text: the fields a request is read from are decoded
     (a prompt stored as bytes is the prompt, never its Python repr) and make an ``invalid_utf8`` row, keeping the
-    row's id, when they are not UTF-8; other columns (a hash, say) are decoded where they are text and otherwise
-    written as they are, like any column the job does not read."""
+    row's id, when they are not UTF-8; in other columns (a hash, say) each value that is text is decoded and the
+    rest written as they are, like any column the job does not read."""
     out, bad = {}, ""
     for key, value in rec.items():
-        try:
-            out[key] = text_bytes(value)
-        except UnicodeDecodeError as e:
-            out[key] = value
-            if key in READ_FIELDS and not bad:
-                bad = f"{path}: column {key!r} is not UTF-8 text ({e.reason} at byte {e.start})"
+        out[key], err = text_bytes(value)
+        if err and key in READ_FIELDS and not bad:
+            bad = f"{path}: column {key!r} is not UTF-8 text ({err.reason} at byte {err.start})"
     row = _row(index, out, "", "")
     if bad and not row.error:
         row.error, row.kind = bad, INVALID_UTF8
@@ -235,15 +232,21 @@ def parquet_row(index: int, rec: dict, path: str) -> InputRow:
 
 
 def text_bytes(value):
-    """A Parquet ``binary`` value (bytes) as the UTF-8 text it holds, through lists and structs, so a prompt
-    stored as bytes is the prompt, not its Python repr; bytes that are not UTF-8 raise UnicodeDecodeError."""
+    """(value, first error): a Parquet ``binary`` value (bytes) as the UTF-8 text it holds, through lists and
+    structs; bytes that are not UTF-8 stay bytes, and the first such value's UnicodeDecodeError is returned."""
     if isinstance(value, bytes):
-        return value.decode("utf-8")
-    if isinstance(value, dict):
-        return {k: text_bytes(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [text_bytes(v) for v in value]
-    return value
+        try:
+            return value.decode("utf-8"), None
+        except UnicodeDecodeError as e:
+            return value, e
+    if isinstance(value, (dict, list)):
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        decoded, first = {}, None
+        for k, v in items:
+            decoded[k], err = text_bytes(v)
+            first = first or err
+        return (decoded if isinstance(value, dict) else list(decoded.values())), first
+    return value, None
 
 
 def _dump(rec) -> str:

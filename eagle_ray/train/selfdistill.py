@@ -230,8 +230,10 @@ class AnswerSetError(ValueError):
     """An answer set that no longer matches its manifest, or a run that would mix other answers into it."""
 
 
-# what makes two runs' answers the same kind of answer: a run that differs here may not add to a set
-ANSWER_DEFINING = ("what", "columns", "prompts", "fidelity")
+# what makes two runs' answers the same kind of answer (source, target, length cap, repeat stop, dtype; ``settings``
+# holds them as data in sets made since it was added): a run that differs here may not add to a set. How prompts are
+# described (``prompts``), where and with what they ran (``generator``, ``cpu``) may differ.
+ANSWER_DEFINING = ("what", "columns", "fidelity", "settings")
 
 
 def read_manifest(set_dir: str | Path) -> dict:
@@ -391,6 +393,9 @@ def generate(set_dir: str | Path, *, max_batch_size: int = 48, max_new_tokens: i
         raise ConfigError(f"shard_rows, window and limit must be >= 1 (got {shard_rows}, {window}, {limit})")
     what, ids, chosen, prompts_in = source_prompts(source, second_turns, prompt_file)  # a bad source fails here
     settings = {
+        "settings": {"source": source, "second_turns": second_turns, "target": str(target or "embedded"),
+                     "max_new_tokens": max_new_tokens, "stop_repeat_ngram": stop_repeat_ngram,
+                     "max_prompt_tokens": max_prompt_tokens, "dtype": dtype},
         "what": f"{what} answered greedily by " + ("the embedded target (SmolLM2-135M-Instruct)" if target is None
                                                      else f"the target {Path(target).name}") + ", as token ids",
         "columns": {"id": ids,
@@ -413,7 +418,7 @@ def generate(set_dir: str | Path, *, max_batch_size: int = 48, max_new_tokens: i
         skip |= answered_ids(skip_sets, exclude=writer.dir)
     engine = EagleEngine.from_pretrained(target, draft="none", dtype=dtype, device=device,
                                          max_batch_size=max_batch_size, max_model_len=max_model_len, threads=threads)
-    if engine.device.type == "cuda":
+    if engine.device.type == "cuda" and not writer.manifest["shards"]:   # a new set: where it is made
         writer.manifest.setdefault("device", f"{device_name(engine.device)} (TF32 matmuls " +
                                    ("on" if torch.backends.cuda.matmul.allow_tf32 else "off") + ")")
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)

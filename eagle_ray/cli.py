@@ -102,7 +102,7 @@ def cmd_measure(a) -> int:
         raise SystemExit(f"eagle-ray measure: --out {problem}")
     if a.num_prompts is not None and a.num_prompts < 1:
         raise SystemExit("eagle-ray measure: --num-prompts must be >= 1")
-    if not Path(a.prompts).is_file():
+    if not Path(a.prompts).exists() or Path(a.prompts).is_dir():   # a pipe will do
         raise SystemExit(f"eagle-ray measure: --prompts {a.prompts} is not a file")
     prompts = read_jsonl(a.prompts)[: a.num_prompts]
     if not prompts:

@@ -216,7 +216,7 @@ class EngineConfig(StrictModel):
             data = dict(data)
             for name in [k for k in data if k in FLAT_FIELDS]:
                 part = FLAT_FIELDS[name]
-                section = data.get(part) or {}
+                section = {} if data.get(part) is None else data[part]
                 if not isinstance(section, dict):
                     raise ValueError(f"{part} is a section of engine settings, got {section!r}")
                 section = dict(section)
@@ -367,7 +367,9 @@ class JobConfig(StrictModel):
             node = data
             *parents, last = key.split(".")
             for i, p in enumerate(parents):
-                node = node.setdefault(p, {})
+                if node.get(p) is None:   # an empty section (``cache:`` in YAML) takes the override
+                    node[p] = {}
+                node = node[p]
                 if not isinstance(node, dict):
                     raise ConfigError(f"--set {key}: {'.'.join(parents[: i + 1])} is a value, not a section")
             node[last] = value

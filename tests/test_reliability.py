@@ -376,6 +376,7 @@ def test_a_nested_engine_override_wins_over_the_files_flat_key_and_both_in_one_f
     ({"max_model_len": 1024, "max_batch_size": 2}, "engine.cache", {"max_model_len": 512},   # a whole part
      ("cache", "max_batch_size", 8)),
     ({"max_model_len": 1024, "cache": None}, "engine.max_model_len", 512, ("cache", "max_model_len", 512)),
+    ({"max_model_len": 1024, "cache": None}, "engine.cache.max_batch_size", 4, ("cache", "max_batch_size", 4)),
 ])
 def test_an_engine_override_lands_on_the_files_setting_whichever_way_each_spells_it(tmp_path, engine, key, value,
                                                                                    expect):

@@ -621,7 +621,7 @@ def test_a_committed_set_resumes_under_its_command_and_refuses_another_before_lo
                                                                                      monkeypatch):
     """The check compares what defines the answers (source, target, length cap, repeat stop, dtype), not how a
     manifest words its prompts or where it ran: each committed set takes more answers from the command that made
-    it, and a run with another length cap or repeat stop is refused before the target loads."""
+    it, and a run with another length cap, repeat stop or prompt cap is refused before the target loads."""
     import shutil
 
     from eagle_ray.engine.engine import EagleEngine
@@ -633,6 +633,6 @@ def test_a_committed_set_resumes_under_its_command_and_refuses_another_before_lo
     shutil.copytree(REPO_DATA / set_name, tmp_path / set_name)
     with pytest.raises(RuntimeError, match="the target loads"):
         generate(tmp_path / set_name, **command)
-    for other in ({"max_new_tokens": 100}, {"stop_repeat_ngram": 16}):
+    for other in ({"max_new_tokens": 100}, {"stop_repeat_ngram": 16}, {"max_prompt_tokens": 3000}):
         with pytest.raises(AnswerSetError, match="holds answers made otherwise"):
             generate(tmp_path / set_name, **{**command, **other})

@@ -21,7 +21,7 @@ def iter_json_array(path: str | Path) -> Iterator[dict]:
     """Yield the complete records of a JSON array, stopping quietly where the file is cut off mid-record."""
     text = Path(path).read_text(encoding="utf-8", errors="replace")
     dec = json.JSONDecoder()
-    if not text.lstrip("\ufeff \t\r\n").startswith("["):   # a byte order mark may start it
+    if not text.removeprefix("\ufeff").lstrip().startswith("["):   # a byte order mark may start it
         raise ValueError(f"{path} does not hold a JSON array of conversations")
     i = text.index("[") + 1
     n = len(text)

@@ -217,7 +217,7 @@ def check_source(source: str | None, flag: str = "--source") -> None:
         return
     if path.is_file() and source.endswith(".json"):
         with open(path, "rb") as f:
-            if not f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"["):   # after a byte order mark
+            if not f.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip().startswith(b"["):   # after a byte order mark
                 raise SystemExit(f"{flag} {source} does not hold a JSON array of conversations")
 
 

@@ -317,6 +317,10 @@ class ShardWriter:
             self.manifest = read_manifest(self.dir)
             diff = differences({k: self.manifest.get(k) for k in ANSWER_DEFINING if k in self.manifest},
                                {k: settings.get(k) for k in ANSWER_DEFINING if k in self.manifest})
+            cap = settings.get("settings", {}).get("max_prompt_tokens")
+            if "settings" not in self.manifest and cap and f"prompts over {cap} tokens skipped" not in \
+                    self.manifest.get("prompts", f"prompts over {cap} tokens skipped"):   # older sets say it in words
+                diff.append(f"prompts: {self.manifest['prompts']!r} there, prompts over {cap} tokens skipped now")
             if diff:   # its manifest would describe answers it does not hold
                 raise AnswerSetError(f"{self.dir} holds answers made otherwise ({'; '.join(diff)}); use another "
                                      "set directory")
@@ -393,8 +397,7 @@ def generate(set_dir: str | Path, *, max_batch_size: int = 48, max_new_tokens: i
         raise ConfigError(f"shard_rows, window and limit must be >= 1 (got {shard_rows}, {window}, {limit})")
     what, ids, chosen, prompts_in = source_prompts(source, second_turns, prompt_file)  # a bad source fails here
     settings = {
-        "settings": {"source": source, "second_turns": second_turns, "target": str(target or "embedded"),
-                     "max_new_tokens": max_new_tokens, "stop_repeat_ngram": stop_repeat_ngram,
+        "settings": {"max_new_tokens": max_new_tokens, "stop_repeat_ngram": stop_repeat_ngram,   # "what": the rest
                      "max_prompt_tokens": max_prompt_tokens, "dtype": dtype},
         "what": f"{what} answered greedily by " + ("the embedded target (SmolLM2-135M-Instruct)" if target is None
                                                      else f"the target {Path(target).name}") + ", as token ids",

@@ -523,3 +523,29 @@ def test_the_engine_failing_ends_the_job_actor_and_fails_serve_health(tiny_dir, 
     server.queue = stage.queue
     with pytest.raises(RuntimeError, match="device lost"):
         server.check_health()
+
+
+def test_api_misuse_is_refused_naming_the_argument_and_the_engine_runs_on(tiny_dir, tiny_head):
+    """A prompt that encodes to no tokens, a Sequence queued twice, a single chat message dict or a dict of
+    params used to be accepted and then failed deep in the engine, some leaving it broken for every later request
+    (or ran the dict's keys as prompts). Each is refused up front; the next valid request gives the same tokens
+    as before, and no slot is left taken. One prompt's token ids are one prompt."""
+    engine = tiny_engine(tiny_dir, tiny_head)
+    ids = [5, 9, 12, 20, 7]
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    before = engine.generate([ids], params)[0].token_ids
+    with pytest.raises(InvalidRequestError, match="the prompt encodes to no tokens"):
+        engine.generate("   ", params)   # the tiny tokenizer splits on whitespace
+    seq = engine.add_request(ids, params)
+    with pytest.raises(InvalidRequestError, match="was already added"):
+        engine.add_request(seq)
+    while engine.has_unfinished():
+        engine.step()
+    with pytest.raises(InvalidRequestError, match="was already added"):
+        engine.add_request(seq)   # finished: a new sequence runs it again
+    with pytest.raises(TypeError, match="prompts must be a prompt"):
+        engine.generate({"role": "user", "content": "w1 w2"}, params)
+    with pytest.raises(TypeError, match="params must be a SamplingParams, got dict"):
+        engine.generate([ids], {"max_new_tokens": 4})
+    assert engine.generate(ids, params)[0].token_ids == before == seq.output_ids
+    assert not engine.scheduler.running and len(engine.scheduler.free) == 4   # max_batch_size

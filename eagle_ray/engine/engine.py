@@ -259,6 +259,8 @@ class EagleEngine:
                       speculative: bool = True) -> Sequence:
         """Validate and tokenise a request (on the caller's thread; raises typed errors if it is bad)."""
         params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         if speculative and self.draft is None:
             raise InvalidRequestError("this engine has no draft head; use speculative=False")
         ids = self.encode(prompt)
@@ -273,6 +275,9 @@ class EagleEngine:
                     speculative: bool = True) -> Sequence:
         """Queue one request (a prompt, or a Sequence from ``make_sequence``); ``step()`` runs it."""
         seq = prompt if isinstance(prompt, Sequence) else self.make_sequence(prompt, params, request_id, speculative)
+        if seq.finished or seq.slot >= 0 or any(s is seq for s in self.scheduler.waiting):
+            raise InvalidRequestError(f"request {seq.request_id!r} was already added; make a new sequence to run "
+                                      "it again")
         self.scheduler.add(seq)
         return seq
 
@@ -289,7 +294,11 @@ class EagleEngine:
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  speculative: bool = True) -> list[RequestOutput]:
         """Run every prompt to completion (continuously batched); outputs come back in input order."""
-        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict))
+        if not isinstance(prompts, (str, list)):
+            raise TypeError(f"prompts must be a prompt (a string, chat messages or token ids) or a list of prompts, "
+                            f"got {type(prompts).__name__}")
+        single = isinstance(prompts, str) or (prompts and (isinstance(prompts[0], dict) or all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompts)))   # one chat, or one prompt's ids
         if single:
             prompts = [prompts]
         params = params or SamplingParams()

@@ -50,6 +50,8 @@ class TextCodec:
                         f"prompt is {size} bytes: more than {room} tokens of at most {self.max_token_bytes} bytes "
                         f"each, the most this engine fits; shorten the prompt or raise max_model_len")
             ids = self._tokenize(p)
+            if not ids:   # a tokenizer that strips or splits on whitespace: nothing would start the sequence
+                raise InvalidRequestError("the prompt encodes to no tokens")
         if room is not None and len(ids) > room:
             raise PromptTooLongError(
                 f"prompt has {len(ids)} tokens but the engine fits at most {room} (max_model_len minus the verify "

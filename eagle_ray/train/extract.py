@@ -174,12 +174,17 @@ def iter_job_output(source: str) -> Iterable[list[dict] | None]:
         yield to_messages({"messages": msgs + [{"role": "assistant", "content": r["output"]}]})
 
 
+def is_answer_sets(source: str | None) -> bool:
+    """Whether ``source`` names self-distilled answer sets: ``selfdistill``, a set, or a directory of sets."""
+    return source == "selfdistill" or (source is not None and (Path(source, "manifest.json").exists() or
+                                                               any(Path(source).glob("*/manifest.json"))))
+
+
 def iter_conversations(source: str | None) -> Iterable[list[dict] | dict | None]:
     """Messages per record of ``source`` (None = the ShareGPT wheel; a ShareGPT .json; JSONL of messages; a
     batch-job output directory / .parquet file; or ``selfdistill``: the committed self-distilled answers as token
     ids), None for records without an assistant turn."""
-    if source == "selfdistill" or (source is not None and Path(source, "manifest.json").exists()) or \
-            (source is not None and list(Path(source).glob("*/manifest.json"))):
+    if is_answer_sets(source):
         from eagle_ray.train.selfdistill import load_answers
         table = load_answers(None if source == "selfdistill" else source)
         for p, a in zip(table["prompt_ids"].to_pylist(), table["answer_ids"].to_pylist()):
@@ -207,7 +212,7 @@ def check_source(source: str | None, flag: str = "--source") -> None:
     path = Path(source)
     if source != "selfdistill" and not path.exists():
         raise SystemExit(f"{flag} {source} does not exist")
-    if source == "selfdistill" or (path / "manifest.json").exists() or any(path.glob("*/manifest.json")):
+    if is_answer_sets(source):
         from eagle_ray.train.selfdistill import AnswerSetError, read_manifest, set_dirs
         try:   # the manifests now; the shards are checked against them as they are read
             for d in set_dirs(None if source == "selfdistill" else source):

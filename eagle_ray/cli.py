@@ -67,7 +67,9 @@ def build_engine(a):
                                        max_verify_tokens=a.max_verify_tokens, **precision_kwargs(a))
 
 
-def cmd_generate(a) -> int:
+def read_prompt_records(a) -> tuple[list[dict], list]:
+    """``--prompts`` (default: the bundled demo set) cut to ``--num-prompts``: the records and the prompt of each.
+    Everything wrong with them is a :class:`ConfigError`, found before any model loads."""
     if a.num_prompts is not None and a.num_prompts < 1:
         raise ConfigError("--num-prompts must be >= 1")
     if a.prompts and (not Path(a.prompts).exists() or Path(a.prompts).is_dir()):   # a pipe will do
@@ -79,6 +81,11 @@ def cmd_generate(a) -> int:
         raise ConfigError(f"--prompts {a.prompts}: not a JSONL of prompt/messages/turns records ({e})") from None
     if not records:
         raise ConfigError(f"--prompts {a.prompts} holds no prompts")
+    return records, prompts
+
+
+def cmd_generate(a) -> int:
+    records, prompts = read_prompt_records(a)
     params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k_sampling,
                             max_new_tokens=a.max_new_tokens)
     engine = build_engine(a)
@@ -99,15 +106,9 @@ def cmd_measure(a) -> int:
     from eagle_ray.measure import measure
     problem = a.out and out_path_problem(a.out, directory=False)
     if problem:
-        raise SystemExit(f"eagle-ray measure: --out {problem}")
-    if a.num_prompts is not None and a.num_prompts < 1:
-        raise SystemExit("eagle-ray measure: --num-prompts must be >= 1")
-    if not Path(a.prompts).exists() or Path(a.prompts).is_dir():   # a pipe will do
-        raise SystemExit(f"eagle-ray measure: --prompts {a.prompts} is not a file")
-    prompts = read_jsonl(a.prompts)[: a.num_prompts]
-    if not prompts:
-        raise SystemExit(f"eagle-ray measure: {a.prompts} holds no prompts")
-    out = measure(build_engine(a), prompts, a)
+        raise ConfigError(f"--out {problem}")
+    records, _ = read_prompt_records(a)
+    out = measure(build_engine(a), records, a)
     out["summary"]["config"] = {k: v for k, v in vars(a).items() if k not in ("func",)}
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
@@ -152,10 +153,10 @@ def cmd_benchmark(a) -> int:
             for r in load_dataset(task)[1][: spec.num_prompts]:
                 first_turn_prompt(r)
     except (ValueError, TypeError, LookupError) as e:
-        raise SystemExit(f"eagle-ray benchmark: {e}") from None
+        raise ConfigError(str(e)) from None
     problem = out_path_problem(a.out, directory=True)
     if problem:
-        raise SystemExit(f"eagle-ray benchmark: --out {problem}")
+        raise ConfigError(f"--out {problem}")
     command = "eagle-ray benchmark " + " ".join(sys.argv[2:]) if a.command is None else a.command
     if a.ray:
         rows, extras = _benchmark_on_ray(a)

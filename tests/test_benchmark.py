@@ -2,6 +2,7 @@
 on tiny models (locally and as Ray actors)."""
 import json
 import math
+import re
 
 import pyarrow.parquet as pq
 import pytest
@@ -210,7 +211,8 @@ def test_the_report_shows_what_each_batch_size_runs_plain_included():
 
 def test_benchmark_and_measure_refuse_what_would_hang_or_lose_the_run_before_loading_anything(tmp_path, capsys):
     """A batch size of 0 admitted nothing and spun forever; an --out that cannot be written failed after the whole
-    run. Both, and empty or unknown prompt sources, now fail first, naming the argument."""
+    run. Both, and empty, unknown or malformed prompt sources, now fail first, naming the argument, on one line and
+    with exit status 2, as every ``eagle-ray`` command does."""
     from eagle_ray.cli import main
     from eagle_ray.prompts import load_dataset
     for kw, reason in (({"batch_sizes": [0]}, "batch sizes"), ({"num_prompts": 0}, "num_prompts"),
@@ -235,11 +237,15 @@ def test_benchmark_and_measure_refuse_what_would_hang_or_lose_the_run_before_loa
               "none of turns/messages/prompt"),
              (["benchmark", "--tasks", "qa", "--out", str(tmp_path / "file" / "report")], "lies under .*file"),
              (["measure", "--prompts", str(tmp_path / "file"), "--out", str(tmp_path / "file" / "m.json")],
-              "lies under .*file")]
+              "lies under .*file"),
+             (["measure", "--prompts", str(tmp_path / "nofield.jsonl")], "none of turns/messages/prompt"),
+             (["measure", "--prompts", str(tmp_path / "broken.jsonl")], "not a JSONL")]
     (tmp_path / "nofield.jsonl").write_text('{"question_id": 1}\n')
+    (tmp_path / "broken.jsonl").write_text('{"prompt": "a"\n')
     for argv, reason in cases:
-        with pytest.raises(SystemExit, match=reason):
-            main(argv)
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith(f"eagle-ray {argv[0]}: ") and re.search(reason, err) and err.count("\n") == 1, err
 
 
 def test_every_command_says_in_one_line_what_is_wrong_with_what_it_was_given(tmp_path, capsys):

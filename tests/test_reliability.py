@@ -278,6 +278,28 @@ def test_null_means_absent_in_parquet_columns_and_structs(tmp_path):
         [(0.0, 5, None), (0.5, 9, 3), (0.0, 9, None)]
 
 
+def test_a_parquet_map_column_is_the_object_it_stands_for(tmp_path):
+    """Spark and other writers store a dict as a Parquet map (Arrow reads it as (key, value) pairs): its entries
+    are the request's fields, binary keys and values are text, and a map holding a key twice is an error row."""
+    path = tmp_path / "in.parquet"
+    params = pa.array([[("temperature", 0.5), ("max_tokens", 7.0)], [(b"max_tokens", 3.0)],
+                       [("max_tokens", 2.0), ("max_tokens", 4.0)], None],
+                      type=pa.map_(pa.binary(), pa.float64()))
+    meta = pa.array([[("k", b"v")], [], None, [("x", b"\xff")]], type=pa.map_(pa.string(), pa.binary()))
+    pq.write_table(pa.table({"id": ["a", "b", "c", "d"], "prompt": ["hi"] * 4, "sampling_params": params,
+                             "meta": meta}), path)
+    rows = local_rows(str(path))
+    payloads = [json.loads(r.payload) for r in rows]
+    assert [p["sampling_params"] for p in payloads] == [{"temperature": 0.5, "max_tokens": 7.0}, {"max_tokens": 3.0},
+                                                        [["max_tokens", 2.0], ["max_tokens", 4.0]], None]
+    assert [p["meta"] for p in payloads] == [{"k": "v"}, {}, None, {"x": "b'\\xff'"}]
+    assert [r.kind for r in rows] == ["", "", "", ""]   # a hash that is not text is written as it is
+    reqs = [parse_row(p, SamplingParams(max_new_tokens=9)) for p in payloads[:2]]
+    assert [(r.params.temperature, r.params.max_new_tokens) for r in reqs] == [(0.5, 7), (0.0, 3)]
+    with pytest.raises(InvalidRequestError, match="sampling_params"):
+        parse_row(payloads[2], SamplingParams())
+
+
 def test_every_row_keeps_an_id_no_other_row_has(tmp_path):
     """Ids key exactly-once re-runs, so two rows sharing one would lose one: a duplicate's new name never takes a
     real row's id, and a row's own id wins over the ``row-<index>`` given to a row without one."""

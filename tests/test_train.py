@@ -610,6 +610,12 @@ def test_a_mistyped_source_fails_before_a_feature_directory_records_it(tmp_path)
     (tmp_path / "bom.json").write_bytes(b'\xef\xbb\xbf[{"conversations": []}]')   # as some editors save it
     extract.check_source(str(tmp_path / "bom.json"))
     assert list(iter_json_array(tmp_path / "bom.json")) == [{"conversations": []}]
+    (tmp_path / "blank.json").write_bytes(b"\n" * 5000 + b'[{"conversations": []}]')   # past the first read
+    extract.check_source(str(tmp_path / "blank.json"))
+    assert list(iter_json_array(tmp_path / "blank.json")) == [{"conversations": []}]
+    (tmp_path / "blanks.json").write_bytes(b"\xef\xbb\xbf" + b" " * 9000)
+    with pytest.raises(SystemExit, match="does not hold a JSON array"):
+        extract.check_source(str(tmp_path / "blanks.json"))
 
 
 @pytest.mark.parametrize("set_name, command", [

@@ -77,9 +77,10 @@ def _data_files(fs, root: str) -> list[str]:
     return [p for p in fs.find(root) if p.endswith((".jsonl", ".json", ".parquet"))]
 
 
-def decode_line(raw: bytes, first: bool) -> tuple[object, str, str]:
-    """(record, error, kind) of one JSONL line. A UTF-8 byte order mark starts the first line of files written by
-    some Windows tools; it is not part of the row."""
+def decode_line(raw: bytes, first: bool, what: str = "JSON") -> tuple[object, str, str]:
+    """(record, error, kind) of one JSONL line (or of a whole ``.json`` document: ``what`` then names it, and its
+    errors name their line). A UTF-8 byte order mark starts the first line of files written by some Windows tools;
+    it is not part of the row."""
     if first and raw.startswith(b"\xef\xbb\xbf"):
         raw = raw[3:]
     try:
@@ -89,7 +90,8 @@ def decode_line(raw: bytes, first: bool) -> tuple[object, str, str]:
     try:
         rec = json.loads(text)
     except json.JSONDecodeError as e:
-        return None, f"invalid JSON ({e.msg} at column {e.colno})", INVALID_JSON
+        where = f"column {e.colno}" if what == "JSON" else f"line {e.lineno} column {e.colno}"
+        return None, f"invalid {what} ({e.msg} at {where})", INVALID_JSON
     except ValueError as e:   # an integer of more digits than Python converts (4,300)
         return None, f"invalid JSON ({str(e).split(';')[0]})", INVALID_JSON
     except RecursionError:
@@ -105,7 +107,7 @@ def read_input(uri: str, fs, fmt: str = "auto", limit: int | None = None) -> lis
             import pyarrow.parquet as pq
             try:
                 with fs.open(path, "rb") as fh:
-                    records = pq.read_table(fh).to_pylist()
+                    records = parquet_records(pq.read_table(fh))
             except (pa.ArrowException, OSError) as e:
                 raise ConfigError(f"input file {path} is not readable Parquet: {e}") from None
             for rec in records:
@@ -169,19 +171,12 @@ def json_document_rows(data: bytes, path: str, first_index: int) -> list[InputRo
     body = data[3:] if data.startswith(b"\xef\xbb\xbf") else data
     if not body.lstrip().startswith(b"["):
         return None
-    rec, err, kind = decode_line(body, False)
+    rec, err, kind = decode_line(body, False, what="JSON array")
     if not err and isinstance(rec, list):
         return [_row(first_index + i, r, "", "") for i, r in enumerate(rec)]
     first_line = body.lstrip().split(b"\n", 1)[0]
     if not decode_line(first_line, False)[1]:
         return None
-    if kind == INVALID_JSON:   # the same error again, for its line number
-        try:
-            json.loads(body.decode("utf-8"))
-        except json.JSONDecodeError as e:
-            err = f"invalid JSON array ({e.msg} at line {e.lineno} column {e.colno})"
-        except ValueError:
-            pass
     return [_row(first_index, None, f"{path}: {err}", kind)]
 
 
@@ -232,21 +227,46 @@ def parquet_row(index: int, rec: dict, path: str) -> InputRow:
 
 
 def text_bytes(value):
-    """(value, first error): a Parquet ``binary`` value (bytes) as the UTF-8 text it holds, through lists and
-    structs; bytes that are not UTF-8 stay bytes, and the first such value's UnicodeDecodeError is returned."""
+    """(value, first error): a Parquet ``binary`` value (bytes) as the UTF-8 text it holds, through lists, structs
+    and maps (their keys too); bytes that are not UTF-8 stay bytes, and the first such value's UnicodeDecodeError is
+    returned. A map key that is not text becomes its repr, as JSON keys must be text."""
     if isinstance(value, bytes):
         try:
             return value.decode("utf-8"), None
         except UnicodeDecodeError as e:
             return value, e
-    if isinstance(value, (dict, list)):
-        items = value.items() if isinstance(value, dict) else enumerate(value)
-        decoded, first = {}, None
-        for k, v in items:
-            decoded[k], err = text_bytes(v)
+    first = None
+    if isinstance(value, dict):
+        decoded = {}
+        for k, v in value.items():
+            (k, v), err = text_bytes([k, v])
+            decoded[k if isinstance(k, (str, int, float, bool)) else repr(k)] = v
             first = first or err
-        return (decoded if isinstance(value, dict) else list(decoded.values())), first
+        return decoded, first
+    if isinstance(value, (list, tuple)):
+        decoded = []
+        for v in value:
+            v, err = text_bytes(v)
+            decoded.append(v)
+            first = first or err
+        return decoded, first
     return value, None
+
+
+def parquet_records(table: pa.Table) -> list[dict]:
+    """A Parquet table's rows as dicts, a map as the object it stands for (as Spark and pandas write dicts). A
+    row whose map holds a key twice keeps that map as (key, value) pairs, which no request field accepts."""
+    try:
+        return table.to_pylist(maps_as_pydicts="strict")
+    except KeyError:   # a duplicate key: find its rows
+        out = []
+        for i in range(table.num_rows):
+            row = table.slice(i, 1)
+            try:
+                out += row.to_pylist(maps_as_pydicts="strict")
+            except KeyError:
+                out += row.to_pylist()
+        return out
 
 
 def _dump(rec) -> str:

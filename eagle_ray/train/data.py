@@ -17,12 +17,25 @@ def sharegpt_path() -> Path:
     return Path(spec.origin).parent / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
 
 
+def holds_json_array(path: str | Path) -> bool:
+    """Whether the file's first character, past a byte order mark and blanks, opens a JSON array: read from its
+    head only, so a source is checked before hours of work start on it."""
+    with open(path, "rb") as f:
+        head = f.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip()
+        while not head:
+            chunk = f.read(4096)
+            if not chunk:
+                return False
+            head = chunk.lstrip()
+        return head.startswith(b"[")
+
+
 def iter_json_array(path: str | Path) -> Iterator[dict]:
     """Yield the complete records of a JSON array, stopping quietly where the file is cut off mid-record."""
+    if not holds_json_array(path):
+        raise ValueError(f"{path} does not hold a JSON array of conversations")
     text = Path(path).read_text(encoding="utf-8", errors="replace")
     dec = json.JSONDecoder()
-    if not text.removeprefix("\ufeff").lstrip().startswith("["):   # a byte order mark may start it
-        raise ValueError(f"{path} does not hold a JSON array of conversations")
     i = text.index("[") + 1
     n = len(text)
     while i < n:

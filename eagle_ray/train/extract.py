@@ -16,7 +16,7 @@ from typing import Iterable
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle_ray.train.data import iter_json_array, sharegpt_path, to_messages, tokenize_with_loss_mask
+from eagle_ray.train.data import holds_json_array, iter_json_array, sharegpt_path, to_messages, tokenize_with_loss_mask
 from eagle_ray.train.records import differences
 
 
@@ -220,10 +220,8 @@ def check_source(source: str | None, flag: str = "--source") -> None:
         except AnswerSetError as e:
             raise SystemExit(f"{flag} {source}: {e}") from None
         return
-    if path.is_file() and source.endswith(".json"):
-        with open(path, "rb") as f:
-            if not f.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip().startswith(b"["):   # after a byte order mark
-                raise SystemExit(f"{flag} {source} does not hold a JSON array of conversations")
+    if path.is_file() and source.endswith(".json") and not holds_json_array(path):
+        raise SystemExit(f"{flag} {source} does not hold a JSON array of conversations")
 
 
 def load_target(target: str | None, dtype: str, threads: int | None, storage_options: dict | None = None,

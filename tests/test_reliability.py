@@ -256,9 +256,9 @@ def test_the_serve_parser_reads_null_as_unset_and_refuses_what_it_would_ignore()
             parse({"model": "m", "messages": [{"role": "user", "content": "w1"}], field: value}, "chat")
         assert e.value.status == 400 and e.value.param == field
     assert parse({"model": "m", "prompt": "w1", "echo": False, "logit_bias": {}, "best_of": 1}).params
-    with pytest.raises(ApiError, match="prompt.str: Input should be a valid string") as e:  # null, not "missing"
+    with pytest.raises(ApiError, match="^prompt: Input should be a valid string") as e:  # null, not "missing"
         parse({"model": "m", "prompt": None})
-    assert e.value.param.startswith("prompt")
+    assert e.value.param == "prompt"
     with pytest.raises(ApiError, match="not valid JSON: Exceeds the limit \\(4300 digits\\)") as e:
         parse(b'{"model": "m", "prompt": "w1", "seed": ' + b"9" * 5000 + b"}")
     assert e.value.status == 400
@@ -276,6 +276,64 @@ def test_null_means_absent_in_parquet_columns_and_structs(tmp_path):
     assert [r.kind for r in reqs] == ["prompt", "messages", "turns"]
     assert [(r.params.temperature, r.params.max_new_tokens, r.params.seed) for r in reqs] == \
         [(0.0, 5, None), (0.5, 9, 3), (0.0, 9, None)]
+
+
+def test_the_serve_parser_refuses_vllm_fields_it_would_ignore_and_reads_types_strictly():
+    """vLLM's clients send its extra sampling fields in the same body: ignoring one would quietly generate
+    something else, so each is refused unless it holds the value that changes nothing. Lax parsing would read
+    ``"stream": "yes"`` as true and ``"max_tokens": true`` as 1: refused too, naming the field as written."""
+    from eagle_ray.serve.openai_api import ApiError, parse_body
+
+    def parse(body, kind="completion"):
+        return parse_body(json.dumps({"model": "m", "prompt": "w1", **body}).encode(), kind, "m", 100, 16)
+    for field, value in [("repetition_penalty", 2.0), ("min_tokens", 5), ("min_p", 0.1), ("top_logprobs", 2),
+                         ("tool_choice", "required"), ("guided_json", {}), ("include_stop_str_in_output", True),
+                         ("skip_special_tokens", False), ("use_beam_search", True), ("best_of", True)]:
+        with pytest.raises(ApiError, match=f"^{field} is not supported") as e:
+            parse({field: value})
+        assert e.value.status == 400 and e.value.param == field
+    harmless = parse({"repetition_penalty": 1.0, "min_tokens": 0, "min_p": 0, "tool_choice": "auto",
+                      "skip_special_tokens": True, "best_of": 1})
+    assert harmless.params == parse({}).params
+    for body, reason, param in [({"stream": "yes"}, "stream: Input should be a valid boolean", "stream"),
+                                ({"max_tokens": True}, "max_tokens: a number is required, not true", "max_tokens"),
+                                ({"n": True}, "n: a number is required", "n"),
+                                ({"stream": True, "stream_options": {"include_usage": "false"}},
+                                 "stream_options.include_usage: Input should be a valid boolean",
+                                 "stream_options.include_usage"),
+                                ({"stream_options": {"include_usage": True}}, "only allowed when stream is true",
+                                 None),
+                                ({"stop": ["a", 5]}, "stop: Input should be a valid string", "stop"),
+                                ({"stop_token_ids": [1, "2"]}, "stop_token_ids.1: Input should be a valid integer",
+                                 "stop_token_ids.1"),
+                                ({"prompt": [[1, 2], [3]]}, "one prompt per request", "prompt")]:
+        with pytest.raises(ApiError, match=reason) as e:
+            parse(body)
+        assert e.value.status == 400 and e.value.param == param, (body, e.value.param)
+    assert parse({"stop_token_ids": [7, 9]}).params.stop_token_ids == [7, 9]
+    assert parse({"prompt": [[5, 6, 7]]}).prompt == parse({"prompt": [5, 6, 7]}).prompt
+
+
+def test_a_chat_of_more_messages_than_the_context_has_tokens_is_refused_before_templating(tiny_dir):
+    """Each message takes at least one token, so 100,000 empty messages cannot fit: refused at once instead of
+    templating them (seconds of CPU holding the GIL), and the same for a single request as for a server's."""
+    engine = tiny_engine(tiny_dir, max_model_len=64)
+    room = engine.prompt_room()
+    with pytest.raises(PromptTooLongError, match=f"the chat has {room + 1} messages: more than the {room} tokens"):
+        engine.encode([{"role": "assistant", "content": ""}] * room + [{"role": "user", "content": "w1"}])
+    assert engine.encode([{"role": "user", "content": "w1"}])
+
+
+def test_a_request_generates_up_to_the_context_plus_the_token_it_returns_uncached(tiny_dir):
+    """What ``max_new_tokens_for`` promises (Serve refuses a larger ``max_tokens`` up front) is what a request
+    gets: prompt plus output is the context and the last token, which is returned but never cached."""
+    engine = tiny_engine(tiny_dir, max_model_len=64)
+    for n in (1, 30, engine.prompt_room()):
+        for speculative in (True, False):
+            out = engine.generate([[5] * n], SamplingParams(max_new_tokens=1000, ignore_eos=True),
+                                  speculative=speculative)[0]
+            assert (len(out.token_ids), out.finish_reason) == (engine.max_new_tokens_for(n), "length") == (65 - n,
+                                                                                                             "length")
 
 
 def test_a_parquet_map_column_is_the_object_it_stands_for(tmp_path):

@@ -63,8 +63,15 @@ PROMPTS = ["w1 w2 w3", "w9 w8", "w20 w21 w22 w23 w24"]
 
 
 def test_models_and_health(server, client):
+    import openai
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("gpt-5")
     assert httpx.get(server[0] + "/health").json()["status"] == "ok"
+    for method, route, status in (("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405)):
+        r = httpx.request(method, server[0] + route, headers=AUTH)   # OpenAI's error shape, which clients parse
+        assert r.status_code == status and r.json()["error"]["message"] and r.json()["error"]["type"], r.text
 
 
 def test_completion_equals_the_offline_engine(server, client):
@@ -95,7 +102,9 @@ def test_streaming_chat_and_completion(server, client):
                                             stream=True, stream_options={"include_usage": True},
                                             extra_body={"ignore_eos": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want
-    assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].usage.completion_tokens == 24
+    assert chunks[-2].choices[0].finish_reason == "length"   # OpenAI's shape: usage in a last chunk of its own
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+    assert all(c.usage is None for c in chunks[:-1])
     chat = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[1]}],
                                                max_tokens=12, temperature=0, stream=True,
                                                extra_body={"ignore_eos": True}))
@@ -141,6 +150,14 @@ BAD = {
     "lone surrogate": (b'{"model": "tiny-eagle", "prompt": "a \\ud800 b"}', 400, "surrogate"),
     "body over the size limit": (b'{"model": "tiny-eagle", "prompt": "' + b"w1 " * 2_000_000 + b'"}', 413, "limit"),
     "prompt far over the context": ({"model": MODEL, "prompt": "w1 " * 1_000_000}, 400, "bytes"),
+    "max_tokens past the context": ({"model": MODEL, "prompt": "w1 " * 100, "max_tokens": 60}, 400,
+                                    "at most 29 more fit"),
+    "max_tokens past the context streamed": ({"model": MODEL, "prompt": "w1 " * 100, "max_tokens": 60,
+                                              "stream": True}, 400, "at most 29 more fit"),
+    "a vLLM sampling field": ({"model": MODEL, "prompt": "w1", "repetition_penalty": 1.3}, 400, "not supported"),
+    "more messages than the context has tokens (chat)": (
+        {"model": MODEL, "messages": [{"role": "user", "content": "w1"}] * 200}, 400, "200 messages"),
+    "stream as a string": ({"model": MODEL, "prompt": "w1", "stream": "yes"}, 400, "valid boolean"),
 }
 
 

@@ -251,6 +251,11 @@ class EagleEngine:
         """The most prompt tokens a request may bring (see the module-level ``prompt_room``)."""
         return prompt_room(self.target.max_len, self.max_tree_budget())
 
+    def max_new_tokens_for(self, prompt_len: int) -> int:
+        """The most tokens a request with a ``prompt_len``-token prompt can generate before its slot ends it with
+        ``length`` (the last token is returned, never cached, so one more than the context's free positions)."""
+        return self.target.max_len + 1 - prompt_len
+
     def encode(self, prompt) -> list[int]:
         """A raw string, a chat message list (templated with a generation prompt) or a list of token ids."""
         return self.codec.encode(prompt, self.prompt_room())

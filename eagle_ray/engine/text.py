@@ -42,6 +42,10 @@ class TextCodec:
                 raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
             ids = list(p.value)
         else:
+            if room is not None and p.kind == "messages" and len(p.value) > room:   # before templating them all
+                raise PromptTooLongError(
+                    f"the chat has {len(p.value)} messages: more than the {room} tokens the engine fits, and each "
+                    "message takes at least one; shorten the chat or raise max_model_len")
             if room is not None:
                 size = (len(p.value.encode("utf-8")) if p.kind == "text"
                         else sum(len(m["content"].encode("utf-8")) for m in p.value))

@@ -5,6 +5,7 @@ that disconnects mid-stream has its request cancelled (its slot is free before t
 what is in flight.
 """
 
+import asyncio
 import json
 import os
 import time
@@ -13,6 +14,8 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from eagle_ray.config import ServeConfig
 from eagle_ray.errors import EagleError, EngineDeadError, PromptTooLongError
@@ -20,6 +23,14 @@ from eagle_ray.serve.openai_api import (ApiError, ParsedRequest, authorized, eag
                                         new_id, now, parse_body)
 
 api = FastAPI(title="eagle-ray", docs_url=None, redoc_url=None)
+
+
+@api.exception_handler(HTTPException)
+async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
+    """Unknown routes and methods answer in OpenAI's error shape too, which clients parse."""
+    return JSONResponse(error_body(str(e.detail), "invalid_request_error" if e.status_code < 500 else "server_error",
+                                   code="not_found" if e.status_code == 404 else None),
+                        status_code=e.status_code, headers=getattr(e, "headers", None))
 
 
 def _err(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
@@ -47,7 +58,7 @@ def api_key_from_env(cfg: ServeConfig) -> str | None:
     """The bearer key, when the config asks for one; fails closed (a missing secret must not turn auth off)."""
     if not cfg.api_key_env:
         return None
-    key = os.environ.get(cfg.api_key_env)
+    key = (os.environ.get(cfg.api_key_env) or "").strip()   # a mounted secret often ends in a newline
     if not key:
         raise RuntimeError(f"api_key_env={cfg.api_key_env!r} is set but that environment variable is empty or "
                            "missing on this replica")
@@ -103,12 +114,16 @@ class EagleServer:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise ApiError(413, f"request body is {declared} bytes, over this server's limit of {limit}")
         raw = bytearray()
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > limit:
-                raise ApiError(413, f"request body is over this server's limit of {limit} bytes")
-        return parse_body(bytes(raw), kind, self.cfg.model_name, self.cfg.max_tokens_cap,
-                          self.cfg.default_max_tokens)
+        try:
+            async for chunk in request.stream():
+                raw += chunk
+                if len(raw) > limit:
+                    raise ApiError(413, f"request body is over this server's limit of {limit} bytes")
+        except ClientDisconnect:   # gone mid-body: nobody to answer
+            raise ApiError(400, "the client disconnected before the request body ended") from None
+        # parsed in a worker thread: a body of megabytes takes a second, which must not stall running streams
+        return await asyncio.to_thread(parse_body, bytes(raw), kind, self.cfg.model_name, self.cfg.max_tokens_cap,
+                                       self.cfg.default_max_tokens)
 
     async def _handle(self, request: Request, kind: str):
         try:
@@ -121,6 +136,11 @@ class EagleServer:
             seq = await self.queue.aprepare(req.prompt, req.params, rid, self.cfg.speculative)
         except EagleError as e:
             return _engine_error(e)
+        limit, fits = req.body.limit(), self.engine.max_new_tokens_for(len(seq.prompt_ids))
+        if limit is not None and limit > fits:   # as OpenAI and vLLM answer: cutting it short would be silent
+            return _err(400, f"the prompt has {len(seq.prompt_ids)} tokens, so at most {fits} more fit in this "
+                        f"server's context of {self.engine.target.max_len} tokens; max_tokens={limit} asks for "
+                        "more: lower it or shorten the prompt", param="max_tokens", code="context_length_exceeded")
         if req.stream:
             return StreamingResponse(self._sse(req.body, seq, rid, kind), media_type="text/event-stream")
         try:
@@ -143,7 +163,7 @@ class EagleServer:
 
     async def _sse(self, req, seq, rid: str, kind: str):
         created = now()
-        include_usage = bool((req.stream_options or {}).get("include_usage"))
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
         def chunk(text: str | None, reason: str | None, first: bool = False) -> dict:
@@ -154,7 +174,8 @@ class EagleServer:
                 c = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
             else:
                 c = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
-            return {"id": rid, "object": obj, "created": created, "model": self.cfg.model_name, "choices": [c]}
+            return {"id": rid, "object": obj, "created": created, "model": self.cfg.model_name, "choices": [c],
+                    **({"usage": None} if include_usage else {})}
 
         first = True
         try:
@@ -167,9 +188,9 @@ class EagleServer:
                     self.metrics.record(out)
                     last = chunk(None if kind == "chat" else "", finish_reason(out.finish_reason))
                     last["eagle"] = eagle_stats(out.stats)
-                    if include_usage:
-                        last["usage"] = _usage(out)
                     yield f"data: {json.dumps(last)}\n\n"
+                    if include_usage:   # OpenAI's shape: a last chunk of its own, no choices, the usage
+                        yield f"data: {json.dumps(chunk(None, None) | {'choices': [], 'usage': _usage(out)})}\n\n"
         except EagleError as e:
             yield f"data: {json.dumps(error_body(str(e)))}\n\n"
         except Exception as e:  # noqa: BLE001 - the stream still ends well-formed, with the reason
@@ -179,6 +200,9 @@ class EagleServer:
     # ---- routes ------------------------------------------------------------------------------------------------
     @api.get("/health")
     async def health(self):
+        """For load balancers: 503 once the engine has failed (Serve then replaces the replica)."""
+        if not self.queue.healthy:
+            return _err(503, f"the engine failed: {self.queue.dead!r}", "server_error", code="engine_failed")
         return {"status": "ok", "running": len(self.engine.scheduler.running),
                 "waiting": len(self.engine.scheduler.waiting), "free_slots": len(self.engine.scheduler.free)}
 
@@ -196,8 +220,20 @@ class EagleServer:
     async def models(self, request: Request):
         if not self._authorized(request):
             return _unauthorized()
-        return {"object": "list", "data": [{"id": self.cfg.model_name, "object": "model", "created": now(),
-                                            "owned_by": "eagle-ray"}]}
+        return {"object": "list", "data": [self._model_card()]}
+
+    @api.get("/v1/models/{model:path}")
+    async def model(self, model: str, request: Request):
+        if not self._authorized(request):
+            return _unauthorized()
+        if model != self.cfg.model_name:
+            return _err(404, f"model {model!r} does not exist; this server serves {self.cfg.model_name!r}",
+                        param="model", code="model_not_found")
+        return self._model_card()
+
+    def _model_card(self) -> dict:
+        return {"id": self.cfg.model_name, "object": "model", "created": now(), "owned_by": "eagle-ray",
+                "max_model_len": self.engine.target.max_len}
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):

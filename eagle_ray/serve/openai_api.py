@@ -5,8 +5,11 @@
 runs on the event loop and is fuzzed directly by the tests. Prompt and sampling values go through the engine's
 request parser, the same one the batch job uses. Unknown fields are ignored (clients send many), and so is an
 explicit ``null`` (OpenAI's fields are nullable: clients send unset options as ``null``); unsupported ones that
-change semantics (``n > 1``, ``logprobs``, penalties, ``logit_bias``, ``echo``, ``best_of``, ``suffix``, tools, a
-JSON ``response_format``) are refused.
+would change what is generated or returned (``n > 1``, ``logprobs``, penalties, ``logit_bias``, ``echo``,
+``best_of``, ``suffix``, tools, a JSON ``response_format``, and vLLM's extra sampling fields such as
+``repetition_penalty``, ``min_tokens``, ``min_p`` or guided decoding) are refused, unless they hold the value
+that changes nothing. Types are strict where lax parsing would change the request: ``"stream": "yes"`` or
+``"max_tokens": true`` are refused, not read as true and 1.
 """
 from __future__ import annotations
 
@@ -16,7 +19,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator,
+                      model_validator)
 
 from eagle_ray.config import SamplingParams
 from eagle_ray.engine.request import (MAX_NESTING, Prompt, nesting_depth, parse_messages, parse_prompt,
@@ -37,24 +41,46 @@ class ApiError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
 
-# fields that would change what is generated or returned, with the values that change nothing
+# fields that would change what is generated or returned, with the values that change nothing (OpenAI's, then
+# vLLM's extra sampling and output fields, which its clients send in the same body)
 UNSUPPORTED = {"logit_bias": (None, {}), "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
-               "tools": (None, []), "functions": (None, []), "response_format": (None, {"type": "text"})}
+               "tools": (None, []), "functions": (None, []), "response_format": (None, {"type": "text"}),
+               "tool_choice": (None, "none", "auto"), "function_call": (None, "none", "auto"),
+               "top_logprobs": (None, 0), "audio": (None,), "web_search_options": (None,),
+               "repetition_penalty": (None, 1.0), "length_penalty": (None, 1.0), "min_tokens": (None, 0),
+               "min_p": (None, 0.0), "use_beam_search": (None, False), "include_stop_str_in_output": (None, False),
+               "skip_special_tokens": (None, True), "prompt_logprobs": (None,), "allowed_token_ids": (None,),
+               "bad_words": (None, []), "logits_processors": (None, []), "truncate_prompt_tokens": (None,),
+               "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+               "structured_outputs": (None,)}
+NUMBERS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n", "seed",
+           "presence_penalty", "frequency_penalty")
+
+
+def _same(value, harmless) -> bool:
+    """``value`` is ``harmless``: equal, and a bool only where a bool is meant (``true == 1`` in Python)."""
+    return value == harmless and isinstance(value, bool) == isinstance(harmless, bool)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: StrictBool = False
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: StrictInt | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, description="-1 or 0: off")
-    n: int = Field(1, ge=1, le=1, description="one choice per request")
+    top_k: StrictInt = Field(0, ge=-1, description="-1 or 0: off")
+    n: StrictInt = Field(1, ge=1, le=1, description="one choice per request")
     stop: str | list[str] | None = None
-    seed: int | None = None
-    stream: bool = False
-    stream_options: dict | None = None
-    ignore_eos: bool = False
+    stop_token_ids: list[StrictInt] | None = None
+    seed: StrictInt | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: StrictBool = False
     logprobs: bool | int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -66,10 +92,19 @@ class _Request(BaseModel):
         if not isinstance(data, dict):
             return data
         for key, harmless in UNSUPPORTED.items():
-            if key in data and data[key] not in harmless:
+            if key in data and not any(_same(data[key], h) for h in harmless):
                 raise ApiError(400, f"{key} is not supported by this server", param=key)
+        for key in NUMBERS:
+            if isinstance(data.get(key), bool):
+                raise ApiError(400, f"{key}: a number is required, not {str(data[key]).lower()}", param=key)
         required = {k for k, f in cls.model_fields.items() if f.is_required()}
         return {k: v for k, v in data.items() if v is not None or k in required}
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
 
     @field_validator("logprobs")
     @classmethod
@@ -100,15 +135,17 @@ class _Request(BaseModel):
         """The request's sampling, validated by the engine's parser (a bad seed or top_k is a 400 naming it)."""
         return sampling_params({"temperature": self.temperature, "top_p": self.top_p, "top_k": max(self.top_k, 0),
                                 "max_new_tokens": self.limit() or default_max_tokens, "stop": self.stop or [],
-                                "seed": self.seed, "ignore_eos": self.ignore_eos}, field=None)
+                                "seed": self.seed, "ignore_eos": self.ignore_eos,
+                                "stop_token_ids": self.stop_token_ids or []}, field=None)
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
 
     def to_prompt(self) -> Prompt:
+        """A string or token ids, or a batch of one of either (OpenAI's list forms)."""
         v = self.prompt
-        if isinstance(v, list) and v and isinstance(v[0], str):
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
             if len(v) != 1:
                 raise InvalidRequestError("prompt: one prompt per request")
             v = v[0]
@@ -177,11 +214,19 @@ def authorized(header: str | None, api_key: str | None) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
 
 
+TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}   # pydantic's names for a union's branches
+
+
 def _validation_message(e: ValidationError) -> tuple[str, str | None]:
-    first = e.errors()[0]
-    param = ".".join(str(p) for p in first["loc"]) or None
-    msgs = "; ".join(f"{'.'.join(str(p) for p in x['loc'])}: {x['msg']}" for x in e.errors())
-    return msgs, param
+    """One line naming each bad field as the client wrote it: ``stop`` or ``stop_token_ids.1``, not the branch of
+    a union pydantic tried (``stop.str``, ``stop.list[str]``). A union's branches that fail alike say so once."""
+    def where(loc) -> str:
+        return ".".join(str(p) for i, p in enumerate(loc)
+                        if i == 0 or isinstance(p, int) or (p.isidentifier() and p not in TYPE_TAGS))
+
+    errors = e.errors()
+    msgs = list(dict.fromkeys(f"{where(x['loc']) or 'body'}: {x['msg']}" for x in errors))
+    return "; ".join(msgs), where(errors[0]["loc"]) or None
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,

@@ -27,3 +27,10 @@ class EngineDeadError(EagleError, RuntimeError):
 
 class InsufficientMemoryError(ConfigError):
     """The engine's memory plan (weights, KV slots, workspace) does not fit the device's free memory."""
+
+
+def first_line(e: BaseException, limit: int = 300) -> str:
+    """The first line of an exception's message, capped: a library's error about a bad file can run to pages
+    (every key of a model), and the one-line error that quotes it must stay one line."""
+    text = (str(e).strip().splitlines() or [""])[0]
+    return text if len(text) <= limit else text[:limit] + " ..."

@@ -12,7 +12,7 @@ import yaml
 
 from eagle_ray.config import JobConfig
 from eagle_ray.data.job import run_job
-from eagle_ray.errors import ConfigError
+from eagle_ray.errors import CheckpointError, ConfigError
 
 
 def parse_overrides(pairs: list[str]) -> dict:
@@ -44,7 +44,7 @@ def main(argv=None) -> int:
                 overrides[key] = value
         cfg = JobConfig.from_yaml(a.config, overrides)
         summary = run_job(cfg)
-    except ConfigError as e:
+    except (ConfigError, CheckpointError) as e:   # what the user gave is wrong: one line
         print(f"eagle-ray: {e}", file=sys.stderr)
         return 2
     if summary.get("interrupted"):

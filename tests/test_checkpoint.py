@@ -102,3 +102,123 @@ def test_qwen2_heads_carry_qkv_bias(tmp_path):
     assert {"layers.0.self_attn.q_proj.bias", "layers.0.self_attn.k_proj.bias", "layers.0.self_attn.v_proj.bias"} <= keys
     assert "layers.0.self_attn.o_proj.bias" not in keys
     assert json.loads((tmp_path / "config.json").read_text())["qkv_bias"] is True
+
+
+@pytest.mark.parametrize("edit, reason", [
+    ({"intermediate_size": -1}, "intermediate_size must be a positive integer, got -1"),
+    ({"intermediate_size": "48"}, "intermediate_size must be a positive integer, got '48'"),
+    ({"vocab_size": 96.0}, "vocab_size must be a positive integer, got 96.0"),
+    ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer, got 0"),
+    ({"intermediate_size": 10**30}, "intermediate_size must be a positive integer"),
+    ({"num_key_value_heads": 3}, "num_key_value_heads 3 does not divide num_attention_heads 4"),
+    ({"bias": "false"}, "bias must be true or false, got 'false'"),
+    ({"hidden_act": "foo"}, "does not describe a head this engine can build: KeyError"),
+    ({"rope_scaling": {"type": "linear"}}, "does not describe a head this engine can build"),
+])
+def test_a_head_config_that_cannot_build_a_head_fails_before_the_target_loads(tmp_path, edit, reason):
+    """Each of these used to escape as a torch or transformers error (negative dimension, ZeroDivisionError,
+    KeyError...) from deep in loading; ``check_head`` reads them before the target's weights."""
+    from eagle_ray.model.draft_head import check_head
+    DraftHead.for_target(target_config()).save(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(raw | edit))
+    with pytest.raises(CheckpointError, match=reason):
+        check_head(tmp_path, target_config())
+
+
+def test_a_head_with_nan_or_infinite_or_integer_weights_is_refused_at_load(tmp_path):
+    """A diverged head makes every draft junk (and used to break its trees): refused, naming the tensor."""
+    from safetensors.torch import load_file, save_file
+    for key, value, reason in (("fc.weight", float("nan"), "fc.weight holds NaN or infinite values"),
+                               ("layers.0.mlp.up_proj.weight", float("inf"), "up_proj.weight holds NaN or infinite"),
+                               ("fc.bias", None, "fc.bias is int64, the layout holds floating-point values")):
+        DraftHead.for_target(target_config()).save(tmp_path)
+        sd = load_file(str(tmp_path / "model.safetensors"))
+        sd[key] = sd[key].long() if value is None else sd[key].fill_(value)
+        save_file(sd, str(tmp_path / "model.safetensors"))
+        with pytest.raises(CheckpointError, match=reason):
+            DraftHead.load(tmp_path, target_config())
+
+
+def test_a_torch_archive_or_token_map_of_the_wrong_kind_is_refused_naming_the_file(tmp_path):
+    from safetensors.torch import save_file
+    DraftHead.for_target(target_config()).save(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    for content in ([torch.zeros(2)], torch.zeros(2), {"fc.weight": [1, 2]}):
+        torch.save(content, tmp_path / "pytorch_model.bin")
+        with pytest.raises(CheckpointError, match="pytorch_model.bin must hold a mapping of names to tensors"):
+            DraftHead.load(tmp_path, target_config())
+    DraftHead.for_target(target_config()).save(tmp_path)
+    save_file({"token_map": torch.ones(8, dtype=torch.bool)}, str(tmp_path / "token_map.safetensors"))
+    with pytest.raises(CheckpointError, match="one 1-D integer tensor"):
+        DraftHead.load(tmp_path, target_config())
+    from eagle_ray.engine.sizing import draft_vocab_for
+    for content in (b"garbage", None):
+        if content is None:
+            save_file({"other": torch.arange(8)}, str(tmp_path / "token_map.safetensors"))
+        else:
+            (tmp_path / "token_map.safetensors").write_bytes(content)
+        with pytest.raises(CheckpointError, match="token_map.safetensors cannot be read or holds no 'token_map'"):
+            draft_vocab_for("eagle2", tmp_path, None)
+
+
+def test_a_damaged_target_fails_at_load_naming_what_is_wrong(tiny_dir, tmp_path):
+    """transformers fills a tensor the files lack with random values and only logs it: such a target used to
+    load and generate garbage. Bad configs, tokenizers, weights and GGUF files used to escape as its raw errors."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from eagle_ray.engine.engine import EagleEngine
+
+    def broken(name, edit):
+        path = tmp_path / name
+        shutil.copytree(tiny_dir, path)
+        edit(path)
+        return path
+
+    def drop(key):
+        def edit(path):
+            sd = load_file(str(path / "model.safetensors"))
+            sd.pop(key)
+            save_file(sd, str(path / "model.safetensors"), metadata={"format": "pt"})
+        return edit
+
+    def reshape(path):
+        sd = load_file(str(path / "model.safetensors"))
+        sd["model.norm.weight"] = torch.ones(7)
+        save_file(sd, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+    cases = [
+        (broken("no-lm-head", drop("lm_head.weight")), "lacks 1 of the model's tensors .*lm_head.weight"),
+        (broken("no-norm", drop("model.norm.weight")), "model.norm.weight"),
+        (broken("reshaped", reshape), "in another shape \(model.norm.weight\)"),
+        (broken("bad-json", lambda p: (p / "config.json").write_text("{")), "config.json cannot be read"),
+        (broken("no-type", lambda p: (p / "config.json").write_text("{}")), "config.json cannot be read"),
+        (broken("no-tokenizer", lambda p: [f.unlink() for f in p.glob("tokenizer*")]), "no readable tokenizer"),
+        (broken("truncated", lambda p: (p / "model.safetensors").write_bytes(b"\x08\x00")), "cannot load target"),
+    ]
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
+    (tmp_path / "dir.gguf").mkdir()
+    cases += [(tmp_path / "junk.gguf", "is not a readable GGUF model"), (tmp_path / "dir.gguf", "not a file")]
+    for target, reason in cases:
+        with pytest.raises(CheckpointError, match=reason) as e:
+            EagleEngine.from_pretrained(str(target), "none", dtype="float32", max_batch_size=1, max_model_len=64)
+        assert "\n" not in str(e.value), str(e.value)
+
+
+def test_a_draft_vocabulary_smaller_than_top_k_is_refused_at_build(tiny_dir, tiny_head, tmp_path):
+    """With fewer draft tokens than a node's children, top-k picked padding ids and the engine broke for good."""
+    from eagle_ray.config import ConfigError, TreeConfig
+    from eagle_ray.engine.engine import EagleEngine
+    tiny_head.save(tmp_path)
+    from safetensors.torch import save_file
+    save_file({"token_map": torch.arange(2)}, str(tmp_path / "token_map.safetensors"))
+    with pytest.raises(ConfigError, match="proposes from 2 tokens, fewer than the 3 children"):
+        EagleEngine.from_pretrained(str(tiny_dir), str(tmp_path), dtype="float32", max_batch_size=1,
+                                    max_model_len=64, tree={"total_tokens": 8, "depth": 2, "top_k": 3})
+    engine = EagleEngine.from_pretrained(str(tiny_dir), str(tmp_path), dtype="float32", max_batch_size=1,
+                                         max_model_len=64, tree={"total_tokens": 4, "depth": 2, "top_k": 2})
+    with pytest.raises(ConfigError, match="fewer than the 4 children"):
+        engine.set_trees(TreeConfig(total_tokens=8, depth=2, top_k=4))
+    assert len(engine.generate([[5, 6]])[0].token_ids) > 0

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from tiny import save_target
 
 from eagle_ray.config import JobConfig
 from eagle_ray.data.job import committed_parts, read_output, run_job
-from eagle_ray.errors import ConfigError
+from eagle_ray.errors import CheckpointError, ConfigError
 
 
 pytestmark = pytest.mark.slow  # a real local Ray cluster
@@ -155,6 +156,31 @@ def test_invalid_config_fails_before_any_model_loads(tmp_path):
     bad.write_text("engine: {tree: {top_k: 0}}\ninput: {uri: x.jsonl}\noutput: {uri: out}\n")
     with pytest.raises(ConfigError, match=r"engine\.(speculation\.)?tree\.top_k"):
         JobConfig.from_yaml(bad)
+
+
+def test_a_missing_or_mismatched_model_fails_in_one_line_before_ray_starts(pair, tmp_path, monkeypatch):
+    """On a local Ray the actors read the driver's paths: a head that does not exist, or one for another target,
+    used to kill every actor again and again (174 lines of Ray traces, exit 1) after Ray had started."""
+    import eagle_ray.data.job as job
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    target, head = pair
+    other = save_target(tmp_path / "other", vocab_size=80)
+    (tmp_path / "in.jsonl").write_text('{"prompt": "w1"}\n')
+    cases = [({"target": target, "draft": str(tmp_path / "nope")}, "is not a directory"),
+             ({"target": str(tmp_path / "nope"), "draft": head}, "is not a directory"),
+             ({"target": str(tmp_path / "nope.gguf")}, "does not exist"),
+             ({"target": str(other), "draft": head}, "vocab_size=64, target vocab_size=80")]
+    for engine, reason in cases:
+        cfg = JobConfig(engine=engine, input={"uri": str(tmp_path / "in.jsonl")}, output={"uri": str(tmp_path / "o")})
+        monkeypatch.setattr(job, "ensure_ray", lambda *a: pytest.fail("Ray started"))
+        with pytest.raises(CheckpointError, match=reason):
+            job.run_job(cfg)
+    bad = tmp_path / "job.yaml"
+    bad.write_text(f"engine: {{target: {target}, draft: {tmp_path / 'nope'}}}\ninput: {{uri: {tmp_path / 'in.jsonl'}}}\n"
+                   f"output: {{uri: {tmp_path / 'o'}}}\n")
+    proc = subprocess.run([sys.executable, str(ROOT / "jobs" / "generate.py"), "--config", str(bad)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "is not a directory" in proc.stderr
 
 
 def test_shipped_configs_validate():

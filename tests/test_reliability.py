@@ -83,6 +83,38 @@ def test_a_seeded_request_gives_the_same_text_alone_in_a_batch_with_or_without_s
 
 
 # ---- text ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("token_map", [False, True])
+def test_a_head_that_outputs_nan_or_inf_costs_acceptance_never_output(tmp_path, bad, token_map):
+    """Floored draft scores keep every tree connected: a head whose every weight is NaN (or inf) drafts junk the
+    target rejects. Its broken trees used to link children to the wrong parents and emit tokens never verified,
+    on a target whose argmax is one of the ids a NaN row's top-k returns."""
+    from transformers import AutoModelForCausalLM
+
+    from eagle_ray.model.draft_head import DraftHead
+    nan_ids = torch.full((64,), float("nan")).log_softmax(-1).topk(3).indices.tolist()
+    target_dir = save_target(tmp_path / "t")
+    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    with torch.no_grad():
+        hf.lm_head.weight.zero_()
+        hf.lm_head.weight[nan_ids[0], 0], hf.lm_head.weight[nan_ids[1], 0] = 5.0, -5.0
+    hf.save_pretrained(target_dir)
+    head = DraftHead.for_target(hf.config)
+    with torch.no_grad():
+        for name, w in head.named_parameters():
+            if name != "embed_tokens.weight":
+                w.fill_(bad)
+        head.embed_tokens.weight.copy_(hf.model.embed_tokens.weight)
+    if token_map:
+        head.token_map = torch.arange(32)   # the rest of the vocabulary comes in as context tokens
+    engine = tiny_engine(target_dir, head, TreeConfig(total_tokens=12, depth=3, top_k=3), max_batch_size=2)
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12], [20, 21, 22, 23]]
+    for params in (SamplingParams(max_new_tokens=24, ignore_eos=True),
+                   SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=1.0, seed=3)):
+        plain = [o.token_ids for o in engine.generate(prompts, params, speculative=False)]
+        assert [o.token_ids for o in engine.generate(prompts, params)] == plain
+
+
 def test_an_oversized_prompt_is_refused_before_it_is_tokenised(tiny_dir, tiny_head):
     engine = tiny_engine(tiny_dir, tiny_head, max_model_len=64)
     calls = []

@@ -20,6 +20,7 @@ import statistics
 import time
 import uuid
 from datetime import datetime, timezone
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -29,7 +30,7 @@ from eagle_ray.config import JobConfig
 from eagle_ray.cluster import ensure_ray
 from eagle_ray.data.rows import OUTPUT_SCHEMA, RETRIED_ON_RESUME, empty_row, read_input, to_table
 from eagle_ray.data.stage import now
-from eagle_ray.errors import ConfigError
+from eagle_ray.errors import CheckpointError, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +144,31 @@ def _raise_interrupted(signum, frame):
     raise JobInterrupted()
 
 
+def check_local_models(cfg: JobConfig) -> None:
+    """Where the actors run on this machine (a local Ray, no address given): a target or head path that does not
+    exist, or a head that does not fit the target, fails here in one line. In the actors it would fail in every
+    one, again and again as Ray restarts them, after Ray and the job had started. (On a cluster the paths are the
+    workers', which this machine may not see: they are checked there.) S3 and the embedded pair are not read."""
+    from eagle_ray.engine.engine import RANDOM_HEADS
+    from eagle_ray.model.draft_head import check_head
+    from eagle_ray.model.loading import resolve_draft, resolve_target, target_config_and_tokenizer
+    if cfg.ray_address or os.environ.get("RAY_ADDRESS"):
+        return
+    m = cfg.engine.model
+    local = lambda path: path is not None and not str(path).startswith("s3://")  # noqa: E731
+    target_dir = None
+    if local(m.target):
+        if str(m.target).endswith(".gguf"):
+            if not Path(m.target).expanduser().is_file():
+                raise CheckpointError(f"target GGUF file {m.target} does not exist (or is not a file)")
+        else:
+            target_dir = resolve_target(m.target)
+    if local(m.draft) and m.draft not in ("none",) + RANDOM_HEADS:
+        draft_dir = resolve_draft(m.draft)
+        if target_dir is not None:
+            check_head(draft_dir, target_config_and_tokenizer(target_dir)[0])
+
+
 def run_job(cfg: JobConfig, print_fn=print) -> dict:
     """Run the job to completion (resuming into an existing output) and return the summary (``interrupted`` is
     true when SIGTERM stopped it early: what finished is committed)."""
@@ -150,6 +176,7 @@ def run_job(cfg: JobConfig, print_fn=print) -> dict:
 
     from eagle_ray.engine.engine import check_prompt_room
     check_prompt_room(cfg.engine.cache.max_model_len, cfg.engine.speculation.trees())
+    check_local_models(cfg)
     in_fs, in_path = filesystem(cfg.input.uri, cfg)
     out_fs, out_root = filesystem(cfg.output.uri, cfg)
     rows = read_input(in_path, in_fs, cfg.input.format, cfg.input.limit)

@@ -25,10 +25,10 @@ from eagle_ray.model.compiled import compile_forwards
 from eagle_ray.model.device import pick_device, pick_dtype
 from eagle_ray.model.draft_head import DraftHead, check_head, load_head
 from eagle_ray.model.eagle3_head import Eagle3Head
-from eagle_ray.model.loading import resolve_draft, resolve_target
+from eagle_ray.model.loading import resolve_draft, resolve_target, target_config_and_tokenizer
 from eagle_ray.model.memory import max_pending_pairs, pending_pair_bytes
 from eagle_ray.model.target import TargetModel
-from eagle_ray.spec.tree import static_shape
+from eagle_ray.spec.tree import children_per_node, static_shape
 from eagle_ray.stats import RequestStats
 
 
@@ -78,6 +78,18 @@ def check_prompt_room(max_len: int, trees: list[TreeConfig]) -> None:
                           f"verify budget ({budget} tokens): raise max_model_len or use a smaller tree")
 
 
+def check_draft_vocab(draft, trees: list[TreeConfig]) -> None:
+    """Refuse trees whose nodes take more children than the head has draft tokens: top-k would pick padding."""
+    if draft.kind == "eagle3":
+        n = draft.draft_vocab_size
+    else:
+        n = draft.token_map.numel() if draft.token_map is not None else draft.config.vocab_size
+    k = max(children_per_node(t) for t in trees)
+    if n < k:
+        raise ConfigError(f"the draft head proposes from {n} tokens, fewer than the {k} children a tree node takes "
+                          "(top_k): lower top_k or use a head with a larger draft vocabulary")
+
+
 def draft_room(tree: TreeConfig) -> int:
     """Tree tokens a cycle stacks on a slot's draft cache (lookup tokens are never drafted)."""
     return tree.depth * tree.top_k if tree.mode == "dynamic" else draft_budget(tree)
@@ -109,6 +121,7 @@ class EagleEngine:
                                  if x is not None)
         if draft is not None:
             draft.bind_lm_head(target.lm_head, config.speculation.draft_vocab_size, target.numerics.cpu_linears)
+            check_draft_vocab(draft, config.speculation.trees())
             self._allocate_draft_cache(fresh=True)
         compile_forwards(target, draft, config.model.compile)
 
@@ -125,8 +138,6 @@ class EagleEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig, storage_options: dict | None = None) -> "EagleEngine":
-        from transformers import AutoConfig, AutoTokenizer
-
         from eagle_ray.engine.sizing import size_engine
 
         m = config.model
@@ -136,7 +147,7 @@ class EagleEngine:
         dt = pick_dtype(m.dtype, dev)
         target_dir = resolve_target(m.target, storage_options)
         draft_dir = None if m.draft in ("none",) + RANDOM_HEADS else resolve_draft(m.draft, storage_options)
-        target_config = AutoConfig.from_pretrained(str(target_dir))
+        target_config, tokenizer = target_config_and_tokenizer(target_dir)
         if draft_dir is not None:  # validate the head's config before spending time on the target's weights
             check_head(draft_dir, target_config)
         if m.compile != "off" and config.precision.cpu_linears == "auto":
@@ -153,7 +164,6 @@ class EagleEngine:
             draft = (Eagle3Head if m.draft == "random-eagle3" else DraftHead).for_target(target.config)
             draft.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight)
             draft = draft.to(device=dev, dtype=dt).eval()
-        tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
         engine = cls(target, draft, tokenizer, config)
         engine.target_dir, engine.draft_dir = target_dir, draft_dir
         spec = config.speculation
@@ -227,6 +237,8 @@ class EagleEngine:
 
     def set_trees(self, tree: TreeConfig | None = None, trees_by_batch: dict[int, TreeConfig] | None = None) -> None:
         """Change the tree shape(s) between steps (benchmarks, the tuner); grows the draft cache if needed."""
+        if self.draft is not None:
+            check_draft_vocab(self.draft, [tree or self.config.speculation.tree, *(trees_by_batch or {}).values()])
         self.config = self.config.replace(tree=tree or self.config.speculation.tree, trees_by_batch=trees_by_batch)
         if self.chooser is not None:   # a new table: the measured choice starts again from it
             self.chooser = SpeculationChooser.for_trees(trees_by_batch or {1: self.config.speculation.tree})

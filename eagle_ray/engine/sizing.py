@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from eagle_ray.config import EngineConfig, SpeculationConfig, TreeConfig
+from eagle_ray.errors import CheckpointError, first_line
 from eagle_ray.model.memory import MemoryPlan, fit_slots, free_memory, plan_memory
 
 
@@ -48,8 +49,15 @@ def draft_vocab_for(kind: str | None, draft_dir: Path | None, draft_vocab_size: 
     if path is None or not path.exists():
         return draft_vocab_size  # bind_lm_head refuses a draft_vocab_size without a map
     from safetensors import safe_open
-    with safe_open(str(path), framework="pt") as f:
-        n = f.get_slice("token_map").get_shape()[0]
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            shape = f.get_slice("token_map").get_shape()
+    except Exception as e:  # noqa: BLE001 - a damaged file or a missing tensor: safetensors' own error types
+        raise CheckpointError(f"draft head {draft_dir}: token_map.safetensors cannot be read or holds no "
+                              f"'token_map' tensor ({type(e).__name__}: {first_line(e)})") from None
+    if len(shape) != 1:
+        raise CheckpointError(f"draft head {draft_dir}: token_map must be 1-D, got shape {tuple(shape)}")
+    n = shape[0]
     return min(n, draft_vocab_size) if draft_vocab_size else n
 
 

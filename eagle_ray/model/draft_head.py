@@ -17,11 +17,12 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from eagle_ray.errors import CheckpointError
+from eagle_ray.errors import CheckpointError, first_line
 from eagle_ray.model.attention import decoder_layer, make_block_meta
 from eagle_ray.model.kv_cache import KVCache
 from eagle_ray.model.linears import Scorer, scorer
 from eagle_ray.spec.context_vocab import context_topk
+from eagle_ray.spec.tree import draft_log_probs
 
 CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                "hidden_act", "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling",
@@ -105,7 +106,7 @@ class DraftHead(nn.Module):
                      ignore={"layers.0.input_layernorm.weight"})
         if (path / "token_map.safetensors").exists():
             tm = read_tensors(path / "token_map.safetensors", f"draft head {path}").get("token_map")
-            if tm is None or tm.dim() != 1 or tm.is_floating_point():
+            if tm is None or tm.dim() != 1 or tm.is_floating_point() or tm.is_complex() or tm.dtype == torch.bool:
                 raise CheckpointError(f"draft head {path}: token_map.safetensors must hold one 1-D integer tensor "
                                       f"'token_map', got {None if tm is None else (tuple(tm.shape), str(tm.dtype))}")
             tm = tm.long()
@@ -167,7 +168,7 @@ class DraftHead(nn.Module):
         logits = self.lm_score(hidden)
         if context is not None:
             return context_topk(logits, hidden, self.lm_weight, self.token_map, context, k)
-        logp, idx = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+        logp, idx = draft_log_probs(logits).topk(k, dim=-1)
         return logp, (self.token_map[idx] if self.token_map is not None else idx)
 
     @torch.inference_mode()
@@ -194,8 +195,8 @@ def read_config(path: str | Path) -> dict:
         raise CheckpointError(f"draft head {path} has no config.json")
     try:
         raw = json.loads(cfg_file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"draft head {cfg_file} cannot be read as JSON: {e}") from None
+    except (OSError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"draft head {cfg_file} cannot be read as JSON: {first_line(e)}") from None
     if not isinstance(raw, dict):
         raise CheckpointError(f"draft head {cfg_file} must hold a JSON object, got {type(raw).__name__}")
     return raw
@@ -207,11 +208,17 @@ def read_tensors(file: Path, name: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
     try:
         if file.suffix == ".bin":
-            return torch.load(file, map_location="cpu", weights_only=True)
-        return load_file(str(file))
+            tensors = torch.load(file, map_location="cpu", weights_only=True)
+        else:
+            tensors = load_file(str(file))
     except Exception as e:  # noqa: BLE001  (safetensors and torch.load raise their own error types)
-        raise CheckpointError(f"{name}: {file.name} cannot be read ({type(e).__name__}: {e}); "
+        raise CheckpointError(f"{name}: {file.name} cannot be read ({type(e).__name__}: {first_line(e)}); "
                               "is the file complete?") from None
+    if not isinstance(tensors, dict) or not all(isinstance(k, str) and torch.is_tensor(v)
+                                                for k, v in tensors.items()):
+        raise CheckpointError(f"{name}: {file.name} must hold a mapping of names to tensors, got "
+                              f"{type(tensors).__name__}")
+    return tensors
 
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
@@ -233,6 +240,11 @@ def load_checked(head: nn.Module, state: dict, name: str, layout: str, ignore: s
     for k, v in expected.items():
         if tuple(state[k].shape) != tuple(v.shape):
             raise CheckpointError(f"{name}: {k} has shape {tuple(state[k].shape)}, config implies {tuple(v.shape)}")
+        if v.is_floating_point() != state[k].is_floating_point() or state[k].is_complex():
+            raise CheckpointError(f"{name}: {k} is {str(state[k].dtype).removeprefix('torch.')}, the layout holds "
+                                  f"{'floating-point' if v.is_floating_point() else 'integer'} values there")
+        if state[k].is_floating_point() and not torch.isfinite(state[k]).all():
+            raise CheckpointError(f"{name}: {k} holds NaN or infinite values (a diverged or damaged checkpoint)")
     head.load_state_dict({k: state[k] for k in expected}, strict=True)
 
 
@@ -243,14 +255,45 @@ def head_kind(path: str | Path) -> str:
 
 
 def check_head(path: str | Path, target_config) -> str:
-    """Fail, naming the mismatch, unless the head at ``path`` fits ``target_config``; returns its kind."""
+    """Fail, naming the mismatch, unless the head at ``path`` fits ``target_config`` and its config builds a
+    head; returns its kind. Read before the target's weights, so a bad head fails in a second."""
     from eagle_ray.model import eagle3_head
     raw = read_config(path)
-    if eagle3_head.is_eagle3_config(raw):
+    kind = "eagle3" if eagle3_head.is_eagle3_config(raw) else "eagle2"
+    if kind == "eagle3":
         eagle3_head.check_config(path, raw, target_config)
-        return "eagle3"
-    DraftHead.check_config(path, target_config, raw)
-    return "eagle2"
+    else:
+        DraftHead.check_config(path, target_config, raw)
+    check_buildable(path, kind, raw, target_config)
+    return kind
+
+
+# the config fields a head's shapes come from: each must be a positive integer where given
+SIZE_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+               "vocab_size", "draft_vocab_size", "target_hidden_size")
+
+
+def check_buildable(path, kind: str, raw: dict, target_config) -> None:
+    """The head's config.json holds sizes a head can have (positive integers, key heads dividing query heads,
+    boolean switches) and builds one: checked on the meta device, so a bad value fails here naming the file
+    instead of as a torch or transformers error deep in loading."""
+    from eagle_ray.model.memory import head_on_meta
+    for key in SIZE_FIELDS:
+        v = raw.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 < v < 2**31):
+            raise CheckpointError(f"draft head {path}/config.json: {key} must be a positive integer, got {v!r}")
+    heads, kv = raw.get("num_attention_heads"), raw.get("num_key_value_heads") or raw.get("num_attention_heads")
+    if heads and kv and heads % kv:
+        raise CheckpointError(f"draft head {path}/config.json: num_key_value_heads {kv} does not divide "
+                              f"num_attention_heads {heads}")
+    for key in ("bias", "qkv_bias"):
+        if key in raw and not isinstance(raw[key], bool):
+            raise CheckpointError(f"draft head {path}/config.json: {key} must be true or false, got {raw[key]!r}")
+    try:
+        head_on_meta(kind, target_config, raw)
+    except Exception as e:  # noqa: BLE001 - transformers' config classes and torch's modules raise many types
+        raise CheckpointError(f"draft head {path}/config.json does not describe a head this engine can build: "
+                              f"{type(e).__name__}: {first_line(e)}") from None
 
 
 def load_head(path: str | Path, target_config, target_embed: torch.Tensor | None = None,

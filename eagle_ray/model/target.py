@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from eagle_ray.errors import CheckpointError
+from eagle_ray.errors import CheckpointError, first_line
 from eagle_ray.model.attention import decoder_layer, make_block_meta, pad_rows
 from eagle_ray.model.device import numerics_for
 from eagle_ray.model.kv_cache import KVCache
@@ -65,9 +65,20 @@ class TargetModel:
         from transformers import AutoModelForCausalLM
 
         try:
-            hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa")
-        except OSError as e:
-            raise CheckpointError(f"cannot load target from {path}: {e}") from e
+            hf, info = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa",
+                                                            output_loading_info=True, ignore_mismatched_sizes=True,
+                                                            use_safetensors=True)   # never a pickle
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 - transformers and safetensors raise many types for a bad file
+            raise CheckpointError(f"cannot load target from {path}: {type(e).__name__}: {first_line(e)}") from None
+        # transformers fills a tensor the files lack with random values and only logs it: refused here
+        missing = sorted(info.get("missing_keys") or []) + sorted(
+            str(k[0] if isinstance(k, (tuple, list)) else k) for k in info.get("mismatched_keys") or [])
+        if missing:
+            raise CheckpointError(f"target {path} lacks {len(missing)} of the model's tensors or holds them in "
+                                  f"another shape ({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}): "
+                                  "not a complete checkpoint of this config")
         return cls(hf.to(device), max_slots, max_len, fp32_logits, fp32_activations, batch_invariant, cpu_linears)
 
     @property

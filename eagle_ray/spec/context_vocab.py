@@ -16,6 +16,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from eagle_ray.spec.tree import draft_log_probs
+
 
 class ContextTokens:
     """The tokens of one sequence's context that the draft vocabulary lacks, newest last, at most ``cap``: a token
@@ -69,9 +71,11 @@ def context_topk(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tenso
     B, d = context.shape[0], hidden.shape[-1]
     rows = weight[context.clamp(min=0)]                                               # [B, E, d]
     extra = torch.bmm(hidden.reshape(B, -1, d).to(rows.dtype), rows.transpose(1, 2)).float()   # [B, R, E]
-    extra = extra.masked_fill((context < 0).unsqueeze(1), float("-inf"))
-    both = torch.cat([logits.reshape(B, extra.shape[1], -1).float(), extra], dim=-1)
-    logp, idx = torch.log_softmax(both, dim=-1).topk(k, dim=-1)                       # [B, R, k]
+    padding = (context < 0).unsqueeze(1)
+    extra = extra.masked_fill(padding, float("-inf"))
+    both = draft_log_probs(torch.cat([logits.reshape(B, extra.shape[1], -1).float(), extra], dim=-1))
+    both[..., logits.shape[-1]:] = both[..., logits.shape[-1]:].masked_fill(padding, float("-inf"))   # never drafted
+    logp, idx = both.topk(k, dim=-1)                                                  # [B, R, k]
     vocab = torch.cat([token_map.expand(B, -1), context], dim=1)                      # [B, V + E]
     ids = vocab.gather(1, idx.reshape(B, -1))
     shape = hidden.shape[:-1] + (k,)

@@ -69,12 +69,25 @@ def root_to_leaf_paths(tree: Tree) -> list[list[list[int]]]:
     return out
 
 
+# the lowest log-prob a draft node is scored with: what a head's NaN, -inf or overflow becomes (draft_log_probs)
+LOGP_FLOOR = -1e4
+
+
+def draft_log_probs(logits: torch.Tensor) -> torch.Tensor:
+    """The draft's log-probs, each finite in ``[LOGP_FLOOR, 0]``. A head that overflows or holds NaN weights
+    yields NaN or -inf scores; ranked as they are, they tie or compare false, a child can outrank its parent, and
+    the tree loses its shape. Floored, a child's cumulative score never exceeds its parent's, so every tree stays
+    connected and the target verifies exactly what it is given: a broken head only costs acceptance."""
+    return torch.log_softmax(logits.float(), dim=-1).nan_to_num(LOGP_FLOOR, 0.0, LOGP_FLOOR).clamp(LOGP_FLOOR, 0.0)
+
+
 def _pool_to_tree(root_tokens, pool_tokens, pool_scores, pool_parents, pool_depth, keep: int,
                   min_cum_prob: float, max_depth: int) -> Tree:
     """Keep the ``keep`` best-scoring pool nodes per sequence (ascending pool order) and connect them.
 
-    A child's cumulative log-prob never exceeds its parent's and pool ids grow with depth, so ranking by
-    (score, -pool id) keeps every chosen node's parent chosen: the tree stays connected without a check.
+    A child's cumulative log-prob never exceeds its parent's (finite: see ``draft_log_probs``) and pool ids grow
+    with depth, so ranking by (score, -pool id) keeps every chosen node's parent chosen: the tree stays connected
+    without a check.
     """
     B, P = pool_scores.shape
     device = pool_scores.device
@@ -146,6 +159,11 @@ def static_shape(cfg: TreeConfig) -> list[list[int]]:
         return [[0] * (i + 1) for i in range(cfg.depth + 1)]
     shape = cfg.static_tree or DEFAULT_STATIC_TREE
     return sorted((list(p) for p in shape), key=lambda p: (len(p), p))
+
+
+def children_per_node(cfg: TreeConfig) -> int:
+    """The most children a node of ``cfg``'s trees takes from one top-k: the draft vocabulary needs that many."""
+    return cfg.top_k if cfg.mode == "dynamic" else max(p[-1] for p in static_shape(cfg)) + 1
 
 
 def grow_static(draft_fn, topk_fn, root_hidden: torch.Tensor, root_tokens: torch.Tensor, cfg: TreeConfig) -> Tree:

@@ -131,10 +131,14 @@ def test_a_head_with_nan_or_infinite_or_integer_weights_is_refused_at_load(tmp_p
     from safetensors.torch import load_file, save_file
     for key, value, reason in (("fc.weight", float("nan"), "fc.weight holds NaN or infinite values"),
                                ("layers.0.mlp.up_proj.weight", float("inf"), "up_proj.weight holds NaN or infinite"),
-                               ("fc.bias", None, "fc.bias is int64, the layout holds floating-point values")):
+                               ("fc.bias", None, "fc.bias is int64, the layout holds floating-point values"),
+                               ("fc.weight", "fp8", "fc.weight holds NaN or infinite values")):
         DraftHead.for_target(target_config()).save(tmp_path)
         sd = load_file(str(tmp_path / "model.safetensors"))
-        sd[key] = sd[key].long() if value is None else sd[key].fill_(value)
+        if value == "fp8":   # no isfinite of its own
+            sd[key] = sd[key].fill_(float("nan")).to(torch.float8_e4m3fn)
+        else:
+            sd[key] = sd[key].long() if value is None else sd[key].fill_(value)
         save_file(sd, str(tmp_path / "model.safetensors"))
         with pytest.raises(CheckpointError, match=reason):
             DraftHead.load(tmp_path, target_config())
@@ -151,6 +155,9 @@ def test_a_torch_archive_or_token_map_of_the_wrong_kind_is_refused_naming_the_fi
     DraftHead.for_target(target_config()).save(tmp_path)
     save_file({"token_map": torch.ones(8, dtype=torch.bool)}, str(tmp_path / "token_map.safetensors"))
     with pytest.raises(CheckpointError, match="one 1-D integer tensor"):
+        DraftHead.load(tmp_path, target_config())
+    save_file({"token_map": torch.zeros(0, dtype=torch.long)}, str(tmp_path / "token_map.safetensors"))
+    with pytest.raises(CheckpointError, match="token_map is empty"):
         DraftHead.load(tmp_path, target_config())
     from eagle_ray.engine.sizing import draft_vocab_for
     for content in (b"garbage", None):
@@ -195,6 +202,8 @@ def test_a_damaged_target_fails_at_load_naming_what_is_wrong(tiny_dir, tmp_path)
         (broken("reshaped", reshape), "in another shape \(model.norm.weight\)"),
         (broken("bad-json", lambda p: (p / "config.json").write_text("{")), "config.json cannot be read"),
         (broken("no-type", lambda p: (p / "config.json").write_text("{}")), "config.json cannot be read"),
+        (broken("gpt2", lambda p: (p / "config.json").write_text('{"model_type": "gpt2"}')),
+         "model_type 'gpt2' is not supported"),
         (broken("no-tokenizer", lambda p: [f.unlink() for f in p.glob("tokenizer*")]), "no readable tokenizer"),
         (broken("truncated", lambda p: (p / "model.safetensors").write_bytes(b"\x08\x00")), "cannot load target"),
     ]

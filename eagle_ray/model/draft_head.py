@@ -110,7 +110,9 @@ class DraftHead(nn.Module):
                 raise CheckpointError(f"draft head {path}: token_map.safetensors must hold one 1-D integer tensor "
                                       f"'token_map', got {None if tm is None else (tuple(tm.shape), str(tm.dtype))}")
             tm = tm.long()
-            if tm.numel() and (tm.min() < 0 or tm.max() >= head.config.vocab_size):
+            if not tm.numel():
+                raise CheckpointError(f"draft head {path}: token_map is empty (the head would propose nothing)")
+            if tm.min() < 0 or tm.max() >= head.config.vocab_size:
                 raise CheckpointError(f"draft head {path}: token_map holds ids outside [0, {head.config.vocab_size})")
             head.token_map = tm
         return head.to(device=device, dtype=dtype).eval()
@@ -243,7 +245,7 @@ def load_checked(head: nn.Module, state: dict, name: str, layout: str, ignore: s
         if v.is_floating_point() != state[k].is_floating_point() or state[k].is_complex():
             raise CheckpointError(f"{name}: {k} is {str(state[k].dtype).removeprefix('torch.')}, the layout holds "
                                   f"{'floating-point' if v.is_floating_point() else 'integer'} values there")
-        if state[k].is_floating_point() and not torch.isfinite(state[k]).all():
+        if state[k].is_floating_point() and not torch.isfinite(state[k].float()).all():   # fp8 has no isfinite
             raise CheckpointError(f"{name}: {k} holds NaN or infinite values (a diverged or damaged checkpoint)")
     head.load_state_dict({k: state[k] for k in expected}, strict=True)
 

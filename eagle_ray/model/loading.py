@@ -115,6 +115,10 @@ def target_config_and_tokenizer(path: Path):
     except Exception as e:  # noqa: BLE001 - transformers raises OSError, ValueError, its own validation errors
         raise CheckpointError(f"target config {path / 'config.json'} cannot be read: {type(e).__name__}: "
                               f"{first_line(e)}") from None
+    from eagle_ray.model.target import SUPPORTED_MODEL_TYPES
+    if config.model_type not in SUPPORTED_MODEL_TYPES:   # before its weights load, not after
+        raise CheckpointError(f"target model_type '{config.model_type}' is not supported; eagle-ray runs "
+                              f"Llama-family decoders: {sorted(SUPPORTED_MODEL_TYPES)}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     except Exception as e:  # noqa: BLE001

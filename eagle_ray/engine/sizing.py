@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 
 from eagle_ray.config import EngineConfig, SpeculationConfig, TreeConfig
-from eagle_ray.errors import CheckpointError, first_line
 from eagle_ray.model.memory import MemoryPlan, fit_slots, free_memory, plan_memory
 
 
@@ -45,19 +44,11 @@ def draft_vocab_for(kind: str | None, draft_dir: Path | None, draft_vocab_size: 
     """Rows of the token-mapped vocabulary an EAGLE-2 head will score (None: the full vocabulary)."""
     if kind != "eagle2" or draft_vocab_size == 0:
         return None
-    path = None if draft_dir is None else Path(draft_dir) / "token_map.safetensors"
-    if path is None or not path.exists():
+    from eagle_ray.model.draft_head import read_token_map
+    tm = None if draft_dir is None else read_token_map(Path(draft_dir))
+    if tm is None:
         return draft_vocab_size  # bind_lm_head refuses a draft_vocab_size without a map
-    from safetensors import safe_open
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            shape = f.get_slice("token_map").get_shape()
-    except Exception as e:  # noqa: BLE001 - a damaged file or a missing tensor: safetensors' own error types
-        raise CheckpointError(f"draft head {draft_dir}: token_map.safetensors cannot be read or holds no "
-                              f"'token_map' tensor ({type(e).__name__}: {first_line(e)})") from None
-    if len(shape) != 1:
-        raise CheckpointError(f"draft head {draft_dir}: token_map must be 1-D, got shape {tuple(shape)}")
-    n = shape[0]
+    n = tm.numel()
     return min(n, draft_vocab_size) if draft_vocab_size else n
 
 

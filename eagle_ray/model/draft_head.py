@@ -104,16 +104,8 @@ class DraftHead(nn.Module):
             state["embed_tokens.weight"] = target_embed.detach().to(torch.float32).cpu()
         load_checked(head, state, f"draft head {path}", "the EAGLE layout",
                      ignore={"layers.0.input_layernorm.weight"})
-        if (path / "token_map.safetensors").exists():
-            tm = read_tensors(path / "token_map.safetensors", f"draft head {path}").get("token_map")
-            if tm is None or tm.dim() != 1 or tm.is_floating_point() or tm.is_complex() or tm.dtype == torch.bool:
-                raise CheckpointError(f"draft head {path}: token_map.safetensors must hold one 1-D integer tensor "
-                                      f"'token_map', got {None if tm is None else (tuple(tm.shape), str(tm.dtype))}")
-            tm = tm.long()
-            if not tm.numel():
-                raise CheckpointError(f"draft head {path}: token_map is empty (the head would propose nothing)")
-            if tm.min() < 0 or tm.max() >= head.config.vocab_size:
-                raise CheckpointError(f"draft head {path}: token_map holds ids outside [0, {head.config.vocab_size})")
+        tm = read_token_map(path, head.config.vocab_size)
+        if tm is not None:
             head.token_map = tm
         return head.to(device=device, dtype=dtype).eval()
 
@@ -221,6 +213,24 @@ def read_tensors(file: Path, name: str) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{name}: {file.name} must hold a mapping of names to tensors, got "
                               f"{type(tensors).__name__}")
     return tensors
+
+
+def read_token_map(path: Path, vocab_size: int | None = None) -> torch.Tensor | None:
+    """The head's ``token_map.safetensors`` (its draft vocabulary, target ids), checked: one non-empty 1-D
+    integer tensor named ``token_map``, ids inside ``[0, vocab_size)``; None where the head has no map."""
+    file = Path(path) / "token_map.safetensors"
+    if not file.exists():
+        return None
+    tm = read_tensors(file, f"draft head {path}").get("token_map")
+    if tm is None or tm.dim() != 1 or tm.is_floating_point() or tm.is_complex() or tm.dtype == torch.bool:
+        raise CheckpointError(f"draft head {path}: token_map.safetensors must hold one 1-D integer tensor "
+                              f"'token_map', got {None if tm is None else (tuple(tm.shape), str(tm.dtype))}")
+    tm = tm.long()
+    if not tm.numel():
+        raise CheckpointError(f"draft head {path}: token_map is empty (the head would propose nothing)")
+    if vocab_size is not None and (tm.min() < 0 or tm.max() >= vocab_size):
+        raise CheckpointError(f"draft head {path}: token_map holds ids outside [0, {vocab_size})")
+    return tm
 
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:

@@ -256,7 +256,13 @@ def main(argv=None) -> int:
     a, rest = parser.parse_known_args(argv)
     if a.cmd == "extract":
         from eagle_ray.train.extract import main as extract_main
-        extract_main(rest)
+        try:
+            extract_main(rest)
+        except SystemExit as e:   # its checks end with a message; argparse's own exits carry a status
+            if isinstance(e.code, str):
+                print(f"eagle-ray extract: {e.code.removeprefix('extract: ')}", file=sys.stderr)
+                return 2
+            raise
         return 0
     if rest:
         parser.error(f"unrecognized arguments: {rest}")

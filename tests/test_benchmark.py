@@ -262,7 +262,11 @@ def test_every_command_says_in_one_line_what_is_wrong_with_what_it_was_given(tmp
                          (["generate", "--temperature", "nan"], "temperature"),
                          (["serve", "--config", str(tmp_path / "nope.yaml")], "cannot read serve config"),
                          (["serve", "--config", str(tmp_path / "bad.yaml")], "serve config"),
-                         (["serve", "--port", "70000"], "port")):
+                         (["serve", "--port", "70000"], "port"),
+                         (["extract", "--source", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "f")],
+                          "does not exist"),
+                         (["extract", "--source", str(tmp_path / "bad.yaml"), "--out", str(tmp_path / "g")],
+                          "bad.yaml:1: not a JSON record")):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith(f"eagle-ray {argv[0]}: ") and reason in err and err.count("\n") == 1, (argv, err)

@@ -112,6 +112,7 @@ def test_qwen2_heads_carry_qkv_bias(tmp_path):
     ({"intermediate_size": 10**30}, "intermediate_size must be a positive integer"),
     ({"num_key_value_heads": 3}, "num_key_value_heads 3 does not divide num_attention_heads 4"),
     ({"bias": "false"}, "bias must be true or false, got 'false'"),
+    ({"bias": None, "qkv_bias": None}, None),   # null: the defaults, as before
     ({"hidden_act": "foo"}, "does not describe a head this engine can build: KeyError"),
     ({"rope_scaling": {"type": "linear"}}, "does not describe a head this engine can build"),
 ])
@@ -122,6 +123,10 @@ def test_a_head_config_that_cannot_build_a_head_fails_before_the_target_loads(tm
     DraftHead.for_target(target_config()).save(tmp_path)
     raw = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(raw | edit))
+    if reason is None:
+        assert check_head(tmp_path, target_config()) == "eagle2"
+        assert DraftHead.load(tmp_path, target_config()).fc.bias is not None
+        return
     with pytest.raises(CheckpointError, match=reason):
         check_head(tmp_path, target_config())
 
@@ -148,9 +153,10 @@ def test_a_torch_archive_or_token_map_of_the_wrong_kind_is_refused_naming_the_fi
     from safetensors.torch import save_file
     DraftHead.for_target(target_config()).save(tmp_path)
     (tmp_path / "model.safetensors").unlink()
-    for content in ([torch.zeros(2)], torch.zeros(2), {"fc.weight": [1, 2]}):
+    for content, reason in (([torch.zeros(2)], "got list"), (torch.zeros(2), "got Tensor"),
+                            ({"state_dict": {"fc.weight": torch.zeros(2)}}, "'state_dict' holds a dict")):
         torch.save(content, tmp_path / "pytorch_model.bin")
-        with pytest.raises(CheckpointError, match="pytorch_model.bin must hold a mapping of names to tensors"):
+        with pytest.raises(CheckpointError, match=f"pytorch_model.bin must hold a mapping of names to .*{reason}"):
             DraftHead.load(tmp_path, target_config())
     DraftHead.for_target(target_config()).save(tmp_path)
     save_file({"token_map": torch.ones(8, dtype=torch.bool)}, str(tmp_path / "token_map.safetensors"))
@@ -200,7 +206,7 @@ def test_a_damaged_target_fails_at_load_naming_what_is_wrong(tiny_dir, tmp_path)
     cases = [
         (broken("no-lm-head", drop("lm_head.weight")), "lacks 1 of the model's tensors .*lm_head.weight"),
         (broken("no-norm", drop("model.norm.weight")), "model.norm.weight"),
-        (broken("reshaped", reshape), "in another shape \(model.norm.weight\)"),
+        (broken("reshaped", reshape), r"in another shape \(model.norm.weight\)"),
         (broken("bad-json", lambda p: (p / "config.json").write_text("{")), "config.json cannot be read"),
         (broken("no-type", lambda p: (p / "config.json").write_text("{}")), "config.json cannot be read"),
         (broken("gpt2", lambda p: (p / "config.json").write_text('{"model_type": "gpt2"}')),

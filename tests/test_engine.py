@@ -5,6 +5,7 @@ import torch
 from tiny import make_target, make_tokenizer, save_target, tiny_engine, trained_head
 
 from eagle_ray.config import SamplingParams, TreeConfig
+from eagle_ray.engine.queue import RequestQueue
 
 
 def reference_greedy(hf, prompt: list[int], n: int, stop: set[int] = frozenset()) -> list[int]:
@@ -185,6 +186,12 @@ def test_stop_token_ids_and_max_new_tokens_never_overshoot(tiny_dir, tiny_hf, ti
     stop_tok = full[17]
     out = engine.generate([prompt], SamplingParams(max_new_tokens=40, stop_token_ids=[stop_tok], ignore_eos=True))[0]
     assert out.token_ids == full[: full.index(stop_tok) + 1] and out.finish_reason == "stop"
+    assert out.text == engine.tokenizer.decode(full[: full.index(stop_tok)])   # the stop token's text is left out
+    queue = RequestQueue(engine)
+    streamed = "".join(d.text for d in queue.stream(
+        prompt, SamplingParams(max_new_tokens=40, stop_token_ids=[stop_tok], ignore_eos=True)))
+    queue.shutdown()
+    assert streamed == out.text
     for n in (1, 2, 7):
         out = engine.generate([prompt], SamplingParams(max_new_tokens=n, ignore_eos=True))[0]
         assert out.token_ids == full[:n] and out.finish_reason == "length"

@@ -84,11 +84,11 @@ def test_a_seeded_request_gives_the_same_text_alone_in_a_batch_with_or_without_s
 
 # ---- text ---------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-@pytest.mark.parametrize("token_map", [False, True])
-def test_a_head_that_outputs_nan_or_inf_costs_acceptance_never_output(tmp_path, bad, token_map):
+def test_a_head_that_outputs_nan_or_inf_costs_acceptance_never_output(tmp_path, bad):
     """Floored draft scores keep every tree connected: a head whose every weight is NaN (or inf) drafts junk the
     target rejects. Its broken trees used to link children to the wrong parents and emit tokens never verified,
-    on a target whose argmax is one of the ids a NaN row's top-k returns."""
+    on a target whose argmax is one of the ids a NaN row's top-k returns. (The context-token path's floor:
+    ``test_tree.py``.)"""
     from transformers import AutoModelForCausalLM
 
     from eagle_ray.model.draft_head import DraftHead
@@ -105,8 +105,6 @@ def test_a_head_that_outputs_nan_or_inf_costs_acceptance_never_output(tmp_path, 
             if name != "embed_tokens.weight":
                 w.fill_(bad)
         head.embed_tokens.weight.copy_(hf.model.embed_tokens.weight)
-    if token_map:
-        head.token_map = torch.arange(32)   # the rest of the vocabulary comes in as context tokens
     engine = tiny_engine(target_dir, head, TreeConfig(total_tokens=12, depth=3, top_k=3), max_batch_size=2)
     prompts = [[5, 6, 7, 8, 9], [10, 11, 12], [20, 21, 22, 23]]
     for params in (SamplingParams(max_new_tokens=24, ignore_eos=True),
@@ -334,16 +332,32 @@ def test_the_serve_parser_refuses_vllm_fields_it_would_ignore_and_reads_types_st
                                  "stream_options.include_usage: Input should be a valid boolean",
                                  "stream_options.include_usage"),
                                 ({"stream_options": {"include_usage": True}}, "only allowed when stream is true",
-                                 None),
+                                 "stream_options"),
+                                ({"messages": [{"role": "user", "content": "w1"}], "max_completion_tokens": "10"},
+                                 "max_completion_tokens: Input should be a valid integer", "max_completion_tokens"),
                                 ({"stop": ["a", 5]}, "stop: Input should be a valid string", "stop"),
                                 ({"stop_token_ids": [1, "2"]}, "stop_token_ids.1: Input should be a valid integer",
                                  "stop_token_ids.1"),
                                 ({"prompt": [[1, 2], [3]]}, "one prompt per request", "prompt")]:
         with pytest.raises(ApiError, match=reason) as e:
-            parse(body)
+            parse(body, "chat" if "messages" in body else "completion")
         assert e.value.status == 400 and e.value.param == param, (body, e.value.param)
     assert parse({"stop_token_ids": [7, 9]}).params.stop_token_ids == [7, 9]
+    assert parse({"stream_options": {}}).params == parse({}).params   # empty options: nothing asked of a stream
     assert parse({"prompt": [[5, 6, 7]]}).prompt == parse({"prompt": [5, 6, 7]}).prompt
+
+
+def test_a_mounted_api_key_is_read_without_its_trailing_newline(monkeypatch):
+    """A secret mounted from a file usually ends in a newline, which no client sends: every request was a 401."""
+    from eagle_ray.config import ServeConfig
+    from eagle_ray.serve.app import api_key_from_env
+    from eagle_ray.serve.openai_api import authorized
+    monkeypatch.setenv("EAGLE_RAY_KEY_UNDER_TEST", "sekret\n")
+    key = api_key_from_env(ServeConfig(api_key_env="EAGLE_RAY_KEY_UNDER_TEST"))
+    assert key == "sekret" and authorized("Bearer sekret", key) and not authorized("Bearer sekret2", key)
+    monkeypatch.setenv("EAGLE_RAY_KEY_UNDER_TEST", " \n")
+    with pytest.raises(RuntimeError, match="empty or missing"):
+        api_key_from_env(ServeConfig(api_key_env="EAGLE_RAY_KEY_UNDER_TEST"))
 
 
 def test_a_chat_of_more_messages_than_the_context_has_tokens_is_refused_before_templating(tiny_dir):

@@ -186,3 +186,36 @@ def test_drop_padding_moves_valid_nodes_first_and_trims_width_without_changing_t
         assert torch.equal(packed.ancestors[b, :n, :n], tree.ancestors[b][old][:, old])
         remap = {int(o): i for i, o in enumerate(old)}
         assert packed.parents[b, :n].tolist() == [remap[int(p)] for p in tree.parents[b, old]]
+
+
+def test_nan_or_infinite_draft_scores_leave_every_tree_well_formed():
+    """A head that outputs NaN (or overflows) used to yield trees whose children hung off the wrong parents and
+    whose depths disagreed with their links: the verify pass then emitted tokens it never checked. Floored scores
+    (``draft_log_probs``) keep each node's parent in the tree and one level above it, in every tree mode, and a
+    context-token draft never picks the padding of an unused context slot."""
+    from eagle_ray.spec.context_vocab import context_topk
+    from eagle_ray.spec.tree import LOGP_FLOOR, draft_log_probs
+    B, V, d = 2, 16, 8
+    nan = float("nan")
+
+    def topk_fn(hidden, k):
+        logits = torch.full(hidden.shape[:-1] + (V,), nan)
+        logits[..., 3] = float("inf")
+        return draft_log_probs(logits).topk(k, dim=-1)
+
+    def draft_fn(tok, feat, level, mask, offset):
+        return torch.full(tok.shape + (d,), nan)
+
+    for cfg in (TreeConfig(total_tokens=12, depth=3, top_k=3), TreeConfig(mode="static"),
+                TreeConfig(mode="chain", depth=3)):
+        tree = grow_tree(draft_fn, topk_fn, torch.full((B, d), nan), torch.zeros(B, dtype=torch.long), cfg)
+        idx = torch.arange(tree.tokens.shape[1])
+        parent_depth = tree.depth.gather(1, tree.parents)
+        child = tree.valid & (idx > 0)
+        assert (tree.parents[child] < idx.expand_as(tree.parents)[child]).all(), cfg
+        assert (tree.depth[child] == parent_depth[child] + 1).all(), cfg
+        assert torch.equal(tree.ancestors.sum(-1)[tree.valid], tree.depth[tree.valid] + 1), cfg
+    context = torch.tensor([[40, 41, -1, -1], [-1, -1, -1, -1]])
+    logp, ids = context_topk(torch.full((B, 1, V), nan), torch.full((B, 1, d), nan), torch.randn(64, d),
+                             torch.arange(V), context, 3)
+    assert ((logp >= LOGP_FLOOR) & (logp <= 0)).all() and (ids >= 0).all()

@@ -30,7 +30,7 @@ from eagle_ray.config import JobConfig
 from eagle_ray.cluster import ensure_ray
 from eagle_ray.data.rows import OUTPUT_SCHEMA, RETRIED_ON_RESUME, empty_row, read_input, to_table
 from eagle_ray.data.stage import now
-from eagle_ray.errors import CheckpointError, ConfigError
+from eagle_ray.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -151,16 +151,15 @@ def check_local_models(cfg: JobConfig) -> None:
     workers', which this machine may not see: they are checked there.) S3 and the embedded pair are not read."""
     from eagle_ray.engine.engine import RANDOM_HEADS
     from eagle_ray.model.draft_head import check_head
-    from eagle_ray.model.loading import resolve_draft, resolve_target, target_config_and_tokenizer
+    from eagle_ray.model.loading import check_gguf_path, resolve_draft, resolve_target, target_config_and_tokenizer
     if cfg.ray_address or os.environ.get("RAY_ADDRESS"):
         return
     m = cfg.engine.model
     local = lambda path: path is not None and not str(path).startswith("s3://")  # noqa: E731
     target_dir = None
     if local(m.target):
-        if str(m.target).endswith(".gguf"):
-            if not Path(m.target).expanduser().is_file():
-                raise CheckpointError(f"target GGUF file {m.target} does not exist (or is not a file)")
+        if str(m.target).endswith(".gguf"):   # its dequantised copy is made by the actors, once
+            check_gguf_path(Path(m.target).expanduser())
         else:
             target_dir = resolve_target(m.target)
     if local(m.draft) and m.draft not in ("none",) + RANDOM_HEADS:

@@ -258,6 +258,8 @@ def parquet_records(table: pa.Table) -> list[dict]:
     row whose map holds a key twice keeps that map as (key, value) pairs, which no request field accepts."""
     try:
         return table.to_pylist(maps_as_pydicts="strict")
+    except TypeError:   # a pyarrow before 20 has no maps_as_pydicts: maps stay (key, value) pairs
+        return table.to_pylist()
     except KeyError:   # a duplicate key: find its rows
         out = []
         for i in range(table.num_rows):

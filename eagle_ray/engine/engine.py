@@ -87,7 +87,8 @@ def check_draft_vocab(draft, trees: list[TreeConfig]) -> None:
     k = max(children_per_node(t) for t in trees)
     if n < k:
         raise ConfigError(f"the draft head proposes from {n} tokens, fewer than the {k} children a tree node takes "
-                          "(top_k): lower top_k or use a head with a larger draft vocabulary")
+                          "(top_k, or a static tree's widest rank): use a narrower tree or a head with a larger draft "
+                          "vocabulary")
 
 
 def draft_room(tree: TreeConfig) -> int:

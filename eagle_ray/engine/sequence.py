@@ -103,10 +103,13 @@ class Sequence:
         return len(tokens)
 
     def update_text(self) -> None:
-        """Detokenise the new tokens; a stop string ends the sequence there (its text and tokens are cut)."""
+        """Detokenise the new tokens; a stop string ends the sequence there (its text and tokens are cut). A stop
+        token ends it too: its id is the last output id, its text is not in the output (as vLLM's)."""
         if self.detok is None:
             return
-        new = self.detok.add(self.output_ids[len(self.detok.ids):])
+        ids = self.output_ids
+        end = len(ids) - 1 if self.finish_reason == "stop" and ids and ids[-1] in self.stop_ids else len(ids)
+        new = self.detok.add(ids[len(self.detok.ids):end])
         if self.stops is None:
             return
         at = self.stops.find(self.detok.text, len(new))

@@ -93,7 +93,7 @@ class DraftHead(nn.Module):
         """Load a head; with ``target_config`` check it fits (hidden size, vocabulary) and name any mismatch."""
         path = Path(path)
         raw = cls.check_config(path, target_config)
-        bias, qkv_bias = bool(raw.pop("bias", True)), bool(raw.pop("qkv_bias", False))
+        bias, qkv_bias = head_biases(raw)
         raw = {k: v for k, v in raw.items() if k not in ("architectures", "model_type", "transformers_version")}
         raw["num_hidden_layers"] = 1
         head = cls(LlamaConfig(**raw), bias=bias, qkv_bias=qkv_bias)
@@ -182,6 +182,13 @@ class DraftHead(nn.Module):
         return decoder_layer(self.layers[0], x, cos, sin, self.cache, 0, meta)
 
 
+def head_biases(raw: dict) -> tuple[bool, bool]:
+    """(fc bias, q/k/v bias) of an EAGLE-1/2 config, popped from ``raw``: absent or null means the reference's
+    defaults (a biased fc, bias-free projections)."""
+    bias, qkv_bias = raw.pop("bias", None), raw.pop("qkv_bias", None)
+    return (True if bias is None else bias), (False if qkv_bias is None else qkv_bias)
+
+
 def read_config(path: str | Path) -> dict:
     """A head's config.json as a dict; a missing, unreadable or malformed file fails naming itself."""
     cfg_file = Path(path) / "config.json"
@@ -208,10 +215,13 @@ def read_tensors(file: Path, name: str) -> dict[str, torch.Tensor]:
     except Exception as e:  # noqa: BLE001  (safetensors and torch.load raise their own error types)
         raise CheckpointError(f"{name}: {file.name} cannot be read ({type(e).__name__}: {first_line(e)}); "
                               "is the file complete?") from None
-    if not isinstance(tensors, dict) or not all(isinstance(k, str) and torch.is_tensor(v)
-                                                for k, v in tensors.items()):
+    if not isinstance(tensors, dict):
         raise CheckpointError(f"{name}: {file.name} must hold a mapping of names to tensors, got "
                               f"{type(tensors).__name__}")
+    bad = next(((k, v) for k, v in tensors.items() if not isinstance(k, str) or not torch.is_tensor(v)), None)
+    if bad is not None:
+        raise CheckpointError(f"{name}: {file.name} must hold a mapping of names to tensors; {bad[0]!r} holds "
+                              f"a {type(bad[1]).__name__} (a nested state dict?)")
     return tensors
 
 
@@ -255,7 +265,8 @@ def load_checked(head: nn.Module, state: dict, name: str, layout: str, ignore: s
         if v.is_floating_point() != state[k].is_floating_point() or state[k].is_complex():
             raise CheckpointError(f"{name}: {k} is {str(state[k].dtype).removeprefix('torch.')}, the layout holds "
                                   f"{'floating-point' if v.is_floating_point() else 'integer'} values there")
-        if state[k].is_floating_point() and not torch.isfinite(state[k].float()).all():   # fp8 has no isfinite
+        w = state[k]
+        if w.is_floating_point() and not torch.isfinite(w.float() if w.element_size() == 1 else w).all():   # fp8
             raise CheckpointError(f"{name}: {k} holds NaN or infinite values (a diverged or damaged checkpoint)")
     head.load_state_dict({k: state[k] for k in expected}, strict=True)
 
@@ -299,7 +310,7 @@ def check_buildable(path, kind: str, raw: dict, target_config) -> None:
         raise CheckpointError(f"draft head {path}/config.json: num_key_value_heads {kv} does not divide "
                               f"num_attention_heads {heads}")
     for key in ("bias", "qkv_bias"):
-        if key in raw and not isinstance(raw[key], bool):
+        if raw.get(key) is not None and not isinstance(raw[key], bool):
             raise CheckpointError(f"draft head {path}/config.json: {key} must be true or false, got {raw[key]!r}")
     try:
         head_on_meta(kind, target_config, raw)

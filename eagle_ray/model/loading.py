@@ -80,6 +80,12 @@ def download_s3(uri: str, storage_options: dict | None = None) -> Path:
     return out
 
 
+def check_gguf_path(path: Path) -> Path:
+    if not path.is_file():
+        raise CheckpointError(f"target GGUF file {path} does not exist (or is not a file)")
+    return path
+
+
 def resolve_target(target: str | os.PathLike | None, storage_options: dict | None = None) -> Path:
     """A local HF-format directory for ``target`` (None = the embedded SmolLM2-135M-Instruct)."""
     if target is None:
@@ -91,9 +97,7 @@ def resolve_target(target: str | os.PathLike | None, storage_options: dict | Non
         return gguf_to_safetensors(ggufs[0]) if ggufs and not (local / "config.json").exists() else local
     path = Path(target).expanduser()
     if path.suffix == ".gguf":
-        if not path.is_file():
-            raise CheckpointError(f"target GGUF file {path} does not exist (or is not a file)")
-        return gguf_to_safetensors(path)
+        return gguf_to_safetensors(check_gguf_path(path))
     if not path.is_dir():
         raise CheckpointError(f"target {path} is not a directory with config.json + safetensors, nor a .gguf file")
     if not (path / "config.json").exists():
@@ -115,10 +119,8 @@ def target_config_and_tokenizer(path: Path):
     except Exception as e:  # noqa: BLE001 - transformers raises OSError, ValueError, its own validation errors
         raise CheckpointError(f"target config {path / 'config.json'} cannot be read: {type(e).__name__}: "
                               f"{first_line(e)}") from None
-    from eagle_ray.model.target import SUPPORTED_MODEL_TYPES
-    if config.model_type not in SUPPORTED_MODEL_TYPES:   # before its weights load, not after
-        raise CheckpointError(f"target model_type '{config.model_type}' is not supported; eagle-ray runs "
-                              f"Llama-family decoders: {sorted(SUPPORTED_MODEL_TYPES)}")
+    from eagle_ray.model.target import check_model_type
+    check_model_type(config)   # before its weights load, not after
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     except Exception as e:  # noqa: BLE001

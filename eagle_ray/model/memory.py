@@ -202,7 +202,7 @@ def head_on_meta(kind: str, target_config, head_config: dict | None):
     """The draft head module, on the meta device, as the engine would build or load it."""
     from transformers import LlamaConfig
 
-    from eagle_ray.model.draft_head import DraftHead
+    from eagle_ray.model.draft_head import DraftHead, head_biases
     from eagle_ray.model.eagle3_head import ARCHITECTURES, Eagle3Head
     with torch.device("meta"):
         if head_config is None:
@@ -218,7 +218,7 @@ def head_on_meta(kind: str, target_config, head_config: dict | None):
         raw["num_hidden_layers"] = 1
         if kind == "eagle3":
             return Eagle3Head(LlamaConfig(**raw), target_config.num_hidden_layers)
-        bias, qkv_bias = bool(raw.pop("bias", True)), bool(raw.pop("qkv_bias", False))
+        bias, qkv_bias = head_biases(raw)
         return DraftHead(LlamaConfig(**raw), bias=bias, qkv_bias=qkv_bias)
 
 

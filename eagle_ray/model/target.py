@@ -20,14 +20,30 @@ from eagle_ray.model.logits import RefinedLogits
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 
 
+def check_model_type(config) -> None:
+    """The target must be a decoder this runtime runs (its layers are driven by ``decoder_layer``)."""
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise CheckpointError(f"target model_type '{config.model_type}' is not supported; eagle-ray runs "
+                              f"Llama-family decoders: {sorted(SUPPORTED_MODEL_TYPES)}")
+
+
+def check_loading_info(path, info: dict) -> None:
+    """transformers fills a tensor the files lack (or hold in another shape) with random values and only logs
+    it: such a checkpoint is refused, naming the tensors."""
+    missing = sorted(info.get("missing_keys") or []) + sorted(
+        str(k[0] if isinstance(k, (tuple, list)) else k) for k in info.get("mismatched_keys") or [])
+    if missing:
+        raise CheckpointError(f"target {path} lacks {len(missing)} of the model's tensors or holds them in "
+                              f"another shape ({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}): "
+                              "not a complete checkpoint of this config")
+
+
 class TargetModel:
     def __init__(self, hf_model, max_slots: int, max_len: int, fp32_logits="auto", fp32_activations="auto",
                  batch_invariant="auto", cpu_linears="auto"):
         """The precision switches are True, False or "auto" (resolved for the device by ``numerics_for``)."""
         cfg = hf_model.config
-        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
-            raise CheckpointError(f"target model_type '{cfg.model_type}' is not supported; eagle-ray runs "
-                                  f"Llama-family decoders: {sorted(SUPPORTED_MODEL_TYPES)}")
+        check_model_type(cfg)
         self.hf = hf_model.eval()
         self.config = cfg
         param = next(hf_model.parameters())
@@ -72,13 +88,7 @@ class TargetModel:
             raise
         except Exception as e:  # noqa: BLE001 - transformers and safetensors raise many types for a bad file
             raise CheckpointError(f"cannot load target from {path}: {type(e).__name__}: {first_line(e)}") from None
-        # transformers fills a tensor the files lack with random values and only logs it: refused here
-        missing = sorted(info.get("missing_keys") or []) + sorted(
-            str(k[0] if isinstance(k, (tuple, list)) else k) for k in info.get("mismatched_keys") or [])
-        if missing:
-            raise CheckpointError(f"target {path} lacks {len(missing)} of the model's tensors or holds them in "
-                                  f"another shape ({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}): "
-                                  "not a complete checkpoint of this config")
+        check_loading_info(path, info)
         return cls(hf.to(device), max_slots, max_len, fp32_logits, fp32_activations, batch_invariant, cpu_linears)
 
     @property

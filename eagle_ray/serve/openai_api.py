@@ -54,7 +54,7 @@ UNSUPPORTED = {"logit_bias": (None, {}), "echo": (None, False), "best_of": (None
                "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
                "structured_outputs": (None,)}
 NUMBERS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n", "seed",
-           "presence_penalty", "frequency_penalty")
+           "presence_penalty", "frequency_penalty")   # a JSON true or false is not one of these
 
 
 def _same(value, harmless) -> bool:
@@ -97,14 +97,10 @@ class _Request(BaseModel):
         for key in NUMBERS:
             if isinstance(data.get(key), bool):
                 raise ApiError(400, f"{key}: a number is required, not {str(data[key]).lower()}", param=key)
+        if data.get("stream_options") and not data.get("stream"):   # as OpenAI: options of a stream need one
+            raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
         required = {k for k, f in cls.model_fields.items() if f.is_required()}
         return {k: v for k, v in data.items() if v is not None or k in required}
-
-    @model_validator(mode="after")
-    def _stream_options_need_stream(self):
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
-        return self
 
     @field_validator("logprobs")
     @classmethod
@@ -131,6 +127,10 @@ class _Request(BaseModel):
     def limit(self) -> int | None:
         return self.max_tokens
 
+    def limit_field(self) -> str:
+        """The field the client set the output limit with, to name in errors."""
+        return "max_tokens"
+
     def sampling(self, default_max_tokens: int) -> SamplingParams:
         """The request's sampling, validated by the engine's parser (a bad seed or top_k is a 400 naming it)."""
         return sampling_params({"temperature": self.temperature, "top_p": self.top_p, "top_k": max(self.top_k, 0),
@@ -154,10 +154,13 @@ class CompletionRequest(_Request):
 
 class ChatRequest(_Request):
     messages: list = Field(..., min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
 
     def limit(self) -> int | None:
         return self.max_tokens or self.max_completion_tokens
+
+    def limit_field(self) -> str:
+        return "max_tokens" if self.max_tokens else "max_completion_tokens"
 
     def to_prompt(self) -> Prompt:
         return Prompt("messages", parse_messages(self.messages, "messages"))
@@ -199,7 +202,8 @@ def parse_body(raw: bytes, kind: str, model_name: str, max_tokens_cap: int, defa
                        param="model", code="model_not_found")
     limit = req.limit()
     if limit is not None and limit > max_tokens_cap:
-        raise ApiError(400, f"max_tokens={limit} is above this server's cap of {max_tokens_cap}", param="max_tokens")
+        field = req.limit_field()
+        raise ApiError(400, f"{field}={limit} is above this server's cap of {max_tokens_cap}", param=field)
     try:
         return ParsedRequest(req, req.to_prompt(), req.sampling(default_max_tokens))
     except InvalidRequestError as e:

@@ -78,7 +78,7 @@ def draft_log_probs(logits: torch.Tensor) -> torch.Tensor:
     yields NaN or -inf scores; ranked as they are, they tie or compare false, a child can outrank its parent, and
     the tree loses its shape. Floored, a child's cumulative score never exceeds its parent's, so every tree stays
     connected and the target verifies exactly what it is given: a broken head only costs acceptance."""
-    return torch.log_softmax(logits.float(), dim=-1).nan_to_num(LOGP_FLOOR, 0.0, LOGP_FLOOR).clamp(LOGP_FLOOR, 0.0)
+    return torch.log_softmax(logits.float(), dim=-1).nan_to_num_(LOGP_FLOOR, 0.0, LOGP_FLOOR).clamp_(LOGP_FLOOR, 0.0)
 
 
 def _pool_to_tree(root_tokens, pool_tokens, pool_scores, pool_parents, pool_depth, keep: int,

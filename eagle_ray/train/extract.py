@@ -197,11 +197,8 @@ def iter_conversations(source: str | None) -> Iterable[list[dict] | dict | None]
         for rec in iter_json_array(source or sharegpt_path()):
             yield to_messages(rec)
     else:  # JSONL of {"messages": [...]} or ShareGPT records
-        import json
-        with open(source, encoding="utf-8") as f:
-            for line in f:
-                if line.strip():
-                    yield to_messages(json.loads(line))
+        for record in first_jsonl_records(Path(source)):
+            yield to_messages(record)
 
 
 def check_source(source: str | None, flag: str = "--source") -> None:
@@ -222,6 +219,29 @@ def check_source(source: str | None, flag: str = "--source") -> None:
         return
     if path.is_file() and source.endswith(".json") and not holds_json_array(path):
         raise SystemExit(f"{flag} {source} does not hold a JSON array of conversations")
+    if path.is_file() and not source.endswith((".json", ".parquet")):   # JSON lines: its first record, now
+        next(iter(first_jsonl_records(path, 1)), None)
+
+
+def first_jsonl_records(path: Path, n: int | None = None) -> Iterable[dict]:
+    """The records of a JSON-lines file (the first ``n``), each a JSON object; a line that is not one fails
+    naming its line (the features extracted so far are kept: extraction resumes)."""
+    import json
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as e:
+                raise SystemExit(f"{path}:{lineno}: not a JSON record ({str(e).split(';')[0]})") from None
+            if not isinstance(record, dict):
+                raise SystemExit(f"{path}:{lineno}: a record must be a JSON object, got {type(record).__name__}")
+            yield record
+            if n is not None:
+                n -= 1
+                if n == 0:
+                    return
 
 
 def load_target(target: str | None, dtype: str, threads: int | None, storage_options: dict | None = None,
@@ -234,7 +254,11 @@ def load_target(target: str | None, dtype: str, threads: int | None, storage_opt
         torch.set_num_threads(threads)
     path = resolve_target(target, storage_options)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+    from eagle_ray.model.target import check_loading_info
+    model, info = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), output_loading_info=True,
+                                                       ignore_mismatched_sizes=True, use_safetensors=True)
+    check_loading_info(path, info)   # states of randomly filled tensors would train a head on noise
+    model = model.to(device).eval()
     return model, AutoTokenizer.from_pretrained(path)
 
 

@@ -197,7 +197,7 @@ def iter_conversations(source: str | None) -> Iterable[list[dict] | dict | None]
         for rec in iter_json_array(source or sharegpt_path()):
             yield to_messages(rec)
     else:  # JSONL of {"messages": [...]} or ShareGPT records
-        for record in first_jsonl_records(Path(source)):
+        for record in jsonl_records(Path(source)):
             yield to_messages(record)
 
 
@@ -220,10 +220,10 @@ def check_source(source: str | None, flag: str = "--source") -> None:
     if path.is_file() and source.endswith(".json") and not holds_json_array(path):
         raise SystemExit(f"{flag} {source} does not hold a JSON array of conversations")
     if path.is_file() and not source.endswith((".json", ".parquet")):   # JSON lines: its first record, now
-        next(iter(first_jsonl_records(path, 1)), None)
+        next(iter(jsonl_records(path, 1)), None)
 
 
-def first_jsonl_records(path: Path, n: int | None = None) -> Iterable[dict]:
+def jsonl_records(path: Path, n: int | None = None) -> Iterable[dict]:
     """The records of a JSON-lines file (the first ``n``), each a JSON object; a line that is not one fails
     naming its line (the features extracted so far are kept: extraction resumes)."""
     import json

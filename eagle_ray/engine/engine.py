@@ -80,11 +80,7 @@ def check_prompt_room(max_len: int, trees: list[TreeConfig]) -> None:
 
 def check_draft_vocab(draft, trees: list[TreeConfig]) -> None:
     """Refuse trees whose nodes take more children than the head has draft tokens: top-k would pick padding."""
-    if draft.kind == "eagle3":
-        n = draft.draft_vocab_size
-    else:
-        n = draft.token_map.numel() if draft.token_map is not None else draft.config.vocab_size
-    k = max(children_per_node(t) for t in trees)
+    n, k = draft.draft_vocab_size, max(children_per_node(t) for t in trees)
     if n < k:
         raise ConfigError(f"the draft head proposes from {n} tokens, fewer than the {k} children a tree node takes "
                           "(top_k, or a static tree's widest rank): use a narrower tree or a head with a larger draft "

@@ -128,6 +128,11 @@ class DraftHead(nn.Module):
         """Width of the target features the head consumes (the target's final hidden state)."""
         return self.config.hidden_size
 
+    @property
+    def draft_vocab_size(self) -> int:
+        """How many tokens the head drafts from: its token map's (once bound), else the whole vocabulary."""
+        return self.token_map.numel() if self.token_map is not None else self.config.vocab_size
+
     def allocate_cache(self, max_slots: int, max_len: int) -> None:
         p = self.fc.weight
         attn = self.layers[0].self_attn

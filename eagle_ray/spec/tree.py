@@ -175,7 +175,7 @@ def grow_static(draft_fn, topk_fn, root_hidden: torch.Tensor, root_tokens: torch
     B, d = root_hidden.shape
     device = root_hidden.device
     index = {tuple(p): i for i, p in enumerate(shape)}
-    K = max(p[-1] for p in shape) + 1
+    K = children_per_node(cfg)
     levels = sorted({len(p) for p in shape})
     logp, tok = topk_fn(root_hidden, K)
     P = len(shape)

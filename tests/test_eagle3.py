@@ -94,6 +94,9 @@ def test_a_head_for_another_target_fails_at_load_naming_the_mismatch(deep, tmp_p
     (tmp_path / "wide" / "config.json").write_text(json.dumps(cfg | {"target_hidden_size": 4096}))
     with pytest.raises(CheckpointError, match="target_hidden_size=4096, target hidden_size=32"):
         engine_for(path, tmp_path / "wide")
+    (tmp_path / "wide" / "config.json").write_text(json.dumps(cfg | {"hidden_size": 96, "target_hidden_size": 32}))
+    with pytest.raises(CheckpointError, match="hidden_size=96 is three times the target's hidden_size=32"):
+        engine_for(path, tmp_path / "wide")
     with pytest.raises(CheckpointError, match="at least 7 layers"):   # the 2-layer tiny target
         engine_for(tiny_dir, tmp_path / "h")
     (tmp_path / "h" / "config.json").write_text(json.dumps(cfg | {"vocab_size": 128}))

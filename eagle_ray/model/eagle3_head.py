@@ -227,6 +227,10 @@ def check_config(path, raw: dict, target_config) -> None:
         if head_v != target_v:
             raise CheckpointError(f"EAGLE-3 head {path} does not match the target: head {key}={head_v}, target "
                                   f"{'hidden_size' if key == 'target_hidden_size' else key}={target_v}")
+    if raw.get("hidden_size") == 3 * target_d:   # the head tells the target's fused states from its own by width
+        raise CheckpointError(f"EAGLE-3 head {path}: hidden_size={raw['hidden_size']} is three times the target's "
+                              f"hidden_size={target_d}, so its own states and the target's fused ones have the same "
+                              f"width; such heads are not supported")
     if target_config.num_hidden_layers < 7:   # fewer layers: 2, L/2 and L-3 are not three distinct layers
         raise CheckpointError(f"EAGLE-3 head {path} needs a target with at least 7 layers (it reads three distinct "
                               f"layers 2, L/2 and L-3); the target has {target_config.num_hidden_layers}")

@@ -457,6 +457,9 @@ def test_a_json_array_that_does_not_parse_is_one_error_row_not_a_row_per_line(tm
     (tmp_path / "c.json").write_text('[1, 2]\n{"prompt": "x"}\n{"prompt": \n')
     assert [(r.id, r.kind) for r in local_rows(str(tmp_path / "c.json"))] == [
         ("row-0", INVALID_ROW), ("row-1", ""), ("row-2", INVALID_JSON)]
+    (tmp_path / "d.json").write_text('[\n  {"prompt": "x", "n": ' + "9" * 5000 + '}\n]\n')   # over 4,300 digits
+    [row] = local_rows(str(tmp_path / "d.json"))
+    assert row.kind == INVALID_JSON and "d.json: invalid JSON array (Exceeds the limit (4300 digits)" in row.error
 
 
 def test_configs_that_could_only_fail_later_fail_at_load(tiny_dir, tiny_head):

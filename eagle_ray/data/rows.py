@@ -93,7 +93,7 @@ def decode_line(raw: bytes, first: bool, what: str = "JSON") -> tuple[object, st
         where = f"column {e.colno}" if what == "JSON" else f"line {e.lineno} column {e.colno}"
         return None, f"invalid {what} ({e.msg} at {where})", INVALID_JSON
     except ValueError as e:   # an integer of more digits than Python converts (4,300)
-        return None, f"invalid JSON ({str(e).split(';')[0]})", INVALID_JSON
+        return None, f"invalid {what} ({str(e).split(';')[0]})", INVALID_JSON
     except RecursionError:
         return None, f"JSON nested deeper than {MAX_NESTING} levels", INVALID_ROW
     return rec, "", ""

@@ -33,10 +33,9 @@ def tree_of(name: str) -> TreeConfig:
     if name in TREES:
         return TREES[name]
     try:
-        total, depth, top_k = (int(x) for x in name.split("/"))
+        return TreeConfig.from_spec(name)
     except ValueError:
         raise argparse.ArgumentTypeError(f"tree {name!r}: a name in {list(TREES)} or total/depth/top_k") from None
-    return TreeConfig(total_tokens=total, depth=depth, top_k=top_k)
 
 
 def tree_name(name: str) -> str:

@@ -51,7 +51,8 @@ class TreeConfig(StrictModel):
     fixed tree (``static_tree`` paths of sibling ranks), ``chain`` drafts ``depth + 1`` tokens greedily. A tree of
     ``total_tokens: 1`` is plain decoding (:data:`PLAIN`): the step verifies only its root and drafts nothing, while
     the head's inputs keep accumulating, so a later step can speculate again.
-    Defaults are the ones measured fastest for the embedded pair on a 2-core CPU (see README).
+    Defaults are the ones measured fastest for the embedded pair on a 2-core CPU (see README; ``bench/tree_speed.py``
+    times trees side by side).
     """
     mode: Literal["dynamic", "static", "chain"] = "dynamic"
     total_tokens: int = Field(8, ge=1, le=512, description="verify budget per sequence, root included")
@@ -64,6 +65,15 @@ class TreeConfig(StrictModel):
                         "sequence, the tokens that followed the latest earlier occurrence of its last "
                         "lookup_ngram tokens, grafted onto the draft tree (spec/lookup.py); 0: off")
     lookup_ngram: int = Field(3, ge=1, le=32, description="tokens a prompt lookup matches")
+
+    @classmethod
+    def from_spec(cls, spec: str) -> "TreeConfig":
+        """``total/depth/top_k`` (``8/3/3``) as a dynamic tree, the other fields default: how benchmarks name one."""
+        try:
+            total, depth, top_k = (int(x) for x in spec.split("/"))
+        except ValueError:
+            raise ValueError(f"tree {spec!r}: write total/depth/top_k, e.g. 8/3/3") from None
+        return cls(total_tokens=total, depth=depth, top_k=top_k)
 
 
 PLAIN = TreeConfig(total_tokens=1, depth=0, top_k=1, lookup=0)

@@ -1,6 +1,7 @@
 """Draft trees: the EAGLE authors' example, EAGLE-2 expansion/rerank against brute force, static and chain shapes."""
 import itertools
 
+import pytest
 import torch
 
 from eagle_ray.config import TreeConfig
@@ -219,3 +220,11 @@ def test_nan_or_infinite_draft_scores_leave_every_tree_well_formed():
     logp, ids = context_topk(torch.full((B, 1, V), nan), torch.full((B, 1, d), nan), torch.randn(64, d),
                              torch.arange(V), context, 3)
     assert ((logp >= LOGP_FLOOR) & (logp <= 0)).all() and (ids >= 0).all()
+
+
+def test_a_tree_is_named_total_depth_top_k():
+    assert TreeConfig.from_spec("8/3/3") == TreeConfig(total_tokens=8, depth=3, top_k=3)
+    with pytest.raises(ValueError, match=r"'8x3': write total/depth/top_k"):
+        TreeConfig.from_spec("8x3")
+    with pytest.raises(ValueError, match="top_k"):
+        TreeConfig.from_spec("8/3/0")

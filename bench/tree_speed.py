@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     if len(set(a.trees)) < 2:
         p.error("--trees: give at least two different trees")
     try:
-        trees = {name: TreeConfig(**TreeConfig.from_spec(name).model_dump() | {"lookup": a.lookup}) for name in a.trees}
+        trees = {name: TreeConfig.from_spec(name, lookup=a.lookup) for name in a.trees}
     except ValueError as e:
         p.error(f"--trees: {e}")
     engines = {name: EagleEngine.from_pretrained(draft=a.draft, dtype=a.dtype, max_batch_size=a.batch_size,

@@ -67,13 +67,14 @@ class TreeConfig(StrictModel):
     lookup_ngram: int = Field(3, ge=1, le=32, description="tokens a prompt lookup matches")
 
     @classmethod
-    def from_spec(cls, spec: str) -> "TreeConfig":
-        """``total/depth/top_k`` (``8/3/3``) as a dynamic tree, the other fields default: how benchmarks name one."""
+    def from_spec(cls, spec: str, **fields) -> "TreeConfig":
+        """``total/depth/top_k`` (``8/3/3``) as a dynamic tree, with any other ``fields`` (``lookup=0``): how
+        benchmarks name one."""
         try:
             total, depth, top_k = (int(x) for x in spec.split("/"))
         except ValueError:
             raise ValueError(f"tree {spec!r}: write total/depth/top_k, e.g. 8/3/3") from None
-        return cls(total_tokens=total, depth=depth, top_k=top_k)
+        return cls(total_tokens=total, depth=depth, top_k=top_k, **fields)
 
 
 PLAIN = TreeConfig(total_tokens=1, depth=0, top_k=1, lookup=0)

@@ -2,12 +2,12 @@
 GPU pods hold the engine they run (its memory plan fits their GPU) and have what it needs (/dev/shm, the model cache,
 GPU tolerations, Ray token auth)."""
 import importlib
-import importlib.util
 import re
 import sys
 from pathlib import Path
 
 import ray
+import repo_scripts
 import torch
 import yaml
 
@@ -78,10 +78,7 @@ KUBERAY = ("kuberay-rayjob.yaml", "kuberay-raycluster.yaml", "kuberay-rayservice
 
 
 def memory_table():
-    spec = importlib.util.spec_from_file_location("memory_table", ROOT / "bench" / "memory_table.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return repo_scripts.load("bench/memory_table.py")
 
 
 def cluster_spec(manifest: dict) -> dict:

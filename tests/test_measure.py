@@ -1,23 +1,13 @@
 """What the measuring command counts as a near-tie when greedy outputs first differ; how runs take turns; what the
 tree bench compares."""
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+import repo_scripts
 import torch
 
 from eagle_ray.config import TreeConfig
 from eagle_ray.measure import divergence, interleaved, near_tie, ulp
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def tree_bench():
-    spec = importlib.util.spec_from_file_location("tree_speed", ROOT / "bench" / "tree_speed.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_a_dtype_unit_is_the_spacing_of_its_values_at_that_size():
@@ -92,7 +82,7 @@ def test_at_batch_1_the_modes_take_turns_prompt_by_prompt_and_agree(tiny_dir, ti
 def test_the_tree_bench_times_two_trees_of_the_embedded_pair_in_turn_and_their_fp32_outputs_agree(tmp_path):
     """``bench/tree_speed.py``: one engine per tree over the same prompts; in fp32 each output is the target's own
     whatever the tree, so none differs from the first tree's, and the result names the machine it ran on."""
-    tree_speed = tree_bench()
+    tree_speed = repo_scripts.load("bench/tree_speed.py")
     out = tmp_path / "trees.json"
     assert tree_speed.main(["--trees", "8/2/3", "6/1/4", "--num-prompts", "2", "--max-new-tokens", "12",
                             "--dtype", "float32", "--threads", "1", "--out", str(out)]) == 0
@@ -102,4 +92,3 @@ def test_the_tree_bench_times_two_trees_of_the_embedded_pair_in_turn_and_their_f
     assert got["summary"]["6/1/4"]["tree"] == TreeConfig(total_tokens=6, depth=1, top_k=4).model_dump()
     assert got["speed_vs_first"]["8/2/3"] == 1.0 and got["cpu"] and got["batch_size"] == 1
     assert len(got["per_prompt_s"]["6/1/4"]) == 2
-

@@ -1,9 +1,9 @@
 """Memory planning: the plan equals what an engine allocates, "auto" takes the most slots that fit, and a config that
 does not fit fails before anything is allocated, naming what it needs and what is free."""
-import importlib.util
 from pathlib import Path
 
 import pytest
+import repo_scripts
 import torch
 from tiny import make_target, make_tokenizer
 from transformers import AutoModelForCausalLM, LlamaConfig
@@ -21,14 +21,9 @@ from eagle_ray.model.memory import (AUTO_MAX_SLOTS, GiB, MemoryPlan, copies_for,
                                     gpu_usable_bytes, module_bytes, plan_memory)
 from eagle_ray.model.target import TargetModel
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 def memory_table():
-    spec = importlib.util.spec_from_file_location("memory_table", ROOT / "bench" / "memory_table.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return repo_scripts.load("bench/memory_table.py")
 
 
 def held_bytes(*roots) -> int:

@@ -10,6 +10,7 @@ import threading
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import repo_scripts
 import torch
 from test_engine import reference_greedy
 from tiny import save_target, tiny_engine
@@ -546,15 +547,11 @@ def test_input_paths_that_hold_nothing_to_read_are_config_errors(tmp_path):
 
 
 # ---- the job's command line and its tuning cache ------------------------------------------------------------------
-ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+ROOT = repo_scripts.ROOT
 
 
 def generate_main(args: list[str]) -> int:
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("generate_job", ROOT / "jobs" / "generate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main(args)
+    return repo_scripts.load("jobs/generate.py").main(args)
 
 
 def test_the_job_cli_answers_bad_paths_with_one_line_and_status_2(tmp_path, capsys):

@@ -224,6 +224,7 @@ def test_nan_or_infinite_draft_scores_leave_every_tree_well_formed():
 
 def test_a_tree_is_named_total_depth_top_k():
     assert TreeConfig.from_spec("8/3/3") == TreeConfig(total_tokens=8, depth=3, top_k=3)
+    assert TreeConfig.from_spec("8/3/3", lookup=0) == TreeConfig(total_tokens=8, depth=3, top_k=3, lookup=0)
     with pytest.raises(ValueError, match=r"'8x3': write total/depth/top_k"):
         TreeConfig.from_spec("8x3")
     with pytest.raises(ValueError, match="top_k"):

@@ -241,3 +241,43 @@ def test_32_concurrent_streams_complete_and_share_verify_passes(server):
     assert result["errors"] == 0 and result["malformed"] == 0 and result["completed"] >= 32, result
     batch = (after["decode_sequences"] - before["decode_sequences"]) / (after["decode_passes"] - before["decode_passes"])
     assert batch > 1.5 and after["free_slots"] == 4
+
+
+@pytest.mark.parametrize("when", ["loading", "serving"])
+def test_ctrl_c_stops_the_serve_command_cleanly_while_loading_or_serving(tiny_dir, tiny_head, tmp_path, when):
+    """``eagle-ray serve`` is a foreground command: Ctrl-C shuts Serve down and exits 0, with one line and no
+    traceback, whether the model is still loading or the app is serving. Its own Ray (a separate temp dir), so
+    the shutdown cannot touch this session's cluster."""
+    import os
+    import shutil
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+
+    import yaml
+    head = tmp_path / "head"
+    tiny_head.save(head)
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(yaml.safe_dump({"engine": {"target": str(tiny_dir), "draft": str(head), "dtype": "float32",
+                                              "max_batch_size": 2, "max_model_len": 128},
+                                   "model_name": MODEL, "num_cpus": 1}))
+    ray_tmp = tempfile.mkdtemp(prefix="er", dir="/tmp")       # short: Ray's socket paths live under it
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": ray_tmp}
+    cmd = [sys.executable, "-m", "eagle_ray.cli", "serve", "--config", str(cfg), "--port", str(free_port())]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    mark = "Started a local Ray instance" if when == "loading" else "eagle-ray serving"
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if mark in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    out = "".join(lines) + rest
+    assert proc.returncode == 0, out
+    assert "eagle-ray: interrupted, shutting Serve down" in out and "Traceback" not in out, out

@@ -1,4 +1,4 @@
-"""Ray Serve app: an OpenAI-compatible HTTP API over one continuously batched EAGLE-2 engine per replica.
+"""Ray Serve app: an OpenAI-compatible HTTP API over one continuously batched EAGLE engine per replica.
 
 Every request goes into the replica's :class:`RequestQueue`, so concurrent requests share verify passes. A client
 that disconnects mid-stream has its request cancelled (its slot is free before the next step); shutdown drains
@@ -266,18 +266,23 @@ def build_app(args: dict):
 
 
 def run(cfg: ServeConfig, blocking: bool = True):
-    """Start Serve on ``cfg.host:cfg.port`` (a local Ray on 127.0.0.1 unless RAY_ADDRESS is set)."""
+    """Start Serve on ``cfg.host:cfg.port`` (a local Ray on 127.0.0.1 unless RAY_ADDRESS is set). Blocking, Ctrl-C
+    stops it at any point, while the model loads too, and shuts Serve down (the replica drains what is in flight)."""
     from eagle_ray.cluster import ensure_ray
     api_key_from_env(cfg)  # a local replica inherits this environment: fail now, not after the model loads
-    ensure_ray()
-    serve.start(http_options={"host": cfg.host, "port": cfg.port})
-    serve.run(build_app(json.loads(cfg.model_dump_json())), name="eagle-ray", route_prefix=cfg.route_prefix,
-              blocking=False)
-    if blocking:
+    try:
+        ensure_ray()
+        serve.start(http_options={"host": cfg.host, "port": cfg.port})
+        serve.run(build_app(json.loads(cfg.model_dump_json())), name="eagle-ray", route_prefix=cfg.route_prefix,
+                  blocking=False)
+        if not blocking:
+            return
         print(f"eagle-ray serving {cfg.model_name} at http://{cfg.host}:{cfg.port}{cfg.route_prefix.rstrip('/')}/v1",
               flush=True)
-        try:
-            while True:
-                time.sleep(3600)
-        except KeyboardInterrupt:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("eagle-ray: interrupted, shutting Serve down", flush=True)
+        import ray
+        if ray.is_initialized():
             serve.shutdown()

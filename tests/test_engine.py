@@ -2,7 +2,7 @@
 tree mode, batch size and Llama-family variant; stop rules cut where they should."""
 import pytest
 import torch
-from tiny import make_target, make_tokenizer, save_target, tiny_engine, trained_head
+from tiny import make_target, make_tokenizer, save_target, text_after, tiny_engine, trained_head
 
 from eagle_ray.config import SamplingParams, TreeConfig
 from eagle_ray.engine.queue import RequestQueue
@@ -186,7 +186,8 @@ def test_stop_token_ids_and_max_new_tokens_never_overshoot(tiny_dir, tiny_hf, ti
     stop_tok = full[17]
     out = engine.generate([prompt], SamplingParams(max_new_tokens=40, stop_token_ids=[stop_tok], ignore_eos=True))[0]
     assert out.token_ids == full[: full.index(stop_tok) + 1] and out.finish_reason == "stop"
-    assert out.text == engine.tokenizer.decode(full[: full.index(stop_tok)])   # the stop token's text is left out
+    # the stop token's text is left out
+    assert out.text == text_after(engine.tokenizer, out.prompt_token_ids, full[: full.index(stop_tok)])
     queue = RequestQueue(engine)
     streamed = "".join(d.text for d in queue.stream(
         prompt, SamplingParams(max_new_tokens=40, stop_token_ids=[stop_tok], ignore_eos=True)))
@@ -202,13 +203,14 @@ def test_stop_strings_cut_the_text_before_the_match(tiny_dir, tiny_hf, tiny_head
     tok = make_tokenizer(64)
     prompt = mixed_prompts(1, seed=4)[0]
     full = reference_greedy(tiny_hf, prompt, 40)
-    full_text = tok.decode(full)
+    ids = engine.encode(prompt)
+    full_text = text_after(tok, ids, full)                 # " w.. w..": the output's text after its prompt
     stop = " " + tok.decode([full[12]]) + " "
     pos = full_text.find(stop)
     out = engine.generate([prompt], SamplingParams(max_new_tokens=40, stop=[stop], ignore_eos=True))[0]
     assert out.finish_reason == "stop"
     assert out.text == full_text[:pos]
-    n = next(n for n in range(1, 41) if len(tok.decode(full[:n])) > pos)  # fewest tokens that reach the match
+    n = next(n for n in range(1, 41) if len(text_after(tok, ids, full[:n])) > pos)  # fewest tokens reaching it
     assert out.token_ids == full[:n]
 
 

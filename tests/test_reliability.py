@@ -5,6 +5,7 @@ versions of these cases are in test_job.py and test_serve.py, slow tier).
 """
 import asyncio
 import json
+import re
 import threading
 
 import pyarrow as pa
@@ -13,7 +14,7 @@ import pytest
 import repo_scripts
 import torch
 from test_engine import reference_greedy
-from tiny import save_target, tiny_engine
+from tiny import save_target, text_after, tiny_engine
 
 from eagle_ray.config import SamplingParams, TreeConfig
 from eagle_ray.data.rows import INVALID_JSON, INVALID_ROW, read_input, to_table
@@ -114,6 +115,24 @@ def test_a_head_that_outputs_nan_or_inf_costs_acceptance_never_output(tmp_path, 
         assert [o.token_ids for o in engine.generate(prompts, params)] == plain
 
 
+def test_a_prompt_holding_a_token_the_model_cannot_embed_is_refused_and_the_engine_runs_on(tmp_path):
+    """A fine-tune that added a tokenizer token without growing the embedding: text spelling that token must be the
+    request's error, not an index error that kills the engine for every request."""
+    from transformers import AutoTokenizer
+
+    from eagle_ray.engine.queue import RequestQueue
+    save_target(tmp_path)                                    # 64 embedding rows, 64 tokens
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    tok.add_special_tokens({"additional_special_tokens": ["<|extra|>"]})    # id 64
+    tok.save_pretrained(tmp_path)
+    queue = RequestQueue(tiny_engine(tmp_path, max_model_len=128))
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    with pytest.raises(InvalidRequestError, match=r"token id 64, outside the model's vocabulary \[0, 64\)"):
+        queue.submit("w1 <|extra|>", params).result(timeout=60)
+    assert len(queue.submit("w1 w2 w3", params).result(timeout=60).token_ids) == 8 and queue.healthy
+    queue.shutdown()
+
+
 def test_an_oversized_prompt_is_refused_before_it_is_tokenised(tiny_dir, tiny_head):
     engine = tiny_engine(tiny_dir, tiny_head, max_model_len=64)
     calls = []
@@ -129,10 +148,35 @@ def test_an_oversized_prompt_is_refused_before_it_is_tokenised(tiny_dir, tiny_he
     assert len(calls) == 1
 
 
-def test_text_is_decoded_incrementally_and_equals_the_full_decode(tiny_dir, tiny_head):
+def test_text_is_decoded_incrementally_and_is_what_the_output_adds_to_the_prompt(tiny_dir, tiny_head):
+    """As a completion reads after its prompt (vLLM's text too): this word-level tokenizer joins words with a space,
+    so the output's text starts with one."""
     engine = tiny_engine(tiny_dir, tiny_head)
     out = engine.generate([random_prompt(6, 8)], SamplingParams(max_new_tokens=40, ignore_eos=True))[0]
-    assert out.text == engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    decode = lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=True)   # noqa: E731
+    assert decode(out.prompt_token_ids) + out.text == decode(out.prompt_token_ids + out.token_ids)
+    assert out.text == " " + decode(out.token_ids)
+
+
+def test_a_sentencepiece_output_keeps_the_space_its_first_token_carries():
+    """Llama-2 / Mistral-style decoders strip the space of the first token they decode: decoded alone, ``▁Paris``
+    is "Paris". After the prompt's last tokens it is " Paris", and a stop string can match that space."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from eagle_ray.engine.text import Detokenizer
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "▁The": 3, "▁capital": 4, "▁is": 5, "▁Paris": 6, ".": 7}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    prompt = fast("The capital is")["input_ids"]
+    assert fast.decode([6, 7]) == "Paris."
+    d = Detokenizer(fast, prompt)
+    assert [d.add([6]), d.add([7])] == [" Paris", "."] and d.text == " Paris."
+    assert d.tokens_reaching(0) == 1 and d.tokens_reaching(6) == 2     # " Paris" is 6 characters
+    assert Detokenizer(fast).add([6, 7]) == "Paris."                  # no prompt: as decoded alone
 
 
 def test_embedded_style_tokenizer_streams_the_same_text_it_decodes_at_once():
@@ -173,7 +217,7 @@ def test_a_stop_string_cuts_tokens_and_text_once(tiny_dir, tiny_head):
     out = engine.generate([prompt], SamplingParams(max_new_tokens=30, ignore_eos=True, stop=[stop]))[0]
     assert out.finish_reason == "stop"
     assert out.text == full.text[: full.text.index(stop)]
-    assert engine.tokenizer.decode(out.token_ids, skip_special_tokens=True).startswith(out.text)
+    assert text_after(engine.tokenizer, out.prompt_token_ids, out.token_ids).startswith(out.text)
 
 
 # ---- the engine thread --------------------------------------------------------------------------------------------
@@ -319,12 +363,15 @@ def test_the_serve_parser_refuses_vllm_fields_it_would_ignore_and_reads_types_st
         return parse_body(json.dumps({"model": "m", "prompt": "w1", **body}).encode(), kind, "m", 100, 16)
     for field, value in [("repetition_penalty", 2.0), ("min_tokens", 5), ("min_p", 0.1), ("top_logprobs", 2),
                          ("tool_choice", "required"), ("guided_json", {}), ("include_stop_str_in_output", True),
-                         ("skip_special_tokens", False), ("use_beam_search", True), ("best_of", True)]:
+                         ("skip_special_tokens", False), ("use_beam_search", True), ("best_of", True),
+                         ("continue_final_message", True), ("add_generation_prompt", False),
+                         ("chat_template_kwargs", {"enable_thinking": False}), ("chat_template", "{{ x }}")]:
         with pytest.raises(ApiError, match=f"^{field} is not supported") as e:
             parse({field: value})
         assert e.value.status == 400 and e.value.param == field
     harmless = parse({"repetition_penalty": 1.0, "min_tokens": 0, "min_p": 0, "tool_choice": "auto",
-                      "skip_special_tokens": True, "best_of": 1})
+                      "skip_special_tokens": True, "best_of": 1, "continue_final_message": False,
+                      "add_generation_prompt": True, "chat_template_kwargs": {}})
     assert harmless.params == parse({}).params
     for body, reason, param in [({"stream": "yes"}, "stream: Input should be a valid boolean", "stream"),
                                 ({"max_tokens": True}, "max_tokens: a number is required, not true", "max_tokens"),
@@ -346,6 +393,28 @@ def test_the_serve_parser_refuses_vllm_fields_it_would_ignore_and_reads_types_st
     assert parse({"stop_token_ids": [7, 9]}).params.stop_token_ids == [7, 9]
     assert parse({"stream_options": {}}).params == parse({}).params   # empty options: nothing asked of a stream
     assert parse({"prompt": [[5, 6, 7]]}).prompt == parse({"prompt": [5, 6, 7]}).prompt
+
+
+def test_a_chat_reads_as_vllm_reads_it():
+    """Both output limits set: OpenAI's ``max_completion_tokens`` (which deprecates ``max_tokens``) wins. A
+    message's text parts are joined by a newline. Tool calls in the history are refused, not dropped."""
+    from eagle_ray.serve.openai_api import ApiError, parse_body
+
+    def chat(body):
+        return parse_body(json.dumps({"model": "m", **body}).encode(), "chat", "m", 100, 16)
+    user = [{"role": "user", "content": [{"type": "text", "text": "w1"}, {"type": "text", "text": "w2"}]}]
+    got = chat({"messages": user, "max_tokens": 50, "max_completion_tokens": 5})
+    assert got.params.max_new_tokens == 5 and got.prompt.value == [{"role": "user", "content": "w1\nw2"}]
+    assert chat({"messages": user, "max_tokens": 50}).params.max_new_tokens == 50
+    with pytest.raises(ApiError, match="max_completion_tokens") as e:   # the limit named as the client set it
+        chat({"messages": user, "max_tokens": 50, "max_completion_tokens": 500})
+    assert e.value.status == 400
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    with pytest.raises(ApiError, match=r"messages\[1\].tool_calls: tool calls are not supported"):
+        chat({"messages": user + [{"role": "assistant", "content": None, "tool_calls": [call]}] + user})
+    row = parse_row({"messages": user, "sampling_params": {"max_tokens": 50, "max_completion_tokens": 5}},
+                    SamplingParams())
+    assert row.params.max_new_tokens == 5 and row.prompt.value[0]["content"] == "w1\nw2"
 
 
 def test_a_mounted_api_key_is_read_without_its_trailing_newline(monkeypatch):
@@ -445,6 +514,44 @@ def test_a_binary_column_the_job_does_not_read_never_spoils_a_row(tmp_path):
     assert "column 'id' is not UTF-8" in rows[1].error
 
 
+def test_a_date_python_cannot_hold_never_spoils_a_row(tmp_path):
+    """A timestamp of 2**62 microseconds (a common "never") or a date past year 9999, in a column the job does not
+    read: every row stays a good row; that column's dates and times are then kept as text."""
+    never = pa.array([0, 2**62], pa.int64()).cast(pa.timestamp("us"))
+    far = pa.array([0, 3_000_000], pa.int32()).cast(pa.date32())          # days: past 9999-12-31
+    pq.write_table(pa.table({"id": ["a", "b"], "prompt": ["hi", "yo"], "created": never,
+                             "meta": pa.StructArray.from_arrays([far], ["due"])}), tmp_path / "t.parquet")
+    rows = local_rows(str(tmp_path / "t.parquet"))
+    assert [(r.id, r.kind) for r in rows] == [("a", ""), ("b", "")]
+    assert json.loads(rows[1].payload) == {"id": "b", "prompt": "yo",
+                                           "created": "<value out of range: 4611686018427387904>",
+                                           "meta": {"due": "10183-09-21"}}
+    assert json.loads(rows[0].payload)["created"] == "1970-01-01 00:00:00.000000"
+
+
+def test_gzipped_json_lines_are_read_and_a_glob_takes_only_data_files(tmp_path):
+    """``.jsonl.gz`` and ``.json.gz`` are read as what they hold (read as text, every line was an invalid_utf8
+    row). A glob such as ``dir/*`` skips what a directory walk skips: hidden checksum files, ``_SUCCESS`` and
+    other names, whose lines would be rows and shift every later row's index. Another compression is refused."""
+    import gzip
+    lines = "".join(json.dumps({"id": f"q{i}", "prompt": f"w{i}"}) + "\n" for i in range(3)).encode()
+    (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(lines))
+    (tmp_path / "b.json.gz").write_bytes(gzip.compress(json.dumps([{"id": "r0", "prompt": "w9"}]).encode()))
+    (tmp_path / ".a.jsonl.gz.crc").write_bytes(b"\x00\x01crc")
+    (tmp_path / "_SUCCESS").write_bytes(b"")
+    (tmp_path / "README.md").write_text("# prompts\n")
+    for uri in (str(tmp_path), str(tmp_path / "*")):
+        rows = local_rows(uri)
+        assert [(r.id, r.kind) for r in rows] == [("q0", ""), ("q1", ""), ("q2", ""), ("r0", "")], uri
+        assert json.loads(rows[3].payload) == {"id": "r0", "prompt": "w9"}
+    (tmp_path / "c.jsonl.bz2").write_bytes(b"BZh9")
+    with pytest.raises(ConfigError, match="compressed in a way the job does not read"):
+        local_rows(str(tmp_path / "c.jsonl.bz2"))
+    (tmp_path / "cut.jsonl.gz").write_bytes(gzip.compress(lines)[:20])
+    with pytest.raises(ConfigError, match="cut.jsonl.gz is not readable gzip"):
+        local_rows(str(tmp_path / "cut.jsonl.gz"))
+
+
 def test_a_json_array_that_does_not_parse_is_one_error_row_not_a_row_per_line(tmp_path):
     """Read line by line, a broken pretty-printed array would become rows it never held ("[", "{", ...), numbered
     so that every later file's rows moved; it is one ``invalid_json`` row saying where. A ``.json`` file of JSON
@@ -528,6 +635,25 @@ def test_bad_sampling_values_are_request_errors_naming_the_field():
         parse_row({"prompt": "x", "sampling_params": {"temprature": 1}}, SamplingParams())
     with pytest.raises(InvalidRequestError, match="exactly one of"):
         parse_row({"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, SamplingParams())
+
+
+@pytest.mark.parametrize("sampling, reason", [
+    ({"max_tokens": True}, "sampling_params.max_tokens: an integer is required, got bool"),
+    ({"top_k": True}, "sampling_params.top_k: an integer is required, got bool"),
+    ({"ignore_eos": "yes"}, "sampling_params.ignore_eos: true or false is required, got str"),
+    ({"max_new_tokens": "10"}, "sampling_params.max_new_tokens: an integer is required, got str"),
+    ({"seed": 3.5}, "sampling_params.seed: an integer is required, got float"),
+    ({"temperature": "0.5"}, "sampling_params.temperature: a number is required, got str"),
+    ({"stop_token_ids": [2, True]}, "sampling_params.stop_token_ids: a list of integers is required"),
+    ({"stop": 5}, "sampling_params.stop: a string or a list of strings is required, got int")])
+def test_a_rows_sampling_values_are_read_as_strictly_as_the_serve_apis(sampling, reason):
+    """Read laxly, ``"max_tokens": true`` would be a 1-token answer and ``"top_k": true`` greedy decoding: an
+    error row names the field instead. A whole float is an integer (pandas writes integer columns with nulls so)."""
+    with pytest.raises(InvalidRequestError, match=re.escape(reason)):
+        parse_row({"prompt": "x", "sampling_params": sampling}, SamplingParams())
+    got = parse_row({"prompt": "x", "sampling_params": {"seed": 3.0, "max_tokens": 7.0, "temperature": 1}},
+                    SamplingParams()).params
+    assert (got.seed, got.max_new_tokens, got.temperature) == (3, 7, 1.0)
 
 
 def test_input_paths_that_hold_nothing_to_read_are_config_errors(tmp_path):

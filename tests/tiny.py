@@ -28,6 +28,12 @@ def make_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     return fast
 
 
+def text_after(tok, prompt_ids, ids) -> str:
+    """What ``ids`` add to the text of ``prompt_ids``: an output's text, as the engine reports it."""
+    before = tok.decode(list(prompt_ids), skip_special_tokens=True)
+    return tok.decode(list(prompt_ids) + list(ids), skip_special_tokens=True)[len(before):]
+
+
 def make_target(vocab_size: int = 64, hidden: int = 32, layers: int = 2, seed: int = 0, model_type: str = "llama",
                 logit_scale: float = 1.0, max_positions: int = 1024) -> LlamaForCausalLM:
     torch.manual_seed(seed)

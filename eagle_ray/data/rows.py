@@ -10,6 +10,8 @@ Every error row names its kind (``error_kind``): what went wrong, in a word a su
 """
 from __future__ import annotations
 
+import contextlib
+import gzip
 import json
 from dataclasses import dataclass
 
@@ -60,21 +62,35 @@ def _files(uri: str, fs, fmt: str) -> list[tuple[str, str]]:
     if any(c in uri for c in "*?["):
         paths = []
         for p in sorted(fs.glob(uri)):
-            paths += sorted(_data_files(fs, p)) if fs.isdir(p) else [p]
+            paths += sorted(_data_files(fs, p)) if fs.isdir(p) else [p] if _is_data_file(p) else []
     elif not fs.exists(uri):
         raise ConfigError(f"input.uri: {uri} does not exist")
     elif fs.isdir(uri):
         paths = sorted(_data_files(fs, uri))
     else:
-        paths = [uri]
+        paths = [uri]    # named on its own: read whatever its name (JSON lines unless .parquet or format says)
+        if uri.endswith(UNREAD_COMPRESSIONS):
+            raise ConfigError(f"input.uri: {uri} is compressed in a way the job does not read; decompress it, or "
+                              "gzip it (.jsonl.gz)")
     out = [(p, fmt if fmt != "auto" else ("parquet" if p.endswith(".parquet") else "jsonl")) for p in paths]
     if not out:
-        raise ConfigError(f"input.uri: no .jsonl, .json or .parquet files at {uri}")
+        raise ConfigError(f"input.uri: no .jsonl, .json or .parquet files (or .jsonl.gz, .json.gz) at {uri}")
     return out
 
 
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".jsonl.gz", ".json.gz")
+UNREAD_COMPRESSIONS = (".bz2", ".xz", ".zst", ".zip", ".tar", ".tgz", ".7z", ".lz4", ".snappy")
+
+
+def _is_data_file(path: str) -> bool:
+    """A file a directory or glob contributes: a data suffix, and not hidden or a marker (``.part-0.crc``,
+    ``_SUCCESS``), whose lines would be rows and shift every later row's index."""
+    name = path.rstrip("/").rsplit("/", 1)[-1]
+    return name.endswith(DATA_SUFFIXES) and not name.startswith((".", "_"))
+
+
 def _data_files(fs, root: str) -> list[str]:
-    return [p for p in fs.find(root) if p.endswith((".jsonl", ".json", ".parquet"))]
+    return [p for p in fs.find(root) if _is_data_file(p)]
 
 
 def decode_line(raw: bytes, first: bool, what: str = "JSON") -> tuple[object, str, str]:
@@ -153,15 +169,29 @@ def unique_ids(rows: list[InputRow]) -> list[InputRow]:
 
 
 def text_file_rows(fs, path: str, first_index: int):
-    """A JSON-lines file's rows, or a ``.json`` file's rows whether it holds JSON lines or one array."""
-    if path.endswith(".json"):
-        with fs.open(path, "rb") as fh:
+    """A JSON-lines file's rows, or a ``.json`` file's rows whether it holds JSON lines or one array; gzipped
+    where the name ends in ``.gz``."""
+    if path.endswith((".json", ".json.gz")):
+        with _open_text_file(fs, path) as fh:
             doc = json_document_rows(fh.read(), path, first_index)
         if doc is not None:
             yield from doc
             return
-    with fs.open(path, "rb") as fh:
+    with _open_text_file(fs, path) as fh:
         yield from rows_from_lines(fh, path, first_index)
+
+
+@contextlib.contextmanager
+def _open_text_file(fs, path: str):
+    with fs.open(path, "rb") as raw:
+        if not path.endswith(".gz"):
+            yield raw
+            return
+        try:
+            with gzip.GzipFile(fileobj=raw) as fh:
+                yield fh
+        except (OSError, EOFError) as e:   # BadGzipFile is an OSError; a cut file ends early
+            raise ConfigError(f"input file {path} is not readable gzip: {e}") from None
 
 
 def json_document_rows(data: bytes, path: str, first_index: int) -> list[InputRow] | None:
@@ -255,7 +285,16 @@ def text_bytes(value):
 
 def parquet_records(table: pa.Table) -> list[dict]:
     """A Parquet table's rows as dicts, a map as the object it stands for (as Spark and pandas write dicts). A
-    row whose map holds a key twice keeps that map as (key, value) pairs, which no request field accepts."""
+    row whose map holds a key twice keeps that map as (key, value) pairs, which no request field accepts. A date
+    or time that Python cannot hold (a timestamp of 2**62 microseconds, a common "never") makes its column's dates
+    and times text, so a column the job does not read never spoils a row."""
+    try:
+        return _pylist(table)
+    except (OverflowError, ValueError):
+        return _pylist(table.cast(pa.schema([f.with_type(_temporal_as_text(f.type)) for f in table.schema])))
+
+
+def _pylist(table: pa.Table) -> list[dict]:
     try:
         return table.to_pylist(maps_as_pydicts="strict")
     except TypeError:   # a pyarrow before 20 has no maps_as_pydicts: maps stay (key, value) pairs
@@ -269,6 +308,21 @@ def parquet_records(table: pa.Table) -> list[dict]:
             except KeyError:
                 out += row.to_pylist()
         return out
+
+
+def _temporal_as_text(t: pa.DataType) -> pa.DataType:
+    """``t`` with every date, time, timestamp and duration inside it (lists, structs, maps) made a string."""
+    if pa.types.is_temporal(t):
+        return pa.string()
+    if pa.types.is_map(t):
+        return pa.map_(_temporal_as_text(t.key_type), _temporal_as_text(t.item_type))
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        item = t.value_field.with_type(_temporal_as_text(t.value_type))
+        return (pa.list_(item, t.list_size) if pa.types.is_fixed_size_list(t)
+                else pa.large_list(item) if pa.types.is_large_list(t) else pa.list_(item))
+    if pa.types.is_struct(t):
+        return pa.struct([t.field(i).with_type(_temporal_as_text(t.field(i).type)) for i in range(t.num_fields)])
+    return t
 
 
 def _dump(rec) -> str:

@@ -281,7 +281,7 @@ class EagleEngine:
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
         return Sequence(request_id or str(next(self._ids)), ids, params, frozenset(stop), seed,
-                        detok=Detokenizer(self.tokenizer), speculative=speculative,
+                        detok=Detokenizer(self.tokenizer, ids), speculative=speculative,
                         stops=StopStrings(params.stop) if params.stop else None)
 
     # ---- the loop -------------------------------------------------------------------------------------------------

@@ -70,6 +70,8 @@ def parse_messages(value, field: str = "messages") -> list[dict]:
         role = m.get("role")
         if role not in CHAT_ROLES:
             raise InvalidRequestError(f"{where}.role must be one of {list(CHAT_ROLES)}, got {_show(role)}")
+        if m.get("tool_calls"):   # the chat would reach the template without them: refused, not dropped
+            raise InvalidRequestError(f"{where}.tool_calls: tool calls are not supported")
         content = m.get("content")
         if role == "assistant" and (content in ("", None, []) or isinstance(content, list) and all(
                 isinstance(p, dict) and p.get("type") == "text" and p.get("text") == "" for p in content)):
@@ -93,7 +95,7 @@ def _content_text(content, where: str) -> str:
                                           "are supported")
             parts.append(p["text"])
         if any(parts):
-            return "".join(parts)
+            return "\n".join(parts)   # as vLLM joins a message's text parts
     raise InvalidRequestError(f"{where} must be a non-empty string (or a list of text parts)")
 
 
@@ -121,6 +123,29 @@ def parse_turns(value, field: str = "turns") -> list[str]:
     return [check_text(t, f"{field}[{i}]") for i, t in enumerate(value)]
 
 
+# as strict as the Serve API's, where lax parsing would read ``"max_tokens": true`` as 1 and ``"ignore_eos": "yes"``
+# as true; an integer may come as a whole float (pandas stores an integer column with nulls as float64)
+_SAMPLING_TYPES = {"max_new_tokens": "int", "max_tokens": "int", "max_completion_tokens": "int", "top_k": "int",
+                   "seed": "int", "temperature": "number",
+                   "top_p": "number", "ignore_eos": "bool", "stop_token_ids": "ints", "stop": "stops"}
+_TYPE_NAMES = {"int": "an integer", "number": "a number", "bool": "true or false",
+               "ints": "a list of integers", "stops": "a string or a list of strings"}
+
+
+def _is(value, kind: str) -> bool:
+    def integer(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+    if kind == "int":
+        return integer(value) or isinstance(value, float) and value.is_integer()
+    if kind == "number":
+        return integer(value) or isinstance(value, float)
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == "ints":
+        return isinstance(value, list) and all(integer(v) for v in value)
+    return isinstance(value, str) or isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
 def sampling_params(overrides, defaults: SamplingParams | None = None, field: str | None = "sampling_params"
                     ) -> SamplingParams:
     """``defaults`` with ``overrides`` applied (a dict; null values are absent; ``max_tokens`` and
@@ -132,7 +157,11 @@ def sampling_params(overrides, defaults: SamplingParams | None = None, field: st
     if not isinstance(overrides, dict):
         raise InvalidRequestError(f"{field or 'sampling'} must be an object, got {_describe(overrides)}")
     given = {k: v for k, v in overrides.items() if v is not None}
-    for alias in ("max_tokens", "max_completion_tokens"):
+    for key, value in given.items():
+        kind = _SAMPLING_TYPES.get(key)
+        if kind and not _is(value, kind):
+            raise InvalidRequestError(f"{prefix}{key}: {_TYPE_NAMES[kind]} is required, got {_describe(value)}")
+    for alias in ("max_completion_tokens", "max_tokens"):   # OpenAI's newer name first, as the Serve API reads them
         if alias in given:
             value = given.pop(alias)
             given.setdefault("max_new_tokens", value)

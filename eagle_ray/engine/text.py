@@ -12,8 +12,12 @@ costs O(new tokens) per step instead of re-decoding the whole output every step.
 """
 from __future__ import annotations
 
+import logging
+
 from eagle_ray.engine.request import Prompt, parse_prompt
 from eagle_ray.errors import InvalidRequestError, PromptTooLongError
+
+log = logging.getLogger(__name__)
 
 
 def max_token_bytes(tokenizer) -> int:
@@ -31,6 +35,9 @@ class TextCodec:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_token_bytes = max_token_bytes(tokenizer)
+        if len(tokenizer) > vocab_size:
+            log.warning("the tokenizer has %d tokens but the model embeds %d: prompts holding the others are refused",
+                        len(tokenizer), vocab_size)
 
     def encode(self, prompt, room: int | None = None) -> list[int]:
         """Token ids of ``prompt`` (str, chat messages, token ids or a parsed :class:`Prompt`); with ``room``,
@@ -56,6 +63,10 @@ class TextCodec:
             ids = self._tokenize(p)
             if not ids:   # a tokenizer that strips or splits on whitespace: nothing would start the sequence
                 raise InvalidRequestError("the prompt encodes to no tokens")
+            if max(ids) >= self.vocab_size:   # a tokenizer with more tokens than the model has embedding rows
+                raise InvalidRequestError(
+                    f"the prompt encodes to token id {max(ids)}, outside the model's vocabulary [0, {self.vocab_size}): "
+                    "its tokenizer holds tokens the model has no embedding for; leave them out of the prompt")
         if room is not None and len(ids) > room:
             raise PromptTooLongError(
                 f"prompt has {len(ids)} tokens but the engine fits at most {room} (max_model_len minus the verify "
@@ -74,6 +85,10 @@ class TextCodec:
             raise InvalidRequestError(f"cannot tokenize the prompt: {type(e).__name__}: {e}") from None
 
 
+# prompt tokens an output's first window is decoded after (vLLM primes its detokenizer with 5 likewise)
+PRIMER_TOKENS = 5
+
+
 class Detokenizer:
     """Incremental text of one output: ``add(ids)`` returns the new text since the last call.
 
@@ -81,23 +96,39 @@ class Detokenizer:
     depends on its neighbours (a leading space, half a UTF-8 character) is settled once the window shows it. Where
     the window ends in an incomplete character, the text before it is given now (``shown`` counts it) and only the
     incomplete character waits for the tokens that complete it, however many steps end inside one.
+
+    The first window also holds the prompt's last tokens (``primer``): a SentencePiece decoder strips the space of
+    the first token it decodes, so ``▁Paris`` alone is "Paris" but " Paris" after the prompt, which is the text the
+    output adds to it. A primer that ends inside a character is not used.
     """
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, prompt_ids: list[int] = ()):
         self.tokenizer = tokenizer
-        self.ids: list[int] = []
+        self.ids: list[int] = []   # the output's ids
         self.text = ""
         self.prefix = 0   # window start
         self.read = 0     # tokens whose text is already in self.text
         self.shown = 0    # characters of the window past ids[prefix:read]'s text already in self.text
+        self.primer = list(prompt_ids[-PRIMER_TOKENS:])
+        self.primer_text = self._decode(self.primer)
+        if self.primer_text.endswith("\ufffd"):
+            self.primer, self.primer_text = [], ""
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def _window(self, start: int, end: int | None = None) -> str:
+        """Text of ``ids[start:end]``; from the output's start, what it adds to the primer's text (decoded alone
+        where a tokenizer's clean-up rewrites the primer's own text)."""
+        if start or not self.primer:
+            return self._decode(self.ids[start:end])
+        text = self._decode(self.primer + self.ids[:end])
+        return text[len(self.primer_text):] if text.startswith(self.primer_text) else self._decode(self.ids[:end])
+
     def add(self, ids: list[int]) -> str:
         self.ids.extend(ids)
-        before = self._decode(self.ids[self.prefix:self.read])
-        window = self._decode(self.ids[self.prefix:])
+        before = self._window(self.prefix, self.read)
+        window = self._window(self.prefix)
         whole = not window.endswith("\ufffd")
         settled = len(before) + self.shown
         new = (window if whole else window.rstrip("\ufffd"))[settled:]
@@ -114,7 +145,7 @@ class Detokenizer:
         lo, hi = 1, len(self.ids)
         while lo < hi:
             mid = (lo + hi) // 2
-            if len(self._decode(self.ids[:mid])) > chars:
+            if len(self._window(0, mid)) > chars:
                 hi = mid
             else:
                 lo = mid + 1

@@ -7,7 +7,8 @@ request parser, the same one the batch job uses. Unknown fields are ignored (cli
 explicit ``null`` (OpenAI's fields are nullable: clients send unset options as ``null``); unsupported ones that
 would change what is generated or returned (``n > 1``, ``logprobs``, penalties, ``logit_bias``, ``echo``,
 ``best_of``, ``suffix``, tools, a JSON ``response_format``, and vLLM's extra sampling fields such as
-``repetition_penalty``, ``min_tokens``, ``min_p`` or guided decoding) are refused, unless they hold the value
+``repetition_penalty``, ``min_tokens``, ``min_p`` or guided decoding, and its chat-template fields such as
+``continue_final_message`` or ``chat_template_kwargs``) are refused, unless they hold the value
 that changes nothing. Types are strict where lax parsing would change the request: ``"stream": "yes"`` or
 ``"max_tokens": true`` are refused, not read as true and 1.
 """
@@ -52,7 +53,9 @@ UNSUPPORTED = {"logit_bias": (None, {}), "echo": (None, False), "best_of": (None
                "skip_special_tokens": (None, True), "prompt_logprobs": (None,), "allowed_token_ids": (None,),
                "bad_words": (None, []), "logits_processors": (None, []), "truncate_prompt_tokens": (None,),
                "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-               "structured_outputs": (None,)}
+               "structured_outputs": (None,), "continue_final_message": (None, False),
+               "add_generation_prompt": (None, True), "chat_template": (None,), "chat_template_kwargs": (None, {}),
+               "documents": (None, [])}
 NUMBERS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n", "seed",
            "presence_penalty", "frequency_penalty")   # a JSON true or false is not one of these
 
@@ -157,10 +160,11 @@ class ChatRequest(_Request):
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
 
     def limit(self) -> int | None:
-        return self.max_tokens or self.max_completion_tokens
+        """OpenAI's ``max_completion_tokens`` replaces the deprecated ``max_tokens``: it wins where both are set."""
+        return self.max_completion_tokens or self.max_tokens
 
     def limit_field(self) -> str:
-        return "max_tokens" if self.max_tokens else "max_completion_tokens"
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
 
     def to_prompt(self) -> Prompt:
         return Prompt("messages", parse_messages(self.messages, "messages"))

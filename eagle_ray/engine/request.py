@@ -126,23 +126,25 @@ def parse_turns(value, field: str = "turns") -> list[str]:
 # as strict as the Serve API's, where lax parsing would read ``"max_tokens": true`` as 1 and ``"ignore_eos": "yes"``
 # as true; an integer may come as a whole float (pandas stores an integer column with nulls as float64)
 _SAMPLING_TYPES = {"max_new_tokens": "int", "max_tokens": "int", "max_completion_tokens": "int", "top_k": "int",
-                   "seed": "int", "temperature": "number",
-                   "top_p": "number", "ignore_eos": "bool", "stop_token_ids": "ints", "stop": "stops"}
+                   "seed": "int", "temperature": "number", "top_p": "number", "ignore_eos": "bool",
+                   "stop_token_ids": "ints", "stop": "stops"}
 _TYPE_NAMES = {"int": "an integer", "number": "a number", "bool": "true or false",
                "ints": "a list of integers", "stops": "a string or a list of strings"}
 
 
+def _integer(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def _is(value, kind: str) -> bool:
-    def integer(v):
-        return isinstance(v, int) and not isinstance(v, bool)
     if kind == "int":
-        return integer(value) or isinstance(value, float) and value.is_integer()
+        return _integer(value) or isinstance(value, float) and value.is_integer()
     if kind == "number":
-        return integer(value) or isinstance(value, float)
+        return _integer(value) or isinstance(value, float)
     if kind == "bool":
         return isinstance(value, bool)
     if kind == "ints":
-        return isinstance(value, list) and all(integer(v) for v in value)
+        return isinstance(value, list) and all(_integer(v) for v in value)
     return isinstance(value, str) or isinstance(value, list) and all(isinstance(v, str) for v in value)
 
 

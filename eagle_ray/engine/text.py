@@ -65,8 +65,9 @@ class TextCodec:
                 raise InvalidRequestError("the prompt encodes to no tokens")
             if max(ids) >= self.vocab_size:   # a tokenizer with more tokens than the model has embedding rows
                 raise InvalidRequestError(
-                    f"the prompt encodes to token id {max(ids)}, outside the model's vocabulary [0, {self.vocab_size}): "
-                    "its tokenizer holds tokens the model has no embedding for; leave them out of the prompt")
+                    f"the prompt encodes to token id {max(ids)}, outside the model's vocabulary "
+                    f"[0, {self.vocab_size}): its tokenizer holds tokens the model has no embedding for; leave them "
+                    "out of the prompt")
         if room is not None and len(ids) > room:
             raise PromptTooLongError(
                 f"prompt has {len(ids)} tokens but the engine fits at most {room} (max_model_len minus the verify "
@@ -102,7 +103,7 @@ class Detokenizer:
     output adds to it. A primer that ends inside a character is not used.
     """
 
-    def __init__(self, tokenizer, prompt_ids: list[int] = ()):
+    def __init__(self, tokenizer, prompt_ids=()):
         self.tokenizer = tokenizer
         self.ids: list[int] = []   # the output's ids
         self.text = ""

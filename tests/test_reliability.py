@@ -730,6 +730,33 @@ def test_summary_counts_errors_by_kind():
     assert _error_kinds(rows) == {"invalid_json": 2, "prompt_too_long": 1}
 
 
+@pytest.mark.parametrize("phase", ["starting Ray", "loading the model", "serving"])
+def test_ctrl_c_stops_eagle_ray_serve_with_one_line_at_any_point(monkeypatch, capsys, phase):
+    """``eagle-ray serve`` is a foreground command: Ctrl-C while Ray starts, while the model loads or while it
+    serves shuts Serve down (where Ray is up) and returns, with one line instead of a traceback."""
+    import ray
+    from ray import serve
+
+    from eagle_ray import cluster
+    from eagle_ray.config import ServeConfig
+    from eagle_ray.serve import app
+
+    def interrupt(*a, **k):
+        raise KeyboardInterrupt
+    calls = []
+    monkeypatch.setattr(cluster, "ensure_ray", interrupt if phase == "starting Ray" else lambda: None)
+    monkeypatch.setattr(ray, "is_initialized", lambda: phase != "starting Ray")
+    monkeypatch.setattr(serve, "start", lambda **k: calls.append("start"))
+    monkeypatch.setattr(serve, "run", interrupt if phase == "loading the model" else lambda *a, **k: None)
+    monkeypatch.setattr(app, "build_app", lambda args: None)
+    monkeypatch.setattr(app.time, "sleep", interrupt)
+    monkeypatch.setattr(serve, "shutdown", lambda: calls.append("shutdown"))
+    app.run(ServeConfig())
+    assert capsys.readouterr().out.splitlines()[-1] == "eagle-ray: interrupted, shutting Serve down"
+    assert calls == {"starting Ray": [], "loading the model": ["start", "shutdown"],
+                     "serving": ["start", "shutdown"]}[phase]
+
+
 def test_a_serve_replica_without_its_api_key_fails_before_loading_the_model(monkeypatch):
     from eagle_ray.config import ServeConfig
     from eagle_ray.engine import engine as engine_module

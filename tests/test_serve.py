@@ -241,4 +241,3 @@ def test_32_concurrent_streams_complete_and_share_verify_passes(server):
     assert result["errors"] == 0 and result["malformed"] == 0 and result["completed"] >= 32, result
     batch = (after["decode_sequences"] - before["decode_sequences"]) / (after["decode_passes"] - before["decode_passes"])
     assert batch > 1.5 and after["free_slots"] == 4
-

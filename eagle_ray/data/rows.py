@@ -62,7 +62,10 @@ def _files(uri: str, fs, fmt: str) -> list[tuple[str, str]]:
     if any(c in uri for c in "*?["):
         paths = []
         for p in sorted(fs.glob(uri)):
-            paths += sorted(_data_files(fs, p)) if fs.isdir(p) else [p] if _is_data_file(p) else []
+            if fs.isdir(p):
+                paths += sorted(_data_files(fs, p))
+            elif _is_data_file(p):
+                paths.append(p)
     elif not fs.exists(uri):
         raise ConfigError(f"input.uri: {uri} does not exist")
     elif fs.isdir(uri):

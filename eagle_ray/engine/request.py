@@ -123,29 +123,31 @@ def parse_turns(value, field: str = "turns") -> list[str]:
     return [check_text(t, f"{field}[{i}]") for i, t in enumerate(value)]
 
 
-# as strict as the Serve API's, where lax parsing would read ``"max_tokens": true`` as 1 and ``"ignore_eos": "yes"``
-# as true; an integer may come as a whole float (pandas stores an integer column with nulls as float64)
-_SAMPLING_TYPES = {"max_new_tokens": "int", "max_tokens": "int", "max_completion_tokens": "int", "top_k": "int",
-                   "seed": "int", "temperature": "number", "top_p": "number", "ignore_eos": "bool",
-                   "stop_token_ids": "ints", "stop": "stops"}
-_TYPE_NAMES = {"int": "an integer", "number": "a number", "bool": "true or false",
-               "ints": "a list of integers", "stops": "a string or a list of strings"}
-
-
 def _integer(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is(value, kind: str) -> bool:
-    if kind == "int":
-        return _integer(value) or isinstance(value, float) and value.is_integer()
-    if kind == "number":
-        return _integer(value) or isinstance(value, float)
-    if kind == "bool":
-        return isinstance(value, bool)
-    if kind == "ints":
-        return isinstance(value, list) and all(_integer(v) for v in value)
-    return isinstance(value, str) or isinstance(value, list) and all(isinstance(v, str) for v in value)
+def _whole(v) -> bool:
+    return _integer(v) or isinstance(v, float) and v.is_integer()
+
+
+def _number(v) -> bool:
+    return _integer(v) or isinstance(v, float)
+
+
+def _stops(v) -> bool:
+    return isinstance(v, str) or isinstance(v, list) and all(isinstance(s, str) for s in v)
+
+
+# as strict as the Serve API's, where lax parsing would read ``"max_tokens": true`` as 1 and ``"ignore_eos": "yes"``
+# as true; an integer may come as a whole float (pandas stores an integer column with nulls as float64)
+_INTEGER = (_whole, "an integer")
+_SAMPLING_TYPES = {"max_new_tokens": _INTEGER, "max_tokens": _INTEGER, "max_completion_tokens": _INTEGER,
+                   "top_k": _INTEGER, "seed": _INTEGER, "temperature": (_number, "a number"),
+                   "top_p": (_number, "a number"), "ignore_eos": (lambda v: isinstance(v, bool), "true or false"),
+                   "stop_token_ids": (lambda v: isinstance(v, list) and all(_integer(t) for t in v),
+                                      "a list of integers"),
+                   "stop": (_stops, "a string or a list of strings")}
 
 
 def sampling_params(overrides, defaults: SamplingParams | None = None, field: str | None = "sampling_params"
@@ -160,9 +162,9 @@ def sampling_params(overrides, defaults: SamplingParams | None = None, field: st
         raise InvalidRequestError(f"{field or 'sampling'} must be an object, got {_describe(overrides)}")
     given = {k: v for k, v in overrides.items() if v is not None}
     for key, value in given.items():
-        kind = _SAMPLING_TYPES.get(key)
-        if kind and not _is(value, kind):
-            raise InvalidRequestError(f"{prefix}{key}: {_TYPE_NAMES[kind]} is required, got {_describe(value)}")
+        ok, wanted = _SAMPLING_TYPES.get(key, (None, ""))
+        if ok and not ok(value):
+            raise InvalidRequestError(f"{prefix}{key}: {wanted} is required, got {_describe(value)}")
     for alias in ("max_completion_tokens", "max_tokens"):   # OpenAI's newer name first, as the Serve API reads them
         if alias in given:
             value = given.pop(alias)

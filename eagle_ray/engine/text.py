@@ -63,9 +63,10 @@ class TextCodec:
             ids = self._tokenize(p)
             if not ids:   # a tokenizer that strips or splits on whitespace: nothing would start the sequence
                 raise InvalidRequestError("the prompt encodes to no tokens")
-            if max(ids) >= self.vocab_size:   # a tokenizer with more tokens than the model has embedding rows
+            top = max(ids)
+            if top >= self.vocab_size:   # a tokenizer with more tokens than the model has embedding rows
                 raise InvalidRequestError(
-                    f"the prompt encodes to token id {max(ids)}, outside the model's vocabulary "
+                    f"the prompt encodes to token id {top}, outside the model's vocabulary "
                     f"[0, {self.vocab_size}): its tokenizer holds tokens the model has no embedding for; leave them "
                     "out of the prompt")
         if room is not None and len(ids) > room:

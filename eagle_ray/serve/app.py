@@ -11,6 +11,7 @@ import os
 import time
 from pathlib import Path
 
+import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
@@ -283,6 +284,5 @@ def run(cfg: ServeConfig, blocking: bool = True):
             time.sleep(3600)
     except KeyboardInterrupt:
         print("eagle-ray: interrupted, shutting Serve down", flush=True)
-        import ray
         if ray.is_initialized():
             serve.shutdown()

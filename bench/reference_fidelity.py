@@ -132,6 +132,11 @@ def import_reference(eagle_dir: str):
 
 
 def git_commit(path: str) -> str | None:
+    """The checkout's commit: ``git rev-parse HEAD``, or a ``COMMIT`` file beside ``eagle/`` (a ``git archive``
+    export of one commit has no repository)."""
+    stamp = Path(path) / "COMMIT"
+    if stamp.is_file():
+        return stamp.read_text().strip()
     try:
         out = subprocess.run(
             ["git", "-C", path, "rev-parse", "HEAD"],
@@ -158,6 +163,13 @@ def environment_info(eagle_dir: str) -> dict:
 
 
 def load_prompts(path: str, num_prompts: int) -> list[dict]:
+    """First turns of a JSONL file of records with ``"turns"``, or, from a ``.json`` file holding
+    ``{"prompts": [{"id", "prompt_ids"}, ...]}`` (the golden prompts), prompts given as token ids."""
+    if path.endswith(".json"):
+        with open(path) as f:
+            given = json.load(f)["prompts"]
+        given = given[:num_prompts] if num_prompts > 0 else given
+        return [{"question_id": p["id"], "prompt_ids": [int(t) for t in p["prompt_ids"]]} for p in given]
     records = []
     with open(path) as f:
         for line in f:
@@ -365,11 +377,14 @@ def cmd_reference(args) -> None:
     prompts = load_prompts(args.prompts, args.num_prompts)
     results = []
     for n, record in enumerate(prompts):
-        text = record["turns"][0]
-        prompt_ids = chat_prompt_ids(tokenizer, text)
-        ref_tok_ids = chat_prompt_ids(
-            model.tokenizer, text
-        )  # the reference's own (slow) tokenizer, as a check
+        if "prompt_ids" in record:  # given as token ids
+            prompt_ids = ref_tok_ids = record["prompt_ids"]
+        else:
+            text = record["turns"][0]
+            prompt_ids = chat_prompt_ids(tokenizer, text)
+            ref_tok_ids = chat_prompt_ids(
+                model.tokenizer, text
+            )  # the reference's own (slow) tokenizer, as a check
         input_ids = torch.tensor([prompt_ids], dtype=torch.long)
 
         rec.reset()
@@ -475,7 +490,24 @@ def cmd_reference(args) -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f)
+    if args.golden:
+        json.dump(golden_trace(report, args.golden_root), open(args.golden, "w"), separators=(",", ":"))
     print(json.dumps(summary, indent=1))
+
+
+def golden_trace(report: dict, root: str) -> dict:
+    """The report reduced to what ``eagle_ray.fidelity.compare`` reads (a golden trace; this side never imports
+    eagle_ray), with paths relative to ``root``."""
+    keep_tree = ("tokens", "parents", "depths", "scores")
+    keep_prompt = ("index", "question_id", "prompt_ids", "output_ids_clean", "accept_lengths", "new_token", "steps",
+                   "tau", "greedy_match")
+    settings = dict(report["settings"])
+    for key in ("head", "target"):
+        settings[key] = os.path.relpath(settings[key], root)
+    return {"kind": "golden trace", "settings": settings, "environment": report["environment"],
+            "notes": report["notes"], "summary": report["summary"],
+            "prompts": [{**{k: p[k] for k in keep_prompt if k in p},
+                         "first_tree": {k: p["first_tree"][k] for k in keep_tree}} for p in report["prompts"]]}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -656,74 +688,40 @@ def cmd_make_random_eagle3(args) -> None:
 
 
 def cmd_eagle_ray(args) -> None:
-    """Run eagle-ray on the prompts, head and tree of a ``reference`` result and compare, step by step."""
-    import json as _json
-
-    from eagle_ray.config import SamplingParams, TreeConfig
-    from eagle_ray.engine.engine import EagleEngine
+    """Run eagle-ray on the prompts, head and tree of a ``reference`` result and compare, step by step
+    (``eagle_ray.fidelity``: what the golden test runs on every commit)."""
+    from eagle_ray.fidelity import compare, engine_like, read_trace, run_prompts, trace_tree
     from eagle_ray.model.device import cpu_model
-    from eagle_ray.spec.trace import TreeTrace
 
-    ref = _json.loads(open(args.reference).read())
+    ref = read_trace(args.reference)
     st = ref["settings"]
-    tree = TreeConfig(total_tokens=st["total_token"], depth=st["depth"], top_k=st["top_k"])
-    # the reference drafts over the full vocabulary for EAGLE-1/2 heads: no token map here either
-    engine = EagleEngine.from_pretrained(args.target, args.head, dtype="float32", max_batch_size=1,
-                                         max_model_len=st.get("max_length", 2048), tree=tree, threads=args.threads,
-                                         draft_vocab_size=0)
+    engine = engine_like(ref, args.target, args.head, args.batch_size, threads=args.threads)
+    runs = run_prompts(engine, [p["prompt_ids"] for p in ref["prompts"]], st["max_new_tokens"])
     eos = st.get("eos_token_id")
-    rows, agree = [], {"first_tree": 0, "output": 0, "accept_lengths": 0}
-    for p in ref["prompts"]:
-        engine.runner.trace = trace = TreeTrace()
-        out = engine.generate([p["prompt_ids"]], SamplingParams(max_new_tokens=st["max_new_tokens"]))[0]
-        engine.runner.trace = None
-        ours_steps = [int(a.sum()) - 1 for a in trace.accepted]
-        first = {"tokens": trace.tokens[0][0].tolist(), "parents": trace.parents[0][0].tolist(),
-                 "depths": trace.depth[0][0].tolist(), "scores": trace.scores[0][0].tolist()}
-        rt = p["first_tree"]
-        score_gap = max((abs(a - b) for a, b in zip(first["scores"][1:], rt["scores"][1:])), default=0.0)
-        tree_equal = (first["tokens"] == rt["tokens"] and first["depths"] == rt["depths"]
-                      and first["parents"][1:] == rt["parents"][1:] and score_gap < args.score_tol)
-        ref_clean = p["output_ids_clean"]
-        # eagenerate stops only once its counter passes max_new_tokens (the first token, from prefill, is not
-        # counted), so it can run cycles after the output is complete; those are cut from its cleaned output.
-        # Equal: the same accepted length at every step eagle-ray made, and every further reference step starts
-        # after the cleaned output is complete.
-        ref_steps = p["accept_lengths"]
-        made = ref_steps[:len(ours_steps)]
-        covered = 1 + sum(a + 1 for a in made)
-        steps_equal = made == ours_steps and (len(ref_steps) == len(ours_steps) or covered >= len(ref_clean))
-        row = {"question_id": p.get("question_id"), "output_equal": out.token_ids == ref_clean,
-               "first_tree_equal": tree_equal, "first_tree_max_score_gap": score_gap,
-               "accept_lengths_equal": steps_equal, "steps_ours": len(ours_steps),
-               "steps_reference": len(p["accept_lengths"]), "tau_ours": out.stats.tau, "tau_reference": p["tau"],
-               "tau_reference_count_on_ours": (len(out.token_ids) + (1 if out.token_ids and out.token_ids[-1] == eos
-                                                                     else 0)) / max(len(ours_steps), 1)}
-        if not row["output_equal"]:
-            i = next((j for j, (a, b) in enumerate(zip(out.token_ids, ref_clean)) if a != b),
-                     min(len(out.token_ids), len(ref_clean)))
-            row["first_output_difference"] = {"index": i, "ours": out.token_ids[i:i + 3], "reference": ref_clean[i:i + 3]}
-        if not tree_equal:
-            row["first_tree_ours"], row["first_tree_reference"] = first, {k: rt[k] for k in first}
-        if not steps_equal:
-            row["accept_lengths_ours"], row["accept_lengths_reference"] = ours_steps, p["accept_lengths"]
-        agree["first_tree"] += tree_equal
-        agree["output"] += row["output_equal"]
-        agree["accept_lengths"] += steps_equal
+    rows = []
+    for run, p in zip(runs, ref["prompts"]):
+        row = compare(run, p, args.score_tol)
+        steps = max(len(run.accept_lengths), 1)
+        row.update(tau_ours=(len(run.tokens) - 1) / steps, tau_reference=p["tau"],
+                   tau_reference_count_on_ours=(len(run.tokens) + (1 if run.tokens and run.tokens[-1] == eos
+                                                                   else 0)) / steps)
         rows.append(row)
-        print(_json.dumps({k: v for k, v in row.items() if not isinstance(v, (dict, list))}), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if not isinstance(v, (dict, list))}), flush=True)
     n = len(rows)
+    agree = {k: sum(r[k] for r in rows) for k in ("first_tree", "accept_lengths", "output")}
     result = {"kind": "eagle-ray vs reference", "reference_file": args.reference, "head": args.head,
-              "head_kind": engine.draft.kind, "tree": tree.model_dump(), "prompts": n, "cpu": cpu_model(),
-              "agree": {k: f"{v}/{n}" for k, v in agree.items()},
+              "head_kind": engine.draft.kind, "tree": trace_tree(ref).model_dump(), "batch_size": args.batch_size,
+              "prompts": n, "cpu": cpu_model(), "agree": {k: f"{v}/{n}" for k, v in agree.items()},
+              "max_score_gap": max(r["max_score_gap"] for r in rows),
               "tau_ours_mean": sum(r["tau_ours"] for r in rows) / n,
               "tau_reference_mean": sum(r["tau_reference"] for r in rows) / n, "rows": rows,
               "reference_settings": st, "reference_environment": ref.get("environment")}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:
-        _json.dump(result, f, indent=1)
-    print(_json.dumps({k: v for k, v in result.items() if k not in ("rows", "reference_settings",
-                                                                     "reference_environment")}, indent=1))
-    if agree["output"] < n or agree["first_tree"] < n or agree["accept_lengths"] < n:
+        json.dump(result, f, indent=1)
+    print(json.dumps({k: v for k, v in result.items() if k not in ("rows", "reference_settings",
+                                                                   "reference_environment")}, indent=1))
+    if min(agree.values()) < n:
         raise SystemExit(1)
 
 
@@ -772,6 +770,8 @@ def main(argv=None) -> None:
         "--check-greedy", action="store_true", help="also run naivegenerate and compare"
     )
     r.add_argument("--out", required=True)
+    r.add_argument("--golden", default=None, help="also write the compact golden trace here")
+    r.add_argument("--golden-root", default=".", help="paths in the golden trace are relative to this directory")
     r.set_defaults(func=cmd_reference)
 
     m = sub.add_parser(
@@ -798,6 +798,7 @@ def main(argv=None) -> None:
     e.add_argument("--head", required=True, help="the same head directory the reference ran")
     e.add_argument("--target", default=None, help="target (default: eagle-ray's embedded SmolLM2-135M-Instruct)")
     e.add_argument("--score-tol", type=float, default=1e-4, help="largest draft score difference counted as equal")
+    e.add_argument("--batch-size", type=int, default=1, help="run the prompts continuously batched, this many at once")
     e.add_argument("--threads", type=int, default=2)
     e.add_argument("--out", required=True)
     e.set_defaults(func=cmd_eagle_ray)

@@ -250,6 +250,7 @@ class EagleEngine:
         if cache is None or cache.num_slots != slots or cache.max_len < self.target.max_len + room + 1:
             self.draft.allocate_cache(slots, self.target.max_len + room + 1)
             self.draft.cache.kv_bucket = self.target.cache.kv_bucket
+            self.draft.cache.slice_reads = self.target.cache.slice_reads
             if cache is not None and cache.num_slots == slots:  # running sequences keep their draft context
                 self.draft.cache.k[..., : cache.max_len, :] = cache.k[..., : cache.max_len, :]
                 self.draft.cache.v[..., : cache.max_len, :] = cache.v[..., : cache.max_len, :]

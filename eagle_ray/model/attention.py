@@ -58,7 +58,7 @@ def make_block_meta(cache: KVCache, slots: list[int], block_mask: torch.Tensor, 
         first_col = torch.arange(kv_len, device=device) == 0
         key_mask = torch.where(pad.unsqueeze(-1), first_col, key_mask)
     first = slots[0]
-    contiguous = slots == list(range(first, first + B))
+    contiguous = cache.slice_reads and slots == list(range(first, first + B))
     slot_index = upload.ints(slots).view(-1, 1)
     return BlockMeta(slice(first, first + B) if contiguous else slot_index.view(-1), slot_index,
                      write_pos.contiguous(), key_mask.unsqueeze(1).contiguous(), kv_len, lengths_d, invariant)

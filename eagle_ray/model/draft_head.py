@@ -80,6 +80,7 @@ class DraftHead(nn.Module):
         out.mkdir(parents=True, exist_ok=True)
         cfg = self.config.to_dict()
         cfg.update(num_hidden_layers=1, architectures=["LlamaForCausalLM"], bias=self.bias, qkv_bias=self.qkv_bias)
+        add_legacy_rope_keys(cfg)
         (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
         sd = {k: (v.to(dtype) if dtype else v).contiguous() for k, v in self.state_dict().items()
               if include_embedding or k != "embed_tokens.weight"}
@@ -185,6 +186,15 @@ class DraftHead(nn.Module):
         positions = meta.lengths.view(-1, 1) + depth
         cos, sin = self.rotary_emb(x, positions)
         return decoder_layer(self.layers[0], x, cos, sin, self.cache, 0, meta)
+
+
+def add_legacy_rope_keys(cfg: dict) -> None:
+    """Readers on transformers 4.x (the reference among them) take RoPE from top-level keys; without them they
+    silently fall back to rope_theta 10,000. Written beside ``rope_parameters``."""
+    rope = cfg.get("rope_parameters") or {}
+    if "rope_theta" in rope:
+        cfg.setdefault("rope_theta", rope["rope_theta"])
+        cfg.setdefault("rope_scaling", None if rope.get("rope_type", "default") == "default" else rope)
 
 
 def head_biases(raw: dict) -> tuple[bool, bool]:

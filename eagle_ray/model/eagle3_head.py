@@ -123,6 +123,8 @@ class Eagle3Head(nn.Module):
         width: the reference takes the embedding from the target only when that key is absent, so a head that
         needs the key ships its embedding (``include_embedding`` defaults to that)."""
         from safetensors.torch import save_file
+
+        from eagle_ray.model.draft_head import add_legacy_rope_keys
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         cfg = self.config.to_dict()
@@ -133,12 +135,7 @@ class Eagle3Head(nn.Module):
             cfg["target_hidden_size"] = target_d
         if include_embedding is None:
             include_embedding = "target_hidden_size" in cfg
-        # readers on transformers 4.x (the reference among them) take RoPE from top-level keys; without them they
-        # silently fall back to rope_theta 10,000
-        rope = cfg.get("rope_parameters") or {}
-        if "rope_theta" in rope:
-            cfg.setdefault("rope_theta", rope["rope_theta"])
-            cfg.setdefault("rope_scaling", None if rope.get("rope_type", "default") == "default" else rope)
+        add_legacy_rope_keys(cfg)
         (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
         sd = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
               for k, v in self.state_dict().items() if include_embedding or k != "embed_tokens.weight"}

@@ -25,6 +25,7 @@ class KVCache:
         self.lengths = np.zeros(num_slots, dtype=np.int64)
         self.max_len = max_len
         self.kv_bucket = 1      # key lengths a forward reads are rounded up to this (masked; CUDA graph replay)
+        self.slice_reads = True  # contiguous slots are read as a slice (no copy); compiled forwards gather instead
         self.scratch = max_len  # never committed, never read by a real row
 
     @property

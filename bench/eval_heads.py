@@ -33,7 +33,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from eagle_ray.model.device import cpu_model
-from eagle_ray.model.draft_head import load_head
+from eagle_ray.model.heads import load_head
 from eagle_ray.model.loading import EMBEDDED_DRAFT_DIR, resolve_target
 from eagle_ray.train.extract import read_shard
 from eagle_ray.train.trainer import TrainConfig, evaluate

@@ -49,8 +49,9 @@ def main() -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from eagle_ray.config import JobConfig, SamplingParams, TreeConfig
-    from eagle_ray.data.job import read_output, run_job
+    from eagle_ray.config import SamplingParams, TreeConfig
+    from eagle_ray.batch.config import JobConfig
+    from eagle_ray.batch.job import read_output, run_job
     from eagle_ray.engine.engine import EagleEngine
     from eagle_ray.model.device import cpu_model
     from eagle_ray.model.loading import resolve_target

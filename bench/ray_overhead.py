@@ -10,8 +10,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from eagle_ray.config import JobConfig, SamplingParams
-from eagle_ray.data.job import run_job
+from eagle_ray.config import SamplingParams
+from eagle_ray.batch.config import JobConfig
+from eagle_ray.batch.job import run_job
 from eagle_ray.engine.engine import EagleEngine
 from eagle_ray.prompts import first_turn_prompt, read_jsonl
 

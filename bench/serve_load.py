@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from eagle_ray.config import ServeConfig
+from eagle_ray.serve.config import ServeConfig
 from eagle_ray.prompts import first_turn_prompt, read_jsonl
 from eagle_ray.serve.load import run_load
 

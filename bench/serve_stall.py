@@ -133,7 +133,7 @@ def main() -> int:
     from ray import serve
     from transformers import AutoTokenizer
 
-    from eagle_ray.config import ServeConfig
+    from eagle_ray.serve.config import ServeConfig
     from eagle_ray.cluster import ensure_ray
     from eagle_ray.model.device import cpu_model
     from eagle_ray.model.loading import resolve_target

@@ -24,7 +24,7 @@ import torch
 from eagle_ray.config import SamplingParams, TreeConfig
 from eagle_ray.errors import ConfigError
 from eagle_ray.prompts import first_turn_prompt, load_dataset
-from eagle_ray.spec.trace import TreeTrace
+from eagle_ray.speculative.trace import TreeTrace
 
 METHOD_TREES = {
     "chain": TreeConfig(mode="chain", depth=4),                        # 5 drafted tokens
@@ -102,7 +102,7 @@ def run_cell(engine, method: str, task: str, records: list[dict], temperature: f
     engine.runner.trace = trace if method == spec.traced_method() and temperature == 0 else None
     speculative = method != "plain"
     tree_desc = "" if not speculative else json.dumps(
-        {str(b): engine.tree_for(b).model_dump(exclude={"static_tree", "min_cum_prob"})
+        {str(b): engine.policy.tree_for(b).model_dump(exclude={"static_tree", "min_cum_prob"})
          for b in sorted({1, batch})})
     engine.scheduler.max_running = batch  # the engine may hold more slots than this cell's batch size
     try:
@@ -156,9 +156,9 @@ def run_benchmark(engine, spec: BenchmarkSpec, log=print) -> tuple[list[dict], d
               "engine": {"dtype": str(engine.target.dtype).replace("torch.", ""), "device": str(engine.device),
                          "device_name": device_name(engine.device), "cpu": cpu_model(),
                          "threads": torch.get_num_threads(), "tree": engine.config.speculation.tree.model_dump(),
-                         "trees_by_batch": engine.tree_summary().get("trees_by_batch", {}),
-                         "measured_choice": engine.tree_summary().get("measured", {})},
-              "tuning": engine.tuning.to_dict() if getattr(engine, "tuning", None) else None,
+                         "trees_by_batch": engine.policy.summary().get("trees_by_batch", {}),
+                         "measured_choice": engine.policy.summary().get("measured", {})},
+              "tuning": engine.policy.tuning.to_dict() if engine.policy.tuning else None,
               "spec": asdict(spec)}
     return rows, extras
 

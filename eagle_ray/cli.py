@@ -192,7 +192,7 @@ def _benchmark_on_ray(a):
 
 
 def cmd_serve(a) -> int:
-    from eagle_ray.config import ServeConfig
+    from eagle_ray.serve.config import ServeConfig
     from eagle_ray.serve.app import run
     run(ServeConfig.from_yaml(a.config, {"host": a.host or None, "port": a.port}))
     return 0

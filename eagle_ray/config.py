@@ -5,11 +5,9 @@ Constructing any of these with a bad value raises :class:`eagle_ray.errors.Confi
 from __future__ import annotations
 
 import contextvars
-import os
-import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from eagle_ray.errors import ConfigError
 
@@ -63,7 +61,7 @@ class TreeConfig(StrictModel):
     static_tree: list[list[int]] | None = Field(None, description="static mode: node paths as sibling ranks")
     lookup: int = Field(5, ge=0, le=64, description="prompt lookup: up to this many more verify tokens per "
                         "sequence, the tokens that followed the latest earlier occurrence of its last "
-                        "lookup_ngram tokens, grafted onto the draft tree (spec/lookup.py); 0: off")
+                        "lookup_ngram tokens, grafted onto the draft tree (speculative/lookup.py); 0: off")
     lookup_ngram: int = Field(3, ge=1, le=32, description="tokens a prompt lookup matches")
 
     @classmethod
@@ -160,15 +158,17 @@ class SpeculationConfig(StrictModel):
                                                   "the tree per batch size (cached on disk)")
     trees_by_batch: dict[int, TreeConfig] | None = Field(None, description="tree per batch size: a step with n "
                                                          "sequences uses the entry of the largest key <= n")
-    max_verify_tokens: int | None = Field(None, ge=1, description="cap on tree nodes per verify pass for the whole "
-                                          "batch; the most probable nodes across sequences are kept (None: no cap)")
-    verify_budget_by_batch: dict[int, int] | None = Field(None, description="max_verify_tokens per batch size "
-                                                          "(the entry of the largest key <= n; the tuner sets it)")
+    verify_cap: int | None = Field(None, ge=1, validation_alias=AliasChoices("verify_cap", "max_verify_tokens"),
+                                   description="the most tree nodes one verify pass takes over the whole batch; "
+                                   "the most probable nodes across sequences are kept (None: no cap)")
+    verify_cap_by_batch: dict[int, int] | None = Field(
+        None, validation_alias=AliasChoices("verify_cap_by_batch", "verify_budget_by_batch"),
+        description="verify_cap per batch size (the entry of the largest key <= n; the tuner sets it)")
     draft_vocab_size: int | None = Field(None, ge=0, description="draft proposes only the N most frequent tokens "
                                          "of the head's token_map (None: all of the map, 0: full vocabulary)")
     context_vocab: int = Field(256, ge=0, description="a sequence's own context tokens (prompt and output) that "
                                "the head's token map lacks, up to this many, join its draft vocabulary (EAGLE-1/2 "
-                               "heads with a map; spec/context_vocab.py); 0: off")
+                               "heads with a map; speculative/context_vocab.py); 0: off")
     measured_choice: bool | None = Field(None, description="per batch size, time speculative and plain steps while "
                                          "running and run the faster (engine/chooser.py); None: on with "
                                          "tree_policy auto, off with fixed trees")
@@ -206,9 +206,17 @@ class PrecisionConfig(StrictModel):
         "CUDA keeps them as loaded")
 
 
+def aliases(name: str, field) -> list[str]:
+    """A field's name and its older spellings (``max_verify_tokens`` for ``verify_cap``)."""
+    return list(field.validation_alias.choices) if isinstance(field.validation_alias, AliasChoices) else [name]
+
+
 ENGINE_PARTS = {"model": ModelConfig, "cache": CacheConfig, "speculation": SpeculationConfig,
                 "precision": PrecisionConfig}
-FLAT_FIELDS = {name: part for part, cls in ENGINE_PARTS.items() for name in cls.model_fields}
+FLAT_FIELDS = {name: part for part, cls in ENGINE_PARTS.items() for name, field in cls.model_fields.items()
+               for name in aliases(name, field)}   # a field's older spellings are sorted into its part too
+FIELD_NAMES = {alias: name for cls in ENGINE_PARTS.values() for name, field in cls.model_fields.items()
+               for alias in aliases(name, field)}
 
 
 class EngineConfig(StrictModel):
@@ -243,7 +251,7 @@ class EngineConfig(StrictModel):
         parts = {p: getattr(self, p) for p in ENGINE_PARTS}
         for name, value in fields.items():
             part = FLAT_FIELDS[name]
-            parts[part] = parts[part].model_copy(update={name: value})
+            parts[part] = parts[part].model_copy(update={FIELD_NAMES.get(name, name): value})
         return self.model_copy(update=parts)
 
     def for_ray_worker(self, num_cpus: float, num_gpus: float) -> "EngineConfig":
@@ -268,7 +276,7 @@ def read_yaml_mapping(path, what: str) -> dict:
     return data
 
 
-# ---- the Ray Data job ---------------------------------------------------------------------------------------------
+# ---- shared by the batch job and the Serve app ----------------------------------------------------------------------
 class S3Options(StrictModel):
     """Where s3:// URIs point. Credentials come from the environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY /
     AWS_SESSION_TOKEN, or an instance role), never from the config file."""
@@ -289,17 +297,6 @@ class S3Options(StrictModel):
         return opts
 
 
-class InputConfig(StrictModel):
-    uri: str = Field(..., description="a .jsonl/.parquet file, a directory or glob of them; local or s3://")
-    format: Literal["auto", "jsonl", "parquet"] = "auto"
-    limit: int | None = Field(None, ge=1, description="read only the first N rows")
-
-
-class OutputConfig(StrictModel):
-    uri: str = Field(..., description="output directory (local or s3://): part-*.parquet + summary.json")
-    rows_per_file: int = Field(256, ge=1, le=1_000_000)
-
-
 def one_gpu_per_engine(num_gpus: float, more: str) -> float:
     """An engine runs on one device: a second GPU for the same actor or replica would sit idle."""
     if num_gpus > 1:
@@ -308,22 +305,7 @@ def one_gpu_per_engine(num_gpus: float, more: str) -> float:
     return num_gpus
 
 
-class ActorsConfig(StrictModel):
-    """The actor pool: one engine (target + draft pair) per actor."""
-    num_actors: int = Field(1, ge=1)
-    num_cpus: float = Field(1.0, gt=0, description="CPUs per actor (also its torch thread count on CPU)")
-    num_gpus: float = Field(0.0, ge=0, description="GPUs per actor (0 = CPU actors, at most 1)")
-    batch_size: int = Field(16, ge=1, description="rows per Ray Data batch handed to an actor")
-    max_concurrent_batches: int = Field(4, ge=1, description="batches in flight per actor, all feeding one "
-                                        "continuously batched engine")
-
-    @field_validator("num_gpus")
-    @classmethod
-    def _one_gpu(cls, v):
-        return one_gpu_per_engine(v, "num_actors")
-
-
-def _auto_tree_by_default(data):
+def tune_tree_unless_named(data):
     """The job and the Serve app tune their tree to the device unless the config names a tree (or never drafts:
     ``speculative: false`` has no tree to tune)."""
     if isinstance(data, dict) and data.get("speculative", True) is not False:
@@ -337,54 +319,12 @@ def _auto_tree_by_default(data):
     return data
 
 
-def _a_head_to_speculate_with(self):
+def need_a_head_to_speculate(self):
     """``draft: none`` runs no head: speculation would refuse every request, so the config fails at load."""
     if self.speculative and self.engine.model.draft == "none":
         raise ValueError("engine.draft is 'none' (no draft head) but speculative is true: set speculative: false "
                          "for plain decoding, or name a draft head")
     return self
-
-
-class JobConfig(StrictModel):
-    """``jobs/generate.py --config job.yaml``: everything the batch generation job needs."""
-    engine: EngineConfig = Field(default_factory=EngineConfig)
-
-    _default_tree = model_validator(mode="before")(_auto_tree_by_default)
-    _head = model_validator(mode="after")(_a_head_to_speculate_with)
-    sampling: SamplingParams = Field(default_factory=SamplingParams, description="defaults; rows may override")
-    speculative: bool = True
-    input: InputConfig
-    output: OutputConfig
-    s3: S3Options = Field(default_factory=S3Options)
-    actors: ActorsConfig = Field(default_factory=ActorsConfig)
-    resume: bool = Field(True, description="skip ids already in the output (exactly-once re-runs)")
-    ray_address: str | None = Field(None, description="None: RAY_ADDRESS or a new local Ray on 127.0.0.1")
-
-    @model_validator(mode="after")
-    def _output_outside_input(self):
-        """Output files under the input would be read back as input rows by the next run."""
-        inp, out = (u.rstrip("/") if "://" in u else os.path.abspath(u) for u in (self.input.uri, self.output.uri))
-        if reads_path(inp, out):
-            raise ValueError(f"output.uri {self.output.uri} lies inside input.uri {self.input.uri}: the next run "
-                             "would read the job's own output as input; write it elsewhere")
-        return self
-
-    @classmethod
-    def from_yaml(cls, path, overrides: dict | None = None) -> "JobConfig":
-        """Load a YAML file; ``overrides`` maps dotted keys (``input.uri``) to values applied on top."""
-        data = read_yaml_mapping(path, "job config")
-        for key, value in (overrides or {}).items():
-            spell_engine_key_as(data, key)
-            node = data
-            *parents, last = key.split(".")
-            for i, p in enumerate(parents):
-                if node.get(p) is None:   # an empty section (``cache:`` in YAML) takes the override
-                    node[p] = {}
-                node = node[p]
-                if not isinstance(node, dict):
-                    raise ConfigError(f"--set {key}: {'.'.join(parents[: i + 1])} is a value, not a section")
-            node[last] = value
-        return cls(**data)
 
 
 def spell_engine_key_as(data: dict, key: str) -> None:
@@ -414,19 +354,6 @@ def spell_engine_key_as(data: dict, key: str) -> None:
             section[name] = engine.pop(name)
 
 
-def reads_path(input_uri: str, path: str) -> bool:
-    """Whether reading ``input_uri`` (a file, a directory read whole, or a glob whose matches are read whole)
-    would read ``path`` or a file under it."""
-    if not any(c in input_uri for c in "*?["):
-        return path == input_uri or path.startswith(input_uri + "/")
-    from fsspec.utils import glob_translate   # the pattern as fsspec's glob reads it (``**`` spans 0+ folders)
-    pattern = re.compile(glob_translate(input_uri))
-    parts = path.split("/")
-    under = [path + "/part-20260101T000000-a1b2c3-00000.parquet", path + "/summary.json"]  # what a job writes
-    return any(pattern.fullmatch("/".join(parts[:i])) for i in range(1, len(parts) + 1)) or \
-        any(pattern.fullmatch(p) for p in under)
-
-
 def out_path_problem(path: str, directory: bool) -> str | None:
     """Why ``path`` (a directory to fill, or a file to write) cannot be written, found before a run whose results
     would otherwise be lost at its end; None where it can."""
@@ -440,43 +367,18 @@ def out_path_problem(path: str, directory: bool) -> str | None:
     return None
 
 
-# ---- the Serve app ------------------------------------------------------------------------------------------------
-class ServeConfig(StrictModel):
-    """``eagle-ray serve --config serve.yaml`` / ``serve run``: one engine per replica behind an OpenAI API."""
-    engine: EngineConfig = Field(default_factory=EngineConfig)
-
-    _default_tree = model_validator(mode="before")(_auto_tree_by_default)
-    _head = model_validator(mode="after")(_a_head_to_speculate_with)
-    model_name: str = Field("eagle-ray/smollm2-135m-instruct", description="the id clients send as `model`")
-    speculative: bool = True
-    host: str = Field("127.0.0.1", description="bind address; 0.0.0.0 exposes the server to the network")
-    port: int = Field(8000, ge=0, le=65535)
-    route_prefix: str = "/"
-    num_replicas: int = Field(1, ge=1)
-    num_cpus: float = Field(1.0, gt=0, description="CPUs per replica (its torch threads on CPU)")
-    num_gpus: float = Field(0.0, ge=0, description="GPUs per replica (at most 1)")
-    api_key_env: str | None = Field(None, description="if set, requests need `Authorization: Bearer <value of "
-                                    "this environment variable>`")
-    max_tokens_cap: int = Field(2048, ge=1, description="largest max_tokens a request may ask for")
-    default_max_tokens: int = Field(256, ge=1)
-    max_request_bytes: int = Field(4 * 2**20, ge=1024, description="largest request body (413 above it)")
-    s3: S3Options = Field(default_factory=S3Options)
-
-    @field_validator("num_gpus")
-    @classmethod
-    def _one_gpu(cls, v):
-        return one_gpu_per_engine(v, "num_replicas")
-
-    @model_validator(mode="after")
-    def _default_within_cap(self):
-        if self.default_max_tokens > self.max_tokens_cap:
-            raise ValueError(f"default_max_tokens {self.default_max_tokens} is above max_tokens_cap "
-                             f"{self.max_tokens_cap}: a request without max_tokens would get more than the cap")
-        return self
-
-    @classmethod
-    def from_yaml(cls, path, overrides: dict | None = None) -> "ServeConfig":
-        """Load a YAML file (None: the defaults); ``overrides`` (``{"port": 8001}``) replace top-level keys before
-        validation, so a command-line value is checked like the file's."""
-        data = read_yaml_mapping(path, "serve config") if path else {}
-        return cls(**{**data, **{k: v for k, v in (overrides or {}).items() if v is not None}})
+def apply_overrides(data: dict, overrides: dict) -> dict:
+    """``data`` (a config file's mapping) with ``overrides`` (dotted keys, ``input.uri``, as ``--set`` gives them)
+    applied on top; an engine key lands on the spelling the override uses (``spell_engine_key_as``)."""
+    for key, value in overrides.items():
+        spell_engine_key_as(data, key)
+        node = data
+        *parents, last = key.split(".")
+        for i, p in enumerate(parents):
+            if node.get(p) is None:   # an empty section (``cache:`` in YAML) takes the override
+                node[p] = {}
+            node = node[p]
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {key}: {'.'.join(parents[: i + 1])} is a value, not a section")
+        node[last] = value
+    return data

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from eagle_ray.config import SamplingParams, TreeConfig
 from eagle_ray.engine.engine import EagleEngine
-from eagle_ray.spec.trace import TreeTrace
+from eagle_ray.speculative.trace import TreeTrace
 
 SCORE_TOL = 1e-4   # largest difference of a cumulative draft log-prob counted as equal (fp32, different op order)
 

@@ -10,8 +10,8 @@ import sys
 
 import yaml
 
-from eagle_ray.config import JobConfig
-from eagle_ray.data.job import run_job
+from eagle_ray.batch.config import JobConfig
+from eagle_ray.batch.job import run_job
 from eagle_ray.errors import CheckpointError, ConfigError
 
 

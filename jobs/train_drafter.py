@@ -29,7 +29,8 @@ import torch
 
 from eagle_ray.config import out_path_problem
 from eagle_ray.errors import CheckpointError
-from eagle_ray.model.draft_head import DraftHead, load_head
+from eagle_ray.model.draft_head import DraftHead
+from eagle_ray.model.heads import load_head
 from eagle_ray.model.eagle3_head import Eagle3Head
 from eagle_ray.model.loading import resolve_target
 from eagle_ray.train.extract import check_source, read_shard

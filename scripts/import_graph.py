@@ -14,8 +14,8 @@ from collections import defaultdict
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "eagle_ray"
-LAYER = {"config": 0, "errors": 0, "stats": 0, "prompts": 0, "spec": 1, "model": 1, "engine": 2,
-         "train": 3, "data": 3, "serve": 3, "benchmark": 3, "report": 3, "measure": 3, "cluster": 0, "cli": 4}
+LAYER = {"config": 0, "errors": 0, "stats": 0, "prompts": 0, "uploads": 0, "speculative": 1, "model": 1, "engine": 2,
+         "train": 3, "batch": 3, "serve": 3, "benchmark": 3, "report": 3, "measure": 3, "cluster": 0, "cli": 4}
 
 
 def part_of(module: str) -> str | None:

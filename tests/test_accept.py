@@ -1,8 +1,8 @@
 """Greedy acceptance over padded trees: the longest correct root path, then the bonus token."""
 import torch
 
-from eagle_ray.spec.accept import accept
-from eagle_ray.spec.tree import Tree, ancestor_mask
+from eagle_ray.speculative.accept import accept
+from eagle_ray.speculative.tree import Tree, ancestor_mask
 
 #            It is has a  the to good be   (token ids = node ids 10..17)
 PARENTS = [0, 0, 0, 1, 1, 2, 3, 5]

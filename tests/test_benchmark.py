@@ -12,8 +12,8 @@ from tiny import tiny_engine
 from eagle_ray.benchmark import BenchmarkSpec, run_benchmark, summarize
 from eagle_ray.config import ConfigError, EngineConfig, SamplingParams, TreeConfig
 from eagle_ray.report import write_report, write_results
-from eagle_ray.spec.trace import TreeTrace
-from eagle_ray.spec.tree import Tree, ancestor_mask
+from eagle_ray.speculative.trace import TreeTrace
+from eagle_ray.speculative.tree import Tree, ancestor_mask
 from eagle_ray.engine.tuning import autotune, choose_trees
 
 
@@ -107,8 +107,8 @@ def test_tree_for_uses_the_largest_batch_entry_at_or_below(tiny_dir, tiny_head):
     small, big = TreeConfig(total_tokens=4, depth=1, top_k=2), TreeConfig(total_tokens=12, depth=3, top_k=3)
     engine = tiny_engine(tiny_dir, tiny_head)
     engine.set_trees(trees_by_batch={2: small, 4: big})
-    assert [engine.tree_for(n) for n in (1, 2, 3, 4, 9)] == [small, small, small, big, big]
-    assert engine.max_tree_budget() == 12 + 5   # the largest tree and its lookup chain
+    assert [engine.policy.tree_for(n) for n in (1, 2, 3, 4, 9)] == [small, small, small, big, big]
+    assert engine.policy.max_verify_budget() == 12 + 5   # the largest tree and its lookup chain
     for bad in ({}, {0: small}):
         with pytest.raises(ConfigError):
             EngineConfig(trees_by_batch=bad)

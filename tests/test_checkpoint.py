@@ -119,12 +119,12 @@ def test_qwen2_heads_carry_qkv_bias(tmp_path):
 def test_a_head_config_that_cannot_build_a_head_fails_before_the_target_loads(tmp_path, edit, reason):
     """Each of these used to escape as a torch or transformers error (negative dimension, ZeroDivisionError,
     KeyError...) from deep in loading; ``check_head`` reads them before the target's weights."""
-    from eagle_ray.model.draft_head import check_head
+    from eagle_ray.model.heads import check_head
     DraftHead.for_target(target_config()).save(tmp_path)
     raw = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(raw | edit))
     if reason is None:
-        assert check_head(tmp_path, target_config()) == "eagle2"
+        assert check_head(tmp_path, target_config()).kind == "eagle2"
         assert DraftHead.load(tmp_path, target_config()).fc.bias is not None
         return
     with pytest.raises(CheckpointError, match=reason):
@@ -166,6 +166,7 @@ def test_a_torch_archive_or_token_map_of_the_wrong_kind_is_refused_naming_the_fi
     with pytest.raises(CheckpointError, match="token_map is empty"):
         DraftHead.load(tmp_path, target_config())
     from eagle_ray.engine.sizing import draft_vocab_for
+    from eagle_ray.model.checkpoint import HeadCheckpoint
     for content, reason in ((b"garbage", "token_map.safetensors cannot be read"),
                             (None, "must hold one 1-D integer tensor 'token_map', got None")):
         if content is None:
@@ -173,7 +174,7 @@ def test_a_torch_archive_or_token_map_of_the_wrong_kind_is_refused_naming_the_fi
         else:
             (tmp_path / "token_map.safetensors").write_bytes(content)
         with pytest.raises(CheckpointError, match=reason):   # read while planning memory, before any weights
-            draft_vocab_for("eagle2", tmp_path, None)
+            draft_vocab_for("eagle2", HeadCheckpoint(tmp_path, {}), None)
 
 
 def test_a_damaged_target_fails_at_load_naming_what_is_wrong(tiny_dir, tmp_path):

@@ -6,7 +6,7 @@ from tiny import tiny_engine
 
 from eagle_ray.config import PLAIN, SamplingParams, TreeConfig
 from eagle_ray.engine.chooser import SpeculationChooser
-from eagle_ray.engine.tuning import MIN_GAIN
+from eagle_ray.engine.chooser import MIN_GAIN
 
 TREE = TreeConfig(total_tokens=12, depth=3, top_k=3)
 
@@ -68,9 +68,9 @@ def test_output_is_the_targets_whatever_the_measured_choice_does(tiny_dir, tiny_
     """A chooser that explores every few steps switches modes many times in one run; greedy output is unchanged."""
     prompts = mixed_prompts(6, seed=4)
     engine = tiny_engine(tiny_dir, tiny_head, TREE, max_batch_size=4)
-    engine.chooser = SpeculationChooser({1: True, 4: False}, window=2, explore_every=3, min_gain=1.0)
+    engine.policy.chooser = SpeculationChooser({1: True, 4: False}, window=2, explore_every=3, min_gain=1.0)
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=40, ignore_eos=True))
     assert [o.token_ids for o in outs] == [reference_greedy(tiny_hf, p, 40) for p in prompts]
-    measured = engine.tree_summary()["measured"]
+    measured = engine.policy.summary()["measured"]
     assert sum(m["explorations"] for m in measured.values()) >= 2
-    assert engine.speculative_tree_for(4) == TREE and PLAIN != TREE
+    assert engine.policy.speculative_tree_for(4) == TREE and PLAIN != TREE

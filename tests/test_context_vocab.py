@@ -8,7 +8,7 @@ from test_engine import mixed_prompts, reference_greedy
 from tiny import tiny_engine
 
 from eagle_ray.config import SamplingParams, TreeConfig
-from eagle_ray.spec.context_vocab import ContextTokens, context_rows, context_topk
+from eagle_ray.speculative.context_vocab import ContextTokens, context_rows, context_topk
 
 
 def outside_of(vocab: int, token_map: list[int]) -> np.ndarray:

@@ -52,7 +52,7 @@ def test_speculative_greedy_equals_target_greedy(tiny_dir, tiny_hf, tiny_head, t
 def test_a_batch_verify_budget_keeps_greedy_exact(tiny_dir, tiny_hf, tiny_head, cap):
     """Per-sequence tree sizes under a batch-wide cap (4 = roots only for a batch of 4)."""
     engine = tiny_engine(tiny_dir, tiny_head, TREES["dynamic"], max_batch_size=4)
-    engine.config.speculation.max_verify_tokens = cap
+    engine.config.speculation.verify_cap = cap
     prompts = mixed_prompts(6, seed=2)
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=30, ignore_eos=True))
     for out, prompt in zip(outs, prompts):

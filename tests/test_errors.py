@@ -67,7 +67,8 @@ def test_a_damaged_head_fails_at_load_naming_its_file(tiny_dir, tmp_path, what, 
 
 
 def test_speculation_without_a_head_fails_when_the_config_loads():
-    from eagle_ray.config import JobConfig, ServeConfig
+    from eagle_ray.batch.config import JobConfig
+    from eagle_ray.serve.config import ServeConfig
     for make in (lambda **kw: ServeConfig(**kw), lambda **kw: JobConfig(input={"uri": "x"}, output={"uri": "y"}, **kw)):
         with pytest.raises(ConfigError, match="engine.draft is 'none' .* set speculative: false"):
             make(engine={"draft": "none"})

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 from tiny import tiny_engine
 
-from eagle_ray.data.rows import (DUPLICATE_ID, INTERNAL_ERROR, INVALID_JSON, INVALID_REQUEST, INVALID_ROW,
+from eagle_ray.batch.rows import (DUPLICATE_ID, INTERNAL_ERROR, INVALID_JSON, INVALID_REQUEST, INVALID_ROW,
                                  INVALID_UTF8, PROMPT_TOO_LONG, rows_from_lines, to_table)
 from eagle_ray.errors import EagleError
 from eagle_ray.serve.openai_api import ApiError, parse_body
@@ -108,8 +108,8 @@ class ValidatingQueue:
 
 @pytest.fixture(scope="module")
 def stage(tiny_dir, tiny_head):
-    from eagle_ray.config import JobConfig
-    from eagle_ray.data.stage import GenerateStage
+    from eagle_ray.batch.config import JobConfig
+    from eagle_ray.batch.stage import GenerateStage
     st_ = GenerateStage.__new__(GenerateStage)
     st_.cfg = JobConfig(input={"uri": "x"}, output={"uri": "y"}, sampling={"max_new_tokens": 4})
     st_.engine = tiny_engine(tiny_dir, tiny_head, max_model_len=64)

@@ -13,8 +13,9 @@ import torch
 from eagle_ray.config import SamplingParams, TreeConfig
 from eagle_ray.engine.engine import EagleEngine
 from eagle_ray.engine.host_reads import count_host_reads
-from eagle_ray.engine.model_runner import extend_passes
-from eagle_ray.model.device import Elapsed, Uploads, uploads_for
+from eagle_ray.engine.scheduler import extend_passes
+from eagle_ray.engine.clock import Elapsed
+from eagle_ray.uploads import Uploads, uploads_for
 
 
 def one_decode_step(tiny_dir, batch: int, tree: TreeConfig, speculative: bool = True, temperature: float = 0.0,
@@ -53,7 +54,7 @@ def test_sampling_and_plain_steps_read_once_and_copy_once(tiny_dir):
 def test_trees_with_padding_add_only_the_read_of_their_width(tiny_dir):
     pruned = TreeConfig(total_tokens=12, depth=3, top_k=3, min_cum_prob=0.01)
     assert [(len(r), c) for r, c in (one_decode_step(tiny_dir, 4, pruned),
-                                     one_decode_step(tiny_dir, 8, DEPTH3, max_verify_tokens=40))] == [(2, 1), (2, 1)]
+                                     one_decode_step(tiny_dir, 8, DEPTH3, verify_cap=40))] == [(2, 1), (2, 1)]
 
 
 def test_staged_inputs_are_served_from_one_copy_and_others_are_sent_alone():

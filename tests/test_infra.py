@@ -11,7 +11,8 @@ import repo_scripts
 import torch
 import yaml
 
-from eagle_ray.config import JobConfig, ServeConfig
+from eagle_ray.batch.config import JobConfig
+from eagle_ray.serve.config import ServeConfig
 from eagle_ray.model.memory import gpu_usable_bytes
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -15,8 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 from tiny import save_target
 
-from eagle_ray.config import JobConfig
-from eagle_ray.data.job import committed_parts, read_output, run_job
+from eagle_ray.batch.config import JobConfig
+from eagle_ray.batch.job import committed_parts, read_output, run_job
 from eagle_ray.errors import CheckpointError, ConfigError
 
 
@@ -161,7 +161,7 @@ def test_invalid_config_fails_before_any_model_loads(tmp_path):
 def test_a_missing_or_mismatched_model_fails_in_one_line_before_ray_starts(pair, tmp_path, monkeypatch):
     """On a local Ray the actors read the driver's paths: a head that does not exist, or one for another target,
     used to kill every actor again and again (174 lines of Ray traces, exit 1) after Ray had started."""
-    import eagle_ray.data.job as job
+    import eagle_ray.batch.job as job
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     target, head = pair
     other = save_target(tmp_path / "other", vocab_size=80)
@@ -249,7 +249,7 @@ def test_a_killed_driver_resumes_exactly_once(ray_local, pair, tmp_path):
 def test_rows_that_failed_on_an_engine_failure_are_run_again_on_resume(ray_local, pair, tmp_path):
     """A part holding rows that failed because the engine failed (or on a bug) is rewritten without them and
     they are run again; rows that failed on their own input stay as they are."""
-    from eagle_ray.data.job import PartWriter
+    from eagle_ray.batch.job import PartWriter
     rows = prompts(12)
     write_jsonl(tmp_path / "in.jsonl", rows + [{"id": "bad", "prompt": ""}])
     out = tmp_path / "out"

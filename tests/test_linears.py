@@ -3,7 +3,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eagle_ray.model.device import cpu_has_fast_bf16, numerics_for
+from eagle_ray.model.device import cpu_has_fast_bf16
+from eagle_ray.model.numerics import numerics_for
 from eagle_ray.model.linears import InputMajorLinear, PackedLinear, lay_out_linears, packed_available, scorer
 
 needs_onednn = pytest.mark.skipif(not packed_available(), reason="torch built without oneDNN")

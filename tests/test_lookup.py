@@ -7,9 +7,9 @@ from test_tree import WORDS, example_tree
 from tiny import tiny_engine
 
 from eagle_ray.config import SamplingParams, TreeConfig
-from eagle_ray.spec.accept import accept
-from eagle_ray.spec.lookup import TokenHistory, lookup_rows
-from eagle_ray.spec.tree import graft_chain, root_to_leaf_paths
+from eagle_ray.speculative.accept import accept
+from eagle_ray.speculative.lookup import TokenHistory, lookup_rows
+from eagle_ray.speculative.tree import graft_chain, root_to_leaf_paths
 
 
 def history(ids: list[int]) -> TokenHistory:

@@ -8,13 +8,15 @@ import torch
 from tiny import make_target, make_tokenizer
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from eagle_ray.config import EngineConfig, JobConfig, ServeConfig, TreeConfig
+from eagle_ray.config import EngineConfig, TreeConfig
+from eagle_ray.batch.config import JobConfig
+from eagle_ray.serve.config import ServeConfig
 from eagle_ray.engine.engine import EagleEngine
 from eagle_ray.engine.sizing import plan_engine, tree_demand
 from eagle_ray.errors import ConfigError, InsufficientMemoryError
 from eagle_ray.model.draft_head import DraftHead
 from eagle_ray.model.eagle3_head import Eagle3Head
-from eagle_ray.model.device import cpu_linears_for
+from eagle_ray.model.numerics import cpu_linears_for
 from eagle_ray.model.kv_cache import KVCache
 from eagle_ray.model.linears import packed_available
 from eagle_ray.model.memory import (AUTO_MAX_SLOTS, GiB, MemoryPlan, copies_for, fit_slots, free_memory,

@@ -17,7 +17,7 @@ from test_engine import reference_greedy
 from tiny import save_target, text_after, tiny_engine
 
 from eagle_ray.config import SamplingParams, TreeConfig
-from eagle_ray.data.rows import INVALID_JSON, INVALID_ROW, read_input, to_table
+from eagle_ray.batch.rows import INVALID_JSON, INVALID_ROW, read_input, to_table
 from eagle_ray.engine.request import parse_row
 from eagle_ray.errors import ConfigError, EngineDeadError, InvalidRequestError, PromptTooLongError
 
@@ -419,7 +419,7 @@ def test_a_chat_reads_as_vllm_reads_it():
 
 def test_a_mounted_api_key_is_read_without_its_trailing_newline(monkeypatch):
     """A secret mounted from a file usually ends in a newline, which no client sends: every request was a 401."""
-    from eagle_ray.config import ServeConfig
+    from eagle_ray.serve.config import ServeConfig
     from eagle_ray.serve.app import api_key_from_env
     from eagle_ray.serve.openai_api import authorized
     monkeypatch.setenv("EAGLE_RAY_KEY_UNDER_TEST", "sekret\n")
@@ -571,7 +571,8 @@ def test_a_json_array_that_does_not_parse_is_one_error_row_not_a_row_per_line(tm
 
 
 def test_configs_that_could_only_fail_later_fail_at_load(tiny_dir, tiny_head):
-    from eagle_ray.config import JobConfig, ServeConfig
+    from eagle_ray.batch.config import JobConfig
+    from eagle_ray.serve.config import ServeConfig
     with pytest.raises(ConfigError, match="max_model_len 16 leaves no room for a prompt next to the largest tree's "
                                           "verify budget"):
         tiny_engine(tiny_dir, tiny_head, TreeConfig(total_tokens=32, depth=4, top_k=8), max_model_len=16)
@@ -592,7 +593,7 @@ def test_configs_that_could_only_fail_later_fail_at_load(tiny_dir, tiny_head):
 def test_a_nested_engine_override_wins_over_the_files_flat_key_and_both_in_one_file_are_refused():
     """The shipped YAML writes engine keys flat (``engine.max_model_len``); ``--set engine.cache.max_model_len=..``
     used to be overwritten by the file's flat value, silently."""
-    from eagle_ray.config import JobConfig
+    from eagle_ray.batch.config import JobConfig
     cfg = JobConfig.from_yaml(ROOT / "configs" / "embedded.yaml", {"engine.cache.max_model_len": 512})
     assert cfg.engine.cache.max_model_len == 512
     with pytest.raises(ConfigError, match="max_model_len is given twice"):
@@ -619,7 +620,7 @@ def test_an_engine_override_lands_on_the_files_setting_whichever_way_each_spells
                                                                                    expect):
     """``engine.max_model_len`` and ``engine.cache.max_model_len`` are one setting: ``--set`` in one spelling over a
     file in the other replaces it (or the part of it the key names), never clashes with it or loses to it."""
-    from eagle_ray.config import JobConfig
+    from eagle_ray.batch.config import JobConfig
     (tmp_path / "job.yaml").write_text(json.dumps({"input": {"uri": "a"}, "output": {"uri": "b"}, "engine": engine}))
     cfg = JobConfig.from_yaml(tmp_path / "job.yaml", {key: value})
     part, name, want = expect
@@ -723,7 +724,7 @@ def test_the_tuning_cache_key_follows_the_files_not_their_path_or_mtime(tiny_dir
 
 
 def test_summary_counts_errors_by_kind():
-    from eagle_ray.data.job import _error_kinds
+    from eagle_ray.batch.job import _error_kinds
     rows = [{"error": "/data/x.jsonl:3: invalid JSON (Expecting value at column 1)", "error_kind": "invalid_json"},
             {"error": "/data/x.jsonl:9: invalid JSON (...)", "error_kind": "invalid_json"},
             {"error": "prompt has 3000 tokens ...", "error_kind": "prompt_too_long"}, {"error": None}]
@@ -738,7 +739,7 @@ def test_ctrl_c_stops_eagle_ray_serve_with_one_line_at_any_point(monkeypatch, ca
     from ray import serve
 
     from eagle_ray import cluster
-    from eagle_ray.config import ServeConfig
+    from eagle_ray.serve.config import ServeConfig
     from eagle_ray.serve import app
 
     def interrupt(*a, **k):
@@ -758,7 +759,7 @@ def test_ctrl_c_stops_eagle_ray_serve_with_one_line_at_any_point(monkeypatch, ca
 
 
 def test_a_serve_replica_without_its_api_key_fails_before_loading_the_model(monkeypatch):
-    from eagle_ray.config import ServeConfig
+    from eagle_ray.serve.config import ServeConfig
     from eagle_ray.engine import engine as engine_module
     from eagle_ray.serve.app import EagleServer
     monkeypatch.delenv("EAGLE_RAY_NO_SUCH_KEY", raising=False)
@@ -778,8 +779,8 @@ def test_the_bearer_scheme_is_case_insensitive():
 
 
 def test_the_engine_failing_ends_the_job_actor_and_fails_serve_health(tiny_dir, tiny_head):
-    from eagle_ray.config import JobConfig
-    from eagle_ray.data.stage import GenerateStage
+    from eagle_ray.batch.config import JobConfig
+    from eagle_ray.batch.stage import GenerateStage
     from eagle_ray.engine.queue import RequestQueue
     stage = GenerateStage.__new__(GenerateStage)
     stage.cfg = JobConfig(input={"uri": "x"}, output={"uri": "y"})

@@ -3,7 +3,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from eagle_ray.spec.sampling import SamplingBatch, choose_tokens, processed_probs
+from eagle_ray.speculative.sampling import SamplingBatch, choose_tokens, processed_probs
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 0.9), (1.0, 5, 1.0), (1.3, 7, 0.8)])
@@ -47,7 +47,7 @@ def test_greedy_rows_take_the_argmax_and_sampled_rows_follow_their_seed():
 def test_the_noise_depends_only_on_seed_position_and_token():
     """Exp(1) noise keyed by (seed, position): equal keys give equal noise wherever the row sits, distinct keys
     independent noise with the right moments."""
-    from eagle_ray.spec.sampling import position_noise
+    from eagle_ray.speculative.sampling import position_noise
     n = position_noise(torch.tensor([5, 5, 6, 5]), torch.tensor([100, 101, 100, 100]), 200_000)
     assert n[0].equal(n[3]) and not n[0].equal(n[1]) and not n[0].equal(n[2])
     assert (n > 0).all()

@@ -17,7 +17,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 import eagle_ray.engine.model_runner as runner_module
 from eagle_ray.config import SamplingParams, TreeConfig
-from eagle_ray.spec.accept import accept
+from eagle_ray.speculative.accept import accept
 
 SETTINGS = {"T=1": dict(temperature=1.0), "T=0.7,top_p=0.9": dict(temperature=0.7, top_p=0.9),
             "top_k=5": dict(temperature=1.0, top_k=5)}

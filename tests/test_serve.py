@@ -10,7 +10,8 @@ import httpx
 import pytest
 from tiny import tiny_engine
 
-from eagle_ray.config import SamplingParams, ServeConfig
+from eagle_ray.config import SamplingParams
+from eagle_ray.serve.config import ServeConfig
 
 
 pytestmark = pytest.mark.slow  # a real local Ray cluster

@@ -2,6 +2,7 @@
 plain steps and back, its head's inputs wait until a step drafts for it (or until their memory bound), and greedy
 output stays the target's own."""
 import itertools
+from dataclasses import replace
 
 from test_engine import mixed_prompts, reference_greedy
 from tiny import tiny_engine
@@ -14,7 +15,7 @@ TREE = TreeConfig(total_tokens=12, depth=3, top_k=3)
 def run_with_pattern(engine, prompts, pattern, new_tokens=48):
     """Generate at batch 4 with the step's tree taken from ``pattern`` in turn (True: TREE, False: plain)."""
     turns = itertools.cycle(pattern)
-    engine.tree_for = lambda batch: TREE if next(turns) else PLAIN
+    engine.policy.step_tree = lambda batch: TREE if next(turns) else PLAIN
     return engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
 
 
@@ -45,7 +46,7 @@ def count_head_passes(engine) -> list[int]:
 def test_plain_steps_never_run_the_head(tiny_dir, tiny_head):
     """The head's pairs wait for a step that drafts: a request that runs plain to its end costs no head pass."""
     engine = tiny_engine(tiny_dir, tiny_head, TREE, max_batch_size=4)
-    engine.tree_for = lambda batch: PLAIN
+    engine.policy.step_tree = lambda batch: PLAIN
     passes = count_head_passes(engine)
     seqs = [engine.add_request(p, SamplingParams(max_new_tokens=60, ignore_eos=True)) for p in mixed_prompts(4)]
     most = 0
@@ -61,9 +62,9 @@ def test_pending_pairs_stay_under_their_memory_bound(tiny_dir, tiny_hf, tiny_hea
     stretch holds bounded memory; speculating again afterwards gives the same output."""
     prompts = mixed_prompts(4, seed=2)
     engine = tiny_engine(tiny_dir, tiny_head, TREE, max_batch_size=4)
-    engine.runner.max_pending = 10
+    engine.scheduler.feeding = replace(engine.scheduler.feeding, max_pending=10)
     turns = itertools.cycle([False] * 30 + [True] * 5)
-    engine.tree_for = lambda batch: TREE if next(turns) else PLAIN
+    engine.policy.step_tree = lambda batch: TREE if next(turns) else PLAIN
     seqs = [engine.add_request(p, SamplingParams(max_new_tokens=80, ignore_eos=True)) for p in prompts]
     most = 0
     while engine.has_unfinished():
@@ -77,11 +78,11 @@ def test_pending_pairs_stay_under_their_memory_bound(tiny_dir, tiny_hf, tiny_hea
 def test_a_return_to_speculation_catches_up_in_bounded_passes(tiny_dir, tiny_head):
     """After a plain stretch the head takes at most ``MAX_EXTEND_PASSES`` passes of ``extend_budget`` tokens a
     step; sequences it has not caught up with verify their root only, the others draft at once."""
-    from eagle_ray.engine.model_runner import MAX_EXTEND_PASSES
+    from eagle_ray.engine.scheduler import MAX_EXTEND_PASSES
     engine = tiny_engine(tiny_dir, tiny_head, TREE, max_batch_size=4)
-    engine.runner.extend_budget = 24
+    engine.scheduler.feeding = replace(engine.scheduler.feeding, extend_budget=24)
     drafting = [False]
-    engine.tree_for = lambda batch: TREE if drafting[0] else PLAIN
+    engine.policy.step_tree = lambda batch: TREE if drafting[0] else PLAIN
     seqs = [engine.add_request(p, SamplingParams(max_new_tokens=90, ignore_eos=True)) for p in mixed_prompts(4)]
     for _ in range(40):
         engine.step()
@@ -101,7 +102,7 @@ def test_a_return_to_speculation_catches_up_in_bounded_passes(tiny_dir, tiny_hea
 
 def test_the_tuner_can_choose_plain():
     from eagle_ray.engine.tuning import choose_trees
-    from eagle_ray.spec.trace import TreeTrace
+    from eagle_ray.speculative.trace import TreeTrace
 
     class NoAcceptance(TreeTrace):
         def simulated_tau(self, *shape):
@@ -116,7 +117,7 @@ def test_the_tuner_can_choose_plain():
 def test_a_tree_must_be_predicted_clearly_faster_than_plain():
     """Costs and trace are estimates: a tree predicted under ``MIN_GAIN`` x plain's tokens/s loses to plain."""
     from eagle_ray.engine.tuning import MIN_GAIN, choose_trees
-    from eagle_ray.spec.trace import TreeTrace
+    from eagle_ray.speculative.trace import TreeTrace
 
     class Accepts(TreeTrace):
         def __init__(self, tau):
@@ -137,20 +138,20 @@ def test_a_simulated_batch_budget_spans_roots_only_to_uncapped(tiny_dir, tiny_he
     engine = tiny_engine(tiny_dir, tiny_head, TREE, max_batch_size=4)
     trace = collect_trace(engine, mixed_prompts(8, seed=3), 24, TRACE_TREE)
     shape = (12, 3, 3)
-    assert trace.simulated_budget(*shape, batch=1, max_verify_tokens=12) == (trace.simulated_tau(*shape), 12.0)
-    assert trace.simulated_budget(*shape, batch=4, max_verify_tokens=4) == (1.0, 1.0)
-    taus = [trace.simulated_budget(*shape, batch=4, max_verify_tokens=4 * n)[0] for n in range(1, 13)]
+    assert trace.simulated_budget(*shape, batch=1, verify_cap=12) == (trace.simulated_tau(*shape), 12.0)
+    assert trace.simulated_budget(*shape, batch=4, verify_cap=4) == (1.0, 1.0)
+    taus = [trace.simulated_budget(*shape, batch=4, verify_cap=4 * n)[0] for n in range(1, 13)]
     assert taus == sorted(taus) and taus[-1] > 1.0
 
 
 def test_the_tuned_verify_budget_applies_per_batch_size(tiny_dir, tiny_head):
     engine = tiny_engine(tiny_dir, tiny_head, TREE, max_batch_size=4)
-    engine.config = engine.config.replace(verify_budget_by_batch={2: 6, 4: 10}, max_verify_tokens=30)
-    assert [engine.verify_budget_for(n) for n in (1, 2, 3, 4)] == [30, 6, 6, 10]
-    assert engine.tree_summary() == TREE.model_dump(exclude_none=True)
+    engine.config = engine.config.replace(verify_budget_by_batch={2: 6, 4: 10}, verify_cap=30)
+    assert [engine.policy.verify_cap(n) for n in (1, 2, 3, 4)] == [30, 6, 6, 10]
+    assert engine.policy.summary() == TREE.model_dump(exclude_none=True)
     engine.set_trees(trees_by_batch={1: TREE, 4: PLAIN})
-    assert engine.tree_summary()["trees_by_batch"]["4"] == "plain"
-    assert engine.tree_summary()["verify_budget_by_batch"] == {"2": 6, "4": 10}
+    assert engine.policy.summary()["trees_by_batch"]["4"] == "plain"
+    assert engine.policy.summary()["verify_cap_by_batch"] == {"2": 6, "4": 10}
 
 
 def test_prompt_chunks_come_first_and_trees_take_the_room_left(tiny_dir, tiny_head):
@@ -161,19 +162,18 @@ def test_prompt_chunks_come_first_and_trees_take_the_room_left(tiny_dir, tiny_he
         engine.add_request([5 + i, 9, 10], SamplingParams(max_new_tokens=50, ignore_eos=True))
     while engine.scheduler.prefilling or engine.scheduler.waiting:
         engine.step()
-    room = {True: engine.max_tree_budget(), False: 1}
     engine.add_request([3 + i % 60 for i in range(262)], SamplingParams(max_new_tokens=5))
-    plan = engine.scheduler.schedule(room, engine.target.max_len)
+    plan = engine.scheduler.schedule(engine.target.max_len)
     assert len(plan.decode) == 4 and [c.end - c.start for c in plan.prefill] == [256 - 4]
-    assert plan.verify_room == 4 and engine.step_verify_cap(4, plan.verify_room) == 4
+    assert plan.verify_cap == 4 and plan.drafted == [] and plan.plain == plan.decode   # under 2 a sequence
     before = dict(engine.counters)
     engine.step()                                      # the prompt's first 252 tokens; the four decode plain
     assert engine.counters["verify_tokens"] - before["verify_tokens"] == 4
     assert engine.counters["tree_nodes"] - before["tree_nodes"] == 4          # roots only: no draft token
-    plan = engine.scheduler.schedule(room, engine.target.max_len)
-    assert [c.end - c.start for c in plan.prefill] == [10] and plan.verify_room == 256 - 10
-    assert engine.step_verify_cap(4, plan.verify_room) is None     # four 12-node trees fit: no cap
-    assert engine.step_verify_cap(4, 30) == 30
+    plan = engine.scheduler.schedule(engine.target.max_len)
+    assert [c.end - c.start for c in plan.prefill] == [10]
+    assert plan.verify_cap is None and engine.policy.verify_cap(4, 256 - 10) is None   # four 12-node trees fit
+    assert engine.policy.verify_cap(4, 30) == 30
 
 
 def test_trees_trimmed_to_the_room_prompts_leave_keep_the_greedy_output(tiny_dir, tiny_hf, tiny_head):
@@ -182,12 +182,12 @@ def test_trees_trimmed_to_the_room_prompts_leave_keep_the_greedy_output(tiny_dir
     engine = tiny_engine(tiny_dir, tiny_head, TREE, max_batch_size=3)
     engine.scheduler.step_budget = 16     # prompts of 1-23 tokens next to one or two decoding sequences
     caps = []
-    step_cap = engine.step_verify_cap
+    step_cap = engine.policy.verify_cap
 
-    def spy(batch, room):
+    def spy(batch, room=None):
         caps.append((batch, room, step_cap(batch, room)))
         return caps[-1][2]
-    engine.step_verify_cap = spy
+    engine.policy.verify_cap = spy
     prompts = mixed_prompts(7, seed=5)
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True))
     assert [o.token_ids for o in outs] == [reference_greedy(tiny_hf, p, 24) for p in prompts]

@@ -134,7 +134,7 @@ def test_self_distilled_conversations_come_from_a_job_output(tmp_path):
 
     import pyarrow.parquet as pq
 
-    from eagle_ray.data.rows import empty_row, to_table
+    from eagle_ray.batch.rows import empty_row, to_table
     from eagle_ray.train.extract import iter_conversations
 
     rows = []

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from eagle_ray.config import TreeConfig
-from eagle_ray.spec.tree import Tree, ancestor_mask, grow_tree, root_to_leaf_paths, static_shape
+from eagle_ray.speculative.tree import Tree, ancestor_mask, grow_tree, root_to_leaf_paths, static_shape
 
 WORDS = "It is has a the to good be".split()
 PARENTS = [0, 0, 0, 1, 1, 2, 3, 5]  # is->It, has->It, a->is, the->is, to->has, good->a, be->to
@@ -143,7 +143,7 @@ def test_every_static_default_node_has_its_parent():
 
 
 def _random_batch_tree(seed=0, B=4, cfg=None):
-    from eagle_ray.spec.tree import grow_dynamic
+    from eagle_ray.speculative.tree import grow_dynamic
     g = torch.Generator().manual_seed(seed)
     d, V = 8, 50
     emb = torch.randn(V, d, generator=g)
@@ -161,7 +161,7 @@ def _random_batch_tree(seed=0, B=4, cfg=None):
 
 
 def test_batch_budget_keeps_the_most_probable_nodes_across_sequences_and_stays_connected():
-    from eagle_ray.spec.tree import fit_batch_budget
+    from eagle_ray.speculative.tree import fit_batch_budget
     tree = _random_batch_tree()
     cut = fit_batch_budget(tree, 20)
     assert int(cut.valid.sum()) == 20 and bool(cut.valid[:, 0].all())
@@ -174,7 +174,7 @@ def test_batch_budget_keeps_the_most_probable_nodes_across_sequences_and_stays_c
 
 
 def test_drop_padding_moves_valid_nodes_first_and_trims_width_without_changing_the_trees():
-    from eagle_ray.spec.tree import drop_padding, fit_batch_budget
+    from eagle_ray.speculative.tree import drop_padding, fit_batch_budget
     tree = fit_batch_budget(_random_batch_tree(seed=3), 18)
     packed = drop_padding(tree)
     assert packed.tokens.shape[1] == int(tree.valid.sum(1).max())
@@ -194,8 +194,8 @@ def test_nan_or_infinite_draft_scores_leave_every_tree_well_formed():
     whose depths disagreed with their links: the verify pass then emitted tokens it never checked. Floored scores
     (``draft_log_probs``) keep each node's parent in the tree and one level above it, in every tree mode, and a
     context-token draft never picks the padding of an unused context slot."""
-    from eagle_ray.spec.context_vocab import context_topk
-    from eagle_ray.spec.tree import LOGP_FLOOR, draft_log_probs
+    from eagle_ray.speculative.context_vocab import context_topk
+    from eagle_ray.speculative.tree import LOGP_FLOOR, draft_log_probs
     B, V, d = 2, 16, 8
     nan = float("nan")
 

@@ -17,7 +17,9 @@ import collections
 from dataclasses import dataclass, field
 
 from eagle_ray.config import TreeConfig, is_plain
-from eagle_ray.engine.tuning import MIN_GAIN
+
+MIN_GAIN = 1.05  # speculation must be (predicted or measured) this much faster than plain decoding to be chosen:
+                 # two runs of the same work differ by several percent, so plain wins ties
 
 
 @dataclass

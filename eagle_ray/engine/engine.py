@@ -14,21 +14,19 @@ from pathlib import Path
 
 import torch
 
-from eagle_ray.config import PLAIN, EngineConfig, SamplingParams, TreeConfig, is_plain
-from eagle_ray.engine.chooser import SpeculationChooser
+from eagle_ray.config import EngineConfig, SamplingParams
+from eagle_ray.engine.builder import load_pair
 from eagle_ray.engine.model_runner import ModelRunner, StepOutput
-from eagle_ray.engine.scheduler import Scheduler, StepPlan
+from eagle_ray.engine.scheduler import Feeding, Scheduler, StepPlan
 from eagle_ray.engine.sequence import Sequence
 from eagle_ray.engine.text import Detokenizer, StopStrings, TextCodec
-from eagle_ray.errors import ConfigError, InvalidRequestError
+from eagle_ray.engine.tree_policy import TreePolicy, check_draft_vocab, check_prompt_room, draft_room, prompt_room
+from eagle_ray.engine.tuning import autotune
+from eagle_ray.errors import InvalidRequestError
 from eagle_ray.model.compiled import compile_forwards
-from eagle_ray.model.device import pick_device, pick_dtype
-from eagle_ray.model.draft_head import DraftHead, check_head, load_head
-from eagle_ray.model.eagle3_head import Eagle3Head
-from eagle_ray.model.loading import resolve_draft, resolve_target, target_config_and_tokenizer
+from eagle_ray.model.draft_head import DraftHead
 from eagle_ray.model.memory import max_pending_pairs, pending_pair_bytes
 from eagle_ray.model.target import TargetModel
-from eagle_ray.spec.tree import children_per_node, static_shape
 from eagle_ray.stats import RequestStats
 
 
@@ -42,73 +40,25 @@ class RequestOutput:
     stats: RequestStats = field(default_factory=RequestStats)
 
 
-RANDOM_HEADS = ("random", "random-eagle3")  # untrained heads (EAGLE-2, EAGLE-3): lossless-test fixtures
-
-
-def by_batch(table: dict, batch: int, below_all):
-    """``table``'s entry for the largest batch size <= ``batch``; the entry for ``below_all`` (None: None) if every
-    key is larger."""
-    fits = [b for b in table if b <= batch]
-    key = max(fits) if fits else below_all
-    return None if key is None else table[key]
-
-
-def draft_budget(tree: TreeConfig) -> int:
-    """Tree tokens per sequence (root included) the head drafts."""
-    return tree.total_tokens if tree.mode == "dynamic" else len(static_shape(tree)) + 1
-
-
-def tree_budget(tree: TreeConfig) -> int:
-    """Verify tokens per sequence (root included) a tree may take: the head's drafts and the lookup chain."""
-    return draft_budget(tree) + (0 if is_plain(tree) else tree.lookup)
-
-
-def prompt_room(max_len: int, verify_budget: int) -> int:
-    """The most prompt tokens a context of ``max_len`` takes: one verify budget stays free, so a request's first
-    step can speculate (near the end of its slot a sequence decodes plainly)."""
-    return max_len - verify_budget - 1
-
-
-def check_prompt_room(max_len: int, trees: list[TreeConfig]) -> None:
-    """Fail unless a context of ``max_len`` leaves room for a prompt next to the largest verify budget (see
-    ``EagleEngine.prompt_room``): else every request would be refused as too long. Callers check before loading."""
-    budget = max(tree_budget(t) for t in trees)
-    if prompt_room(max_len, budget) < 1:
-        raise ConfigError(f"cache.max_model_len {max_len} leaves no room for a prompt next to the largest tree's "
-                          f"verify budget ({budget} tokens): raise max_model_len or use a smaller tree")
-
-
-def check_draft_vocab(draft, trees: list[TreeConfig]) -> None:
-    """Refuse trees whose nodes take more children than the head has draft tokens: top-k would pick padding."""
-    n, k = draft.draft_vocab_size, max(children_per_node(t) for t in trees)
-    if n < k:
-        raise ConfigError(f"the draft head proposes from {n} tokens, fewer than the {k} children a tree node takes "
-                          "(top_k, or a static tree's widest rank): use a narrower tree or a head with a larger draft "
-                          "vocabulary")
-
-
-def draft_room(tree: TreeConfig) -> int:
-    """Tree tokens a cycle stacks on a slot's draft cache (lookup tokens are never drafted)."""
-    return tree.depth * tree.top_k if tree.mode == "dynamic" else draft_budget(tree)
-
-
 class EagleEngine:
     def __init__(self, target: TargetModel, draft: DraftHead | None, tokenizer, config: EngineConfig):
-        self.target, self.draft, self.tokenizer, self.config = target, draft, tokenizer, config
+        self.target, self.draft, self.tokenizer = target, draft, tokenizer
+        self.policy = TreePolicy(config.speculation, drafting=draft is not None)
+        self._config = config
         self.device = target.device
         self.target_dir: Path | None = None
         self.draft_dir: Path | None = None
-        self.tuning = None  # the TuningResult when tree_policy is "auto"
-        self.chooser: SpeculationChooser | None = None   # speculate or not per batch size, measured (measured_choice)
         self.codec = TextCodec(tokenizer, target.vocab_size)
-        check_prompt_room(target.max_len, config.speculation.trees())
+        check_prompt_room(target.max_len, self.policy.trees())
         self._ids = itertools.count()
         budget = config.cache.step_budget(target.device)
-        self.scheduler = Scheduler(config.cache.max_batch_size, budget)
-        self.runner = ModelRunner(target, draft, max(budget, 512), context_vocab=config.speculation.context_vocab)
+        extend_budget = max(budget, 512)   # padded tokens a head pass takes
+        self.runner = ModelRunner(target, draft, extend_budget, context_vocab=config.speculation.context_vocab)
+        feeding = None
         if draft is not None:
             pair = pending_pair_bytes(draft.feature_size, target.dtype, target.numerics.fp32_activations)
-            self.runner.max_pending = max_pending_pairs(pair, target.max_len)
+            feeding = Feeding(extend_budget, max_pending_pairs(pair, target.max_len))
+        self.scheduler = Scheduler(config.cache.max_batch_size, budget, self.policy, feeding)
         # lifetime counters: decode passes, sequences they carried (mean verify batch = sequences / passes)
         self.counters = {"decode_passes": 0, "decode_sequences": 0, "verify_tokens": 0, "tree_nodes": 0,
                          "prefill_passes": 0, "prefill_sequences": 0, "decode_step_s": 0.0, "decode_forward_s": 0.0}
@@ -118,9 +68,18 @@ class EagleEngine:
                                  if x is not None)
         if draft is not None:
             draft.bind_lm_head(target.lm_head, config.speculation.draft_vocab_size, target.numerics.cpu_linears)
-            check_draft_vocab(draft, config.speculation.trees())
+            check_draft_vocab(draft.draft_vocab_size, self.policy.trees())
             self._allocate_draft_cache(fresh=True)
         compile_forwards(target, draft, config.model.compile)
+
+    @property
+    def config(self) -> EngineConfig:
+        """The engine's settings; ``speculation`` is the live one (the tuner's trees once it has run)."""
+        return self._config.model_copy(update={"speculation": self.policy.spec})
+
+    @config.setter
+    def config(self, config: EngineConfig) -> None:
+        self._config, self.policy.spec = config, config.speculation
 
     # ---- construction -----------------------------------------------------------------------------------------
     @classmethod
@@ -135,45 +94,15 @@ class EagleEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig, storage_options: dict | None = None) -> "EagleEngine":
-        from eagle_ray.engine.sizing import size_engine
-
-        m = config.model
-        if m.threads:
-            torch.set_num_threads(m.threads)
-        dev = pick_device(m.device)
-        dt = pick_dtype(m.dtype, dev)
-        target_dir = resolve_target(m.target, storage_options)
-        draft_dir = None if m.draft in ("none",) + RANDOM_HEADS else resolve_draft(m.draft, storage_options)
-        target_config, tokenizer = target_config_and_tokenizer(target_dir)
-        if draft_dir is not None:  # validate the head's config before spending time on the target's weights
-            check_head(draft_dir, target_config)
-        if m.compile != "off" and config.precision.cpu_linears == "auto":
-            config = config.replace(cpu_linears="input_major")   # Inductor lowers dense weights, not packed ones
-        # plan the memory before allocating any: max_batch_size "auto" becomes an int, one that does not fit fails
-        config = size_engine(config, target_config, draft_dir, dev, dt)
-        target = TargetModel.load(target_dir, dt, dev, config.cache.max_batch_size, config.cache.max_model_len,
-                                  **config.precision.model_dump())
-        draft = None
-        if draft_dir is not None:
-            draft = load_head(draft_dir, target.config, target.model.embed_tokens.weight, dt, dev)
-        elif m.draft in RANDOM_HEADS:  # an untrained head: useless for speed, a strong test of losslessness
-            torch.manual_seed(0)
-            draft = (Eagle3Head if m.draft == "random-eagle3" else DraftHead).for_target(target.config)
-            draft.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight)
-            draft = draft.to(device=dev, dtype=dt).eval()
-        engine = cls(target, draft, tokenizer, config)
-        engine.target_dir, engine.draft_dir = target_dir, draft_dir
-        spec = config.speculation
-        measured = spec.measured_choice if spec.measured_choice is not None else spec.tree_policy == "auto"
-        if spec.tree_policy == "auto" and draft is not None:
-            from eagle_ray.engine.tuning import autotune
-            engine.tuning = t = autotune(engine)
-            engine.set_trees(trees_by_batch=t.speculative_trees() if measured else t.trees_by_batch())
-            engine.config = engine.config.replace(verify_budget_by_batch=t.verify_budget_by_batch())
-            if measured:   # the tuner's choices are where the measured ones start
-                engine.chooser = SpeculationChooser.for_trees(t.trees_by_batch())
-        elif measured and draft is not None:
-            engine.chooser = SpeculationChooser.for_trees(spec.trees_by_batch or {1: spec.tree})
+        """Build an engine (``engine/builder.py``: read, check, plan, load), then, with ``tree_policy: auto``,
+        measure this device and take the tuner's trees."""
+        pair = load_pair(config, storage_options)
+        engine = cls(pair.target, pair.draft, pair.tokenizer, pair.config)
+        engine.target_dir = pair.checkpoints.target_dir
+        engine.draft_dir = pair.checkpoints.head.path if pair.checkpoints.head else None
+        if config.speculation.tree_policy == "auto" and pair.draft is not None:
+            engine.policy.adopt(autotune(engine))
+            engine._allocate_draft_cache()
         return engine
 
     def reference_model(self):
@@ -183,68 +112,18 @@ class EagleEngine:
         return AutoModelForCausalLM.from_pretrained(str(self.target_dir), dtype=self.target.dtype).to(self.device).eval()
 
     # ---- trees ----------------------------------------------------------------------------------------------------
-    tree_budget = staticmethod(tree_budget)
-
-    def max_tree_budget(self) -> int:
-        return max(tree_budget(t) for t in self.config.speculation.trees())
-
-    def tree_for(self, batch: int) -> TreeConfig:
-        """The tree a step with ``batch`` sequences grows: ``trees_by_batch``'s entry for the largest batch size
-        <= ``batch`` (the smallest entry below that), else ``tree``."""
-        table = self.config.speculation.trees_by_batch
-        return by_batch(table, batch, min(table)) if table else self.config.speculation.tree
-
-    def speculative_tree_for(self, batch: int) -> TreeConfig:
-        """The tree a step drafts where the measured choice speculates: ``tree_for``'s, or where that is plain the
-        configured ``tree`` (the default tree if that is plain too)."""
-        tree = self.tree_for(batch)
-        if is_plain(tree):
-            tree = self.config.speculation.tree
-        return TreeConfig() if is_plain(tree) else tree
-
-    def verify_budget_for(self, batch: int) -> int | None:
-        """The verify cap of a step with ``batch`` speculative sequences: ``verify_budget_by_batch``'s entry for the
-        largest batch size <= ``batch``, else ``max_verify_tokens``."""
-        c = self.config.speculation
-        return by_batch(c.verify_budget_by_batch or {}, batch, None) or c.max_verify_tokens
-
-    def step_verify_cap(self, batch: int, room: int | None) -> int | None:
-        """The verify cap of a step with ``batch`` speculative sequences: the tuned or configured cap, lowered to the
-        ``room`` that the step's prompt chunks leave (see ``Scheduler``); None where nothing limits the trees."""
-        cap = self.verify_budget_for(batch)
-        if room is None or room >= batch * tree_budget(self.tree_for(batch)):
-            return cap
-        return min(cap, room) if cap else room
-
-    def tree_summary(self) -> dict:
-        """What trees this engine grows (recorded in job outputs and Serve stats); with a measured choice, per batch
-        size what steps run now ("plain" where speculation is off) and the tokens/s measured for both modes."""
-        c = self.config.speculation
-        if not c.trees_by_batch and self.chooser is None:
-            return c.tree.model_dump(exclude_none=True)
-        table = c.trees_by_batch or {1: c.tree}
-        out = {"policy": c.tree_policy, "trees_by_batch": {
-            str(b): "plain" if is_plain(t) or (self.chooser and not self.chooser.bucket(b).speculate) else
-            t.model_dump(exclude_none=True) for b, t in sorted(table.items())}}
-        if c.verify_budget_by_batch:
-            out["verify_budget_by_batch"] = {str(b): n for b, n in sorted(c.verify_budget_by_batch.items())}
-        if self.chooser is not None:
-            out["measured"] = self.chooser.summary()
-        return out
-
-    def set_trees(self, tree: TreeConfig | None = None, trees_by_batch: dict[int, TreeConfig] | None = None) -> None:
+    def set_trees(self, tree=None, trees_by_batch=None) -> None:
         """Change the tree shape(s) between steps (benchmarks, the tuner); grows the draft cache if needed."""
         if self.draft is not None:
-            check_draft_vocab(self.draft, [tree or self.config.speculation.tree, *(trees_by_batch or {}).values()])
-        self.config = self.config.replace(tree=tree or self.config.speculation.tree, trees_by_batch=trees_by_batch)
-        if self.chooser is not None:   # a new table: the measured choice starts again from it
-            self.chooser = SpeculationChooser.for_trees(trees_by_batch or {1: self.config.speculation.tree})
+            check_draft_vocab(self.draft.draft_vocab_size,
+                              [tree or self.policy.spec.tree, *(trees_by_batch or {}).values()])
+        self.policy.set_trees(tree, trees_by_batch)
         if self.draft is not None:
             self._allocate_draft_cache()
 
     def _allocate_draft_cache(self, fresh: bool = False) -> None:
         # consumed pairs never outnumber the target's cached tokens; a cycle's tree tokens stack on top of them
-        room = max(draft_room(t) for t in self.config.speculation.trees())
+        room = max(draft_room(t) for t in self.policy.trees())
         cache = None if fresh else getattr(self.draft, "cache", None)
         slots = self.config.cache.max_batch_size
         if cache is None or cache.num_slots != slots or cache.max_len < self.target.max_len + room + 1:
@@ -259,7 +138,7 @@ class EagleEngine:
     # ---- requests -------------------------------------------------------------------------------------------------
     def prompt_room(self) -> int:
         """The most prompt tokens a request may bring (see the module-level ``prompt_room``)."""
-        return prompt_room(self.target.max_len, self.max_tree_budget())
+        return prompt_room(self.target.max_len, self.policy.max_verify_budget())
 
     def max_new_tokens_for(self, prompt_len: int) -> int:
         """The most tokens a request with a ``prompt_len``-token prompt can generate before its slot ends it with
@@ -333,24 +212,12 @@ class EagleEngine:
         sequence, retire finished ones. Returns the sequences that emitted tokens or finished (for streaming)."""
         for src, dst in self.scheduler.defragment():  # keep running slots contiguous: KV reads stay slices
             self.runner.move_slot(src, dst)
-        plan = self.scheduler.schedule({True: self.max_tree_budget(), False: 1}, self.target.max_len)
-        out = None if plan.empty else self.runner.run(plan, self.trees_this_step(plan),
-                                                      lambda n: self.step_verify_cap(n, plan.verify_room))
+        plan = self.scheduler.schedule(self.target.max_len)
+        out = None if plan.empty else self.runner.run(plan)
         touched = self._postprocess(plan, out)
         for seq in self.scheduler.retire_finished():
             self._finalize(seq)
         return touched
-
-    def speculative_batch(self, plan: StepPlan) -> int:
-        """Sequences of the step that may speculate: what picks its tree and its measured choice."""
-        return sum(s.speculative for s in plan.decode) if self.draft is not None else 0
-
-    def trees_this_step(self, plan: StepPlan):
-        """``tree_for``, or with a measured choice the tree or plain decoding, as it says for the step's batch."""
-        n = self.speculative_batch(plan)
-        if self.chooser is None or not n:
-            return self.tree_for
-        return self.speculative_tree_for if self.chooser.speculate(n) else lambda batch: PLAIN
 
     def _postprocess(self, plan: StepPlan, out: StepOutput | None) -> list[Sequence]:
         """Sequences take their tokens (stop tokens, length, stop strings) and their share of the step's time."""
@@ -367,9 +234,10 @@ class EagleEngine:
             if c.completes:
                 self.scheduler.prefill_done(seq)
                 seq.stats.ttft_s = now - seq.start_time
-        if self.chooser is not None and self.speculative_batch(plan):
-            self.chooser.record(self.speculative_batch(plan), True in out.decoded, t.total_s,
-                                sum(len(r.tokens) for r in out.results if r.tree_size), out.steady, t.extend_s)
+        chooser = self.policy.chooser
+        if chooser is not None and plan.speculating:
+            chooser.record(plan.speculating, True in out.decoded, t.total_s,
+                           sum(len(r.tokens) for r in out.results if r.tree_size), out.steady, t.extend_s)
         if plan.prefill:
             self.counters["prefill_passes"] += 1
             self.counters["prefill_sequences"] += sum(c.completes for c in plan.prefill)

@@ -1,16 +1,10 @@
-"""The model side of a step: runs the target and the draft head for a :class:`StepPlan` and returns tokens.
+"""The model side of a step: runs the target and the draft head for a finished :class:`StepPlan` and returns tokens.
 
-One step is: prompt chunks (one padded target pass) -> feed the head (its pending pairs, in at most
-``MAX_EXTEND_PASSES`` bounded passes) -> draft (grow the trees of the sequences the head has caught up with, one
-batched head call per level) -> verify (one target pass over all trees, one over the roots of the rest) -> accept ->
-keep the accepted path's K/V. A plain step is the verification of a one-node tree. Phases hand each other typed
-values (``Tree``, ``Acceptance``, ``SeqResult``); the sequences' state is updated by the scheduler side, not here,
-except for the head's pending pairs, which belong to this side.
-
-The head is fed lazily: a sequence's (feature, token) pairs wait until a step drafts for it, or until they reach
-the memory bound ``max_pending``. A sequence that runs plain to its end (a batch size where speculation does not
-pay) so never costs a head pass, and one that starts speculating again catches up in bounded passes, verifying
-plainly until it has.
+One step is: prompt chunks (one padded target pass) -> feed the head (the plan's passes over pending pairs) ->
+draft (grow the trees of the plan's drafted sequences, one batched head call per level) -> verify (one target pass
+over all trees, one over the roots of the rest) -> accept -> keep the accepted path's K/V. A plain step is the
+verification of a one-node tree. Phases hand each other typed values (``Tree``, ``Acceptance``, ``SeqResult``); the
+sequences' state is updated by the engine, not here, except for the head's pending pairs, which belong to this side.
 
 Everything runs batched over sequences; Python loops run over sequences (to pack ragged inputs and hand out
 results), never over tree nodes, and a decode pass reads its results back to the host once.
@@ -22,17 +16,18 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from eagle_ray.config import TreeConfig, is_plain
-from eagle_ray.engine.scheduler import PrefillChunk, StepPlan
+from eagle_ray.config import TreeConfig
+from eagle_ray.engine.scheduler import PrefillChunk, StepPlan, extend_passes
 from eagle_ray.engine.sequence import Sequence
-from eagle_ray.model.device import Clock, resolve_times, uploads_for
+from eagle_ray.engine.clock import Clock, resolve_times
+from eagle_ray.uploads import uploads_for
 from eagle_ray.model.draft_head import DraftHead
 from eagle_ray.model.target import TargetModel
-from eagle_ray.spec.accept import accept
-from eagle_ray.spec.context_vocab import ContextTokens, context_rows
-from eagle_ray.spec.lookup import TokenHistory, lookup_rows
-from eagle_ray.spec.sampling import SamplingBatch, choose_tokens
-from eagle_ray.spec.tree import Tree, drop_padding, fit_batch_budget, graft_chain, grow_tree, static_shape
+from eagle_ray.speculative.accept import accept
+from eagle_ray.speculative.context_vocab import ContextTokens, context_rows
+from eagle_ray.speculative.lookup import TokenHistory, lookup_rows
+from eagle_ray.speculative.sampling import SamplingBatch, choose_tokens
+from eagle_ray.speculative.tree import Tree, drop_padding, fit_batch_budget, graft_chain, grow_tree
 
 
 @dataclass
@@ -79,41 +74,6 @@ def root_only_tree(roots: torch.Tensor) -> Tree:
                 torch.ones(B, 1, 1, dtype=torch.bool, device=roots.device), torch.zeros(B, 1, device=roots.device))
 
 
-MAX_EXTEND_PASSES = 2   # head passes a step may run to feed pending pairs: the steady few pairs of every
-                        # sequence, and one bounded pass of catch-up (a new prompt, or a return from plain steps)
-
-
-def max_emitted(tree: TreeConfig) -> int:
-    """The most tokens one step with ``tree`` can emit (its deepest path plus the bonus token): more pending pairs
-    than this at a step's start means the head is catching up."""
-    drafted = min(tree.total_tokens, tree.depth + 2) if tree.mode == "dynamic" else \
-        max(len(p) for p in static_shape(tree)) + 1
-    return drafted if is_plain(tree) else max(drafted, tree.lookup + 1)
-
-
-def extend_passes(pending: list[int], budget: int) -> list[list[tuple[int, int]]]:
-    """How the head consumes pending pairs in passes of at most ``budget`` padded tokens: per pass, (index into
-    ``pending``, pairs taken). Shortest first, so a decode step's few pairs share one pass and a new prompt's
-    thousands take the following ones."""
-    left = {i: n for i, n in enumerate(pending) if n}
-    todo, passes = list(left), []
-    while todo:
-        todo.sort(key=lambda i: left[i])
-        group, width = [], 0
-        for i in todo:
-            w = max(width, min(left[i], budget))
-            if group and (len(group) + 1) * w > budget:
-                break
-            group.append(i)
-            width = w
-        taken = [(i, min(left[i], width)) for i in group]
-        for i, n in taken:
-            left[i] -= n
-        passes.append(taken)
-        todo = [i for i in todo if left[i]]
-    return passes
-
-
 def extend_tokens(seqs: list[Sequence], taken: list[tuple[int, int]]) -> np.ndarray:
     """One extend pass's token block ``[G, width]`` (zero padded), read from the sequences' pending tokens."""
     width = max(n for _, n in taken)
@@ -123,23 +83,12 @@ def extend_tokens(seqs: list[Sequence], taken: list[tuple[int, int]]) -> np.ndar
     return tokens
 
 
-def fed_in_full(pending: list[int], passes: list[list[tuple[int, int]]]) -> list[bool]:
-    """Which sequences ``passes`` leave with no pending pair."""
-    taken = [0] * len(pending)
-    for group in passes:
-        for i, n in group:
-            taken[i] += n
-    return [t == n for t, n in zip(taken, pending)]
-
-
 class ModelRunner:
-    def __init__(self, target: TargetModel, draft: DraftHead | None, extend_budget: int, max_pending: int = 1024,
-                 context_vocab: int = 0):
+    def __init__(self, target: TargetModel, draft: DraftHead | None, extend_budget: int, context_vocab: int = 0):
         self.target, self.draft = target, draft
         self.context_vocab = context_vocab   # context tokens a sequence adds to its draft vocabulary (at most)
         self.device = target.device
-        self.extend_budget = extend_budget   # padded tokens per head pass
-        self.max_pending = max_pending       # pending pairs a sequence may hold before the head must take them
+        self.extend_budget = extend_budget   # padded tokens per head pass (draft_extend without a plan's passes)
         self.profile = False
         self.clock, self.times = Clock(self.device), StepTimes()   # the running step's (see run)
         self.trace = None  # a TreeTrace recording verified trees (calibration, tuning); off by default
@@ -157,38 +106,25 @@ class ModelRunner:
 
     # ---- a step --------------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, plan: StepPlan, tree_for, budget_for=lambda batch: None) -> StepOutput:
-        """One step: ``tree_for(n)`` / ``budget_for(n)`` give the tree and the verify cap of a step with ``n``
-        speculative sequences (a plain tree, or a cap under two tokens a sequence: no drafting this step)."""
+    def run(self, plan: StepPlan) -> StepOutput:
+        """One step, as ``plan`` says (``scheduler.plan_decode``)."""
         clock = self.clock = Clock(self.device, self.profile)
-        out = StepOutput()
+        out = StepOutput(steady=plan.steady)
         self.times = out.times
         t0 = clock()
         if plan.prefill:
             out.results += self.prefill(plan.prefill)
-        spec = [s for s in plan.decode if s.speculative and self.draft is not None]
-        tree_cfg = tree_for(len(spec)) if spec else None
-        cap = budget_for(len(spec)) if spec else None
-        drafting = bool(spec) and not is_plain(tree_cfg) and not (cap is not None and cap < 2 * len(spec))
-        prompts = [c.seq for c in plan.prefill if c.seq.speculative and self.draft is not None]
-        feed, passes = self.plan_feeding(spec, prompts, drafting)
-        done = fed_in_full([len(s.pending) for s in feed], passes)
-        ready = [s for s, d in zip(feed[:len(spec)], done) if d] if drafting else []   # feed starts with spec
-        caught_up = {id(s) for s in ready}
-        plain = [s for s in plan.decode if id(s) not in caught_up]
-        out.steady = not plan.prefill and (
-            all(len(s.pending) <= max_emitted(tree_cfg) for s in spec) and len(ready) == len(spec) if drafting
-            else not passes)
+        ready, plain, tree_cfg = plan.drafted, plan.plain, plan.tree
         context = self.context_ids(ready) if ready else None
         chains = self.lookup_ids(ready, tree_cfg) if ready and tree_cfg.lookup else None
-        self.stage_decode(ready, plain, feed, passes, context, chains)
-        if passes:
+        self.stage_decode(ready, plain, plan.feed, plan.passes, context, chains)
+        if plan.passes:
             t = clock()
-            self.draft_extend(feed, passes)
+            self.draft_extend(plan.feed, plan.passes)
             out.times.extend_s = clock() - t
             out.times.draft_s += out.times.extend_s
         if ready:
-            out.results += self.decode_speculative(ready, tree_cfg, cap, context, chains)
+            out.results += self.decode_speculative(ready, tree_cfg, plan.verify_cap, context, chains)
             out.decoded[True] = len(ready)
         if plain:
             out.results += self.decode_plain(plain)
@@ -198,16 +134,6 @@ class ModelRunner:
         uploads_for(self.device).clear()
         resolve_times(out.times)
         return out
-
-    def plan_feeding(self, spec: list[Sequence], prompts: list[Sequence], drafting: bool):
-        """Which sequences the head takes pending pairs from this step, and in which passes: with drafting, every
-        speculative sequence and prompt in progress (at most ``MAX_EXTEND_PASSES`` passes, shortest lists first);
-        otherwise only those at the memory bound (one pass)."""
-        if drafting:
-            feed, most = spec + prompts, MAX_EXTEND_PASSES
-        else:
-            feed, most = [s for s in spec + prompts if len(s.pending) >= self.max_pending], 1
-        return feed, extend_passes([len(s.pending) for s in feed], self.extend_budget)[:most]
 
     def stage_decode(self, ready: list[Sequence], plain: list[Sequence], feed: list[Sequence], passes,
                      context: np.ndarray | None = None, chains: np.ndarray | None = None) -> None:
@@ -317,7 +243,7 @@ class ModelRunner:
                     s.draft_hidden = hidden[b, n[b] - 1]
 
     def context_ids(self, seqs: list[Sequence]) -> np.ndarray | None:
-        """The context tokens each sequence adds to its draft vocabulary, ``[B, E]`` (``spec/context_vocab.py``);
+        """The context tokens each sequence adds to its draft vocabulary, ``[B, E]`` (``speculative/context_vocab.py``);
         None where the head has no map (or scores its own vocabulary) or no sequence has such a token."""
         outside = getattr(self.draft, "outside_map", None)
         if outside is None or not self.context_vocab:
@@ -329,7 +255,7 @@ class ModelRunner:
         return context_rows([s.context for s in seqs])
 
     def lookup_ids(self, seqs: list[Sequence], tree_cfg: TreeConfig) -> np.ndarray:
-        """Each sequence's prompt-lookup chain, ``[B, L + 1]`` (``spec/lookup.py``: tokens, then the length), ``L``
+        """Each sequence's prompt-lookup chain, ``[B, L + 1]`` (``speculative/lookup.py``: tokens, then the length), ``L``
         the longest chain found this step: the host knows the widths, so the verify pass is never wider."""
         for s in seqs:
             if s.history is None:
@@ -364,7 +290,7 @@ class ModelRunner:
         roots = uploads_for(device).ints([s.root for s in seqs])
         return grow_tree(draft_fn, topk_fn, root_hidden, roots, tree_cfg)
 
-    def decode_speculative(self, seqs: list[Sequence], tree_cfg: TreeConfig, max_verify_tokens: int | None,
+    def decode_speculative(self, seqs: list[Sequence], tree_cfg: TreeConfig, verify_cap: int | None,
                            context: np.ndarray | None = None, chains: np.ndarray | None = None) -> list[SeqResult]:
         """Grow and verify the trees of sequences the head has caught up with (no pending pair left), drafting
         over ``context`` (``context_ids``) too, with ``chains`` (``lookup_ids``) grafted on."""
@@ -374,8 +300,8 @@ class ModelRunner:
         if chains is not None and chains.shape[1] > 1:
             chains = uploads_for(self.device).ints(chains)
             tree = graft_chain(tree, chains[:, :-1], chains[:, -1])
-        if max_verify_tokens:
-            tree = fit_batch_budget(tree, max_verify_tokens)
+        if verify_cap:
+            tree = fit_batch_budget(tree, verify_cap)
         tree = drop_padding(tree)
         times.draft_s += clock() - t0
         times.verify_width = tree.tokens.shape[1]

@@ -8,14 +8,23 @@ never displace prompt tokens: in a full pass, where a token costs about the same
 nodes buys ``tau < t`` tokens with ``t - 1`` prompt tokens that must run later anyway, a loss. Finished or
 aborted sequences leave at once. Memory is bounded up front: the KV cache has ``num_slots`` rows of ``max_len``
 positions, and a request that cannot fit one row is refused when it is added.
+
+The plan a step hands the model runner is finished: which prompt chunks run, which sequences grow and verify a tree
+(with which tree and verify cap, from the :class:`TreePolicy`), which verify their root only, and in which head
+passes the head first takes its pending (feature, token) pairs. The head is fed lazily: a sequence's pairs wait
+until a step drafts for it, or until they reach ``Feeding.max_pending``; one that starts speculating again catches
+up in at most ``MAX_EXTEND_PASSES`` bounded passes, verifying plainly until it has.
 """
 from __future__ import annotations
 
 import bisect
 import collections
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from eagle_ray.config import TreeConfig, is_plain
 from eagle_ray.engine.sequence import Sequence
+from eagle_ray.engine.tree_policy import TreePolicy
+from eagle_ray.speculative.tree import static_shape
 
 
 @dataclass
@@ -32,13 +41,106 @@ class PrefillChunk:
 
 @dataclass
 class StepPlan:
-    prefill: list[PrefillChunk]
-    decode: list[Sequence]
-    verify_room: int | None = None   # verify tokens the speculative sequences may take in all (None: no limit)
+    """Everything one step runs, decided before its first forward."""
+    prefill: list[PrefillChunk] = field(default_factory=list)
+    decode: list[Sequence] = field(default_factory=list)    # every sequence past its prompt
+    drafted: list[Sequence] = field(default_factory=list)   # grow and verify a tree (the head has caught up)
+    plain: list[Sequence] = field(default_factory=list)     # verify their root only
+    feed: list[Sequence] = field(default_factory=list)      # sequences the head takes pending pairs from ...
+    passes: list[list[tuple[int, int]]] = field(default_factory=list)  # ... per pass: (index into feed, pairs)
+    tree: TreeConfig | None = None       # the drafted sequences' tree
+    verify_cap: int | None = None        # the most tree nodes their verify pass takes (None: no cap)
+    speculating: int = 0                 # sequences that may speculate: what picked the tree (and records it)
+    steady: bool = False     # decode only, and the head fed no more than a step's own tokens: a fair sample of
+    #                          the step's mode for the measured choice (catch-up after a switch is not)
 
     @property
     def empty(self) -> bool:
         return not self.prefill and not self.decode
+
+
+@dataclass(frozen=True)
+class Feeding:
+    """How the head takes its pending pairs: ``extend_budget`` padded tokens a pass, and a sequence may hold at most
+    ``max_pending`` pairs before a step must feed them even while it does not draft."""
+    extend_budget: int
+    max_pending: int = 1024
+
+
+MAX_EXTEND_PASSES = 2   # head passes a step may run to feed pending pairs: the steady few pairs of every
+                        # sequence, and one bounded pass of catch-up (a new prompt, or a return from plain steps)
+
+
+def max_emitted(tree: TreeConfig) -> int:
+    """The most tokens one step with ``tree`` can emit (its deepest path plus the bonus token): more pending pairs
+    than this at a step's start means the head is catching up."""
+    drafted = min(tree.total_tokens, tree.depth + 2) if tree.mode == "dynamic" else \
+        max(len(p) for p in static_shape(tree)) + 1
+    return drafted if is_plain(tree) else max(drafted, tree.lookup + 1)
+
+
+def extend_passes(pending: list[int], budget: int) -> list[list[tuple[int, int]]]:
+    """How the head consumes pending pairs in passes of at most ``budget`` padded tokens: per pass, (index into
+    ``pending``, pairs taken). Shortest first, so a decode step's few pairs share one pass and a new prompt's
+    thousands take the following ones."""
+    left = {i: n for i, n in enumerate(pending) if n}
+    todo, passes = list(left), []
+    while todo:
+        todo.sort(key=lambda i: left[i])
+        group, width = [], 0
+        for i in todo:
+            w = max(width, min(left[i], budget))
+            if group and (len(group) + 1) * w > budget:
+                break
+            group.append(i)
+            width = w
+        taken = [(i, min(left[i], width)) for i in group]
+        for i, n in taken:
+            left[i] -= n
+        passes.append(taken)
+        todo = [i for i in todo if left[i]]
+    return passes
+
+
+def fed_in_full(pending: list[int], passes: list[list[tuple[int, int]]]) -> list[bool]:
+    """Which sequences ``passes`` leave with no pending pair."""
+    taken = [0] * len(pending)
+    for group in passes:
+        for i, n in group:
+            taken[i] += n
+    return [t == n for t, n in zip(taken, pending)]
+
+
+def plan_decode(plan: StepPlan, policy: TreePolicy, feeding: Feeding | None, room: int | None = None) -> StepPlan:
+    """Complete ``plan`` (its chunks and decoding sequences chosen): the tree and cap of its speculative sequences
+    (``room``: the verify tokens the step's prompt chunks leave them), the head passes that feed them (and this
+    step's prompt chunks) their pending pairs, and which of them grow a tree: those the passes leave with none
+    pending. The rest verify their root only."""
+    spec = [s for s in plan.decode if s.speculative] if feeding else []
+    plan.speculating = n = len(spec)
+    tree = policy.step_tree(n) if spec else None
+    cap = policy.verify_cap(n, room) if spec else None
+    drafting = bool(spec) and not is_plain(tree) and not (cap is not None and cap < 2 * n)
+    # a chunk prefilled this step adds a pending pair per token before the head runs
+    chunked = {id(c.seq): c.end - c.start for c in plan.prefill if c.seq.speculative} if feeding else {}
+    prompts = [c.seq for c in plan.prefill if id(c.seq) in chunked]
+    pending = {id(s): len(s.pending) + chunked.get(id(s), 0) for s in spec + prompts}
+    if drafting:
+        feed, most = spec + prompts, MAX_EXTEND_PASSES
+    else:
+        feed, most = [s for s in spec + prompts if pending[id(s)] >= feeding.max_pending] if feeding else [], 1
+    counts = [pending[id(s)] for s in feed]
+    passes = extend_passes(counts, feeding.extend_budget)[:most] if feed else []
+    done = dict(zip(map(id, feed), fed_in_full(counts, passes)))
+    plan.drafted = [s for s in spec if done.get(id(s))] if drafting else []
+    drafted = set(map(id, plan.drafted))
+    plan.plain = [s for s in plan.decode if id(s) not in drafted]
+    plan.feed, plan.passes = feed, passes
+    plan.tree, plan.verify_cap = tree, cap
+    plan.steady = not plan.prefill and (
+        all(pending[id(s)] <= max_emitted(tree) for s in spec) and len(plan.drafted) == n if drafting
+        else not passes)
+    return plan
 
 
 def plan_chunks(prompts: list[Sequence], budget: int) -> list[PrefillChunk]:
@@ -64,12 +166,14 @@ MIN_PREFILL = 16  # prompt tokens a step runs even when decoding fills its budge
 
 
 class Scheduler:
-    def __init__(self, num_slots: int, step_budget: int):
+    def __init__(self, num_slots: int, step_budget: int, policy: TreePolicy, feeding: Feeding | None = None):
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []          # in slot order after defragment()
         self.prefilling: list[Sequence] = []       # running sequences still in their prompt, oldest first
         self.free = list(range(num_slots))
         self.step_budget = step_budget
+        self.policy = policy                       # the tree and verify cap of a step, by its batch size
+        self.feeding = feeding                     # how the head takes its pairs (None: no head)
         self.max_running: int | None = None  # run fewer sequences than there are slots (benchmarks of batch size)
 
     def add(self, seq: Sequence) -> None:
@@ -78,13 +182,14 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, room: dict[bool, int], max_len: int) -> StepPlan:
-        """Admit waiting requests, then plan this step: a decode step for every sequence past its prompt and prompt
-        chunks in the rest of the step's budget. ``room[speculative]`` is the most verify tokens a sequence's step
-        takes. A speculative sequence whose next tree could overrun its slot decodes plainly from then on, so it
-        ends where plain decoding would; one whose next token cannot fit finishes with ``length``. With prompt
-        chunks in the step, ``verify_room`` is what they leave the speculative sequences (their roots included)."""
+    def schedule(self, max_len: int) -> StepPlan:
+        """Admit waiting requests, then plan this step: a decode step for every sequence past its prompt, prompt
+        chunks in the rest of the step's budget, and the trees (``plan_decode``). A speculative sequence whose next
+        tree could overrun its slot decodes plainly from then on, so it ends where plain decoding would; one whose
+        next token cannot fit finishes with ``length``. With prompt chunks in the step, the speculative sequences'
+        verify tokens (their roots included) take only what the chunks leave."""
         self._admit()
+        room = {True: self.policy.max_verify_budget(), False: 1}   # verify tokens a sequence's step may take
         decode = []
         for s in self.running:
             if s.finished or s.in_prefill:
@@ -98,12 +203,12 @@ class Scheduler:
             else:
                 decode.append(s)
         if not self.prefilling:
-            return StepPlan([], decode)
+            return plan_decode(StepPlan([], decode), self.policy, self.feeding)
         chunks = plan_chunks(self.prefilling, max(MIN_PREFILL, self.step_budget - len(decode)))
         n_spec = sum(s.speculative for s in decode)
         prompt_tokens = len(chunks) * max(c.end - c.start for c in chunks)   # the pass is padded
         left = self.step_budget - prompt_tokens - (len(decode) - n_spec)
-        return StepPlan(chunks, decode, max(n_spec, left) if n_spec else None)
+        return plan_decode(StepPlan(chunks, decode), self.policy, self.feeding, max(n_spec, left) if n_spec else None)
 
     def _admit(self) -> None:
         """Waiting sequences enter free slots, lowest slot first (batches stay contiguous when they can)."""

@@ -8,8 +8,8 @@ import torch
 
 from eagle_ray.config import SamplingParams
 from eagle_ray.engine.text import Detokenizer, StopStrings
-from eagle_ray.spec.context_vocab import ContextTokens
-from eagle_ray.spec.lookup import TokenHistory
+from eagle_ray.speculative.context_vocab import ContextTokens
+from eagle_ray.speculative.lookup import TokenHistory
 from eagle_ray.stats import RequestStats
 
 
@@ -53,7 +53,7 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     stop_ids: frozenset[int]
-    seed: int                                   # sampling noise is keyed by (seed, position): see spec/sampling.py
+    seed: int                                   # sampling noise is keyed by (seed, position): see speculative/sampling.py
     detok: Detokenizer | None = None
     slot: int = -1
     speculative: bool = True

@@ -1,73 +1,69 @@
 """An EngineConfig's memory plan, checked against the device before the engine allocates anything.
 
-``EagleEngine.from_config`` calls :func:`size_engine` once it knows the target's config, the head and the device:
-``max_batch_size: auto`` becomes the most slots that fit, an int that does not fit fails here, naming what it needs
-and what is free, instead of an out-of-memory error half-way through loading.
+The builder (``engine/builder.py``) calls :func:`size_engine` once it knows the target's config, the head and the
+device: ``max_batch_size: auto`` becomes the most slots that fit, an int that does not fit fails here, naming what
+it needs and what is free, instead of an out-of-memory error half-way through loading.
 """
 from __future__ import annotations
-
-import json
-from pathlib import Path
 
 import torch
 
 from eagle_ray.config import EngineConfig, SpeculationConfig, TreeConfig
+from eagle_ray.engine.tree_policy import draft_budget, draft_room, verify_budget
+from eagle_ray.engine.tuning import GRID_DEPTH, GRID_TOPK, GRID_TOTAL, TRACE_TREE
+from eagle_ray.model.checkpoint import HeadCheckpoint, read_token_map
 from eagle_ray.model.memory import MemoryPlan, fit_slots, free_memory, plan_memory
 
 
 def tree_demand(spec: SpeculationConfig) -> tuple[int, int, int]:
     """(verify tokens per sequence, draft-cache room, draft rows scored per sequence) the engine's trees may need;
     with ``tree_policy: auto`` also the tuner's largest shapes, which it runs while measuring."""
-    from eagle_ray.engine.engine import draft_budget, draft_room, tree_budget
     trees = spec.trees()
     if spec.tree_policy == "auto":
-        from eagle_ray.engine.tuning import GRID_DEPTH, GRID_TOPK, GRID_TOTAL, TRACE_TREE
         trees = trees + [TRACE_TREE, TreeConfig(total_tokens=max(GRID_TOTAL), depth=max(GRID_DEPTH),
                                                 top_k=max(GRID_TOPK))]
     dynamic = [t for t in trees if t.mode == "dynamic"]
-    verify = max(tree_budget(t) for t in trees)
+    verify = max(verify_budget(t) for t in trees)
     room = max(draft_room(t) for t in trees)
     rows = max([t.top_k for t in dynamic] + [draft_budget(t) for t in trees if t.mode != "dynamic"])
     return verify, room, rows
 
 
-def head_for(draft: str | None, draft_dir: Path | None) -> tuple[str | None, dict | None]:
-    """(kind, checkpoint config) of the head ``from_config`` will load: None for ``draft: none``, the config
+def head_for(draft: str | None, head: HeadCheckpoint | None) -> tuple[str | None, dict | None]:
+    """(kind, checkpoint config) of the head the builder will load: None for ``draft: none``, the config
     ``for_target`` builds (None) for the random heads."""
-    if draft_dir is not None:
-        from eagle_ray.model.draft_head import head_kind
-        return head_kind(draft_dir), json.loads((Path(draft_dir) / "config.json").read_text())
+    if head is not None:
+        return head.kind, head.config
     return {"random": ("eagle2", None), "random-eagle3": ("eagle3", None)}.get(draft, (None, None))
 
 
-def draft_vocab_for(kind: str | None, draft_dir: Path | None, draft_vocab_size: int | None) -> int | None:
+def draft_vocab_for(kind: str | None, head: HeadCheckpoint | None, draft_vocab_size: int | None) -> int | None:
     """Rows of the token-mapped vocabulary an EAGLE-2 head will score (None: the full vocabulary)."""
     if kind != "eagle2" or draft_vocab_size == 0:
         return None
-    from eagle_ray.model.draft_head import read_token_map
-    tm = None if draft_dir is None else read_token_map(Path(draft_dir))
+    tm = None if head is None else read_token_map(head.path)
     if tm is None:
         return draft_vocab_size  # bind_lm_head refuses a draft_vocab_size without a map
     n = tm.numel()
     return min(n, draft_vocab_size) if draft_vocab_size else n
 
 
-def plan_engine(config: EngineConfig, target_config, draft_dir: Path | None, device: torch.device,
+def plan_engine(config: EngineConfig, target_config, head: HeadCheckpoint | None, device: torch.device,
                 dtype: torch.dtype) -> MemoryPlan:
-    """The memory plan of the engine ``from_config`` is about to build."""
-    kind, head_config = head_for(config.model.draft, draft_dir)
+    """The memory plan of the engine the builder is about to load."""
+    kind, head_config = head_for(config.model.draft, head)
     verify, room, rows = tree_demand(config.speculation)
     return plan_memory(target_config, kind, head_config, dtype, device.type, config.cache.max_model_len, verify,
                        draft_room=room, top_k=rows, precision=config.precision,
-                       draft_vocab=draft_vocab_for(kind, draft_dir, config.speculation.draft_vocab_size),
+                       draft_vocab=draft_vocab_for(kind, head, config.speculation.draft_vocab_size),
                        step_tokens=config.cache.step_budget(device))
 
 
-def size_engine(config: EngineConfig, target_config, draft_dir: Path | None, device: torch.device,
+def size_engine(config: EngineConfig, target_config, head: HeadCheckpoint | None, device: torch.device,
                 dtype: torch.dtype, free_bytes: int | None = None) -> EngineConfig:
     """``config`` with ``max_batch_size`` an int that fits the device (``free_bytes``: default its free memory
     now); raises :class:`eagle_ray.errors.InsufficientMemoryError` if it does not fit."""
-    plan = plan_engine(config, target_config, draft_dir, device, dtype)
+    plan = plan_engine(config, target_config, head, device, dtype)
     free = free_memory(device) if free_bytes is None else free_bytes
     n = fit_slots(plan, config.cache.max_batch_size, free)
     return config if n == config.cache.max_batch_size else config.replace(max_batch_size=n)

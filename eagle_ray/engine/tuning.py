@@ -29,15 +29,13 @@ from pathlib import Path
 import torch
 
 from eagle_ray.config import PLAIN, SamplingParams, TreeConfig
-from eagle_ray.spec.trace import TreeTrace
+from eagle_ray.engine.chooser import MIN_GAIN
+from eagle_ray.speculative.trace import TreeTrace
 
 GRID_TOTAL = (2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48)
 GRID_DEPTH = (0, 1, 2, 3, 4, 5)
 GRID_TOPK = (1, 2, 3, 4, 6, 8)
 TRACE_TREE = TreeConfig(total_tokens=48, depth=5, top_k=8, lookup=0)   # the head's trees alone
-MIN_GAIN = 1.05  # a tree must be predicted this much faster than plain decoding to be chosen: the costs are medians
-                 # of 1-3 passes at one context, and on the CPUs measured two runs of the same work differ by up to
-                 # 10%; a predicted 2% gain measured 0.96x plain (batch 64, bf16), so plain wins ties
 CONTEXT = 256  # prefix length the costs are measured at (a typical prompt plus some answer)
 
 
@@ -48,7 +46,7 @@ class BatchChoice:
     step_s: float
     expected_tok_s: float      # batch * tau / step_s
     plain_tok_s: float         # batch / (one-token verify pass): plain decoding on the same runtime
-    max_verify_tokens: int | None = None   # the batch's verify cap (most probable nodes kept), None: no cap
+    verify_cap: int | None = None   # the most tree nodes a verify pass takes (most probable kept), None: no cap
     best_tree: dict | None = None          # the best speculative tree and its best cap, chosen or not: the report
     best_tree_tok_s: float | None = None   # shows why plain or a cap was or was not taken
     best_cap: int | None = None
@@ -75,8 +73,8 @@ class TuningResult:
         return {b: TreeConfig(**(c.best_tree if c.best_tree and c.tree["total_tokens"] == 1 else c.tree))
                 for b, c in self.batches.items()}
 
-    def verify_budget_by_batch(self) -> dict[int, int] | None:
-        caps = {b: c.max_verify_tokens for b, c in self.batches.items() if c.max_verify_tokens}
+    def verify_cap_by_batch(self) -> dict[int, int] | None:
+        caps = {b: c.verify_cap for b, c in self.batches.items() if c.verify_cap}
         return caps or None
 
     def to_dict(self) -> dict:
@@ -167,7 +165,7 @@ def collect_trace(engine, prompts: list, max_new_tokens: int, tree: TreeConfig =
     """Greedy-generate ``prompts`` with ``tree`` and record every verified tree, with the engine's configured
     prompt-lookup chains matched against the outputs (:meth:`TreeTrace.match_chains`)."""
     saved = (engine.config.speculation.tree, engine.config.speculation.trees_by_batch)
-    chooser, engine.chooser = engine.chooser, None      # every step drafts the trace's tree
+    chooser, engine.policy.chooser = engine.policy.chooser, None      # every step drafts the trace's tree
     engine.set_trees(tree)
     trace = engine.runner.trace = TreeTrace()
     try:
@@ -179,7 +177,7 @@ def collect_trace(engine, prompts: list, max_new_tokens: int, tree: TreeConfig =
     finally:
         engine.runner.trace = None
         engine.set_trees(*saved)
-        engine.chooser = chooser
+        engine.policy.chooser = chooser
 
 
 def shapes_for(total_tokens: int):
@@ -250,7 +248,7 @@ def choose_trees(trace: TreeTrace, verify_s: dict[int, dict[int, float]], draft_
                 w = next((n for n in sorted(verify_s[b]) if n >= width), max(verify_s[b]))
                 step = draft_s[b][f"{d},{k}"] + verify_s[b][w]
                 table.append({"batch": b, "total_tokens": t, "depth": d, "top_k": k, "lookup": 0,
-                              "max_verify_tokens": cap, "tau": tau, "step_s": step, "tok_s": b * tau / step})
+                              "verify_cap": cap, "tau": tau, "step_s": step, "tok_s": b * tau / step})
                 if capped is None or b * tau / step > capped.expected_tok_s:
                     capped = BatchChoice(shape.model_dump(), tau, step, b * tau / step, b / plain_s, cap)
         best = max([tree] + ([capped] if capped else []), key=lambda c: c.expected_tok_s)
@@ -258,7 +256,7 @@ def choose_trees(trace: TreeTrace, verify_s: dict[int, dict[int, float]], draft_
             best = plain
         best.best_tree, best.best_tree_tok_s = tree.tree, tree.expected_tok_s
         if capped is not None:
-            best.best_cap, best.best_cap_tok_s = capped.max_verify_tokens, capped.expected_tok_s
+            best.best_cap, best.best_cap_tok_s = capped.verify_cap, capped.expected_tok_s
         choices[b] = best
     return choices, table
 
@@ -292,7 +290,7 @@ def cache_key(engine) -> str:
     blob = json.dumps([fingerprint(engine.target_dir), fingerprint(getattr(engine, "draft_dir", None)),
                        str(engine.target.dtype), name, torch.get_num_threads(), engine.target.numerics.cpu_linears,
                        engine.config.speculation.draft_vocab_size, engine.runner.context_vocab,
-                       engine.config.speculation.tree.lookup, engine.config.speculation.tree.lookup_ngram, 6],
+                       engine.config.speculation.tree.lookup, engine.config.speculation.tree.lookup_ngram, 7],
                       sort_keys=True)
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
 

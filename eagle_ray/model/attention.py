@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from eagle_ray.model.device import uploads_for
+from eagle_ray.uploads import uploads_for
 from eagle_ray.model.kv_cache import KVCache
 
 

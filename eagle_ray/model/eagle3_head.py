@@ -25,10 +25,11 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMS
 
 from eagle_ray.errors import CheckpointError
 from eagle_ray.model.attention import attention, make_block_meta, mlp
+from eagle_ray.model.checkpoint import (ARCHITECTURES, CONFIG_KEYS, HeadCheckpoint, add_legacy_rope_keys,
+                                        load_checked, read_head, read_state_dict)
 from eagle_ray.model.kv_cache import KVCache
-from eagle_ray.spec.tree import draft_log_probs
+from eagle_ray.speculative.tree import draft_log_probs
 
-ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
 
 def capture_layers(num_target_layers: int) -> tuple[int, int, int]:
@@ -38,12 +39,6 @@ def capture_layers(num_target_layers: int) -> tuple[int, int, int]:
         raise CheckpointError(f"an EAGLE-3 head reads three distinct target layers 2, L/2 and L-3, which needs at "
                               f"least 7 layers; this target has {L}")
     return (2, L // 2, L - 3)
-
-
-def is_eagle3_config(raw: dict) -> bool:
-    archs = raw.get("architectures")
-    return "draft_vocab_size" in raw or "target_hidden_size" in raw or \
-        isinstance(archs, list) and any(a in ARCHITECTURES for a in archs)
 
 
 class Eagle3Head(nn.Module):
@@ -82,7 +77,6 @@ class Eagle3Head(nn.Module):
                    intermediate_size: int | None = None) -> "Eagle3Head":
         """A fresh (random) head for ``target_config``; ``draft_vocab`` lists the target ids the draft may propose
         (most frequent first; default: the whole vocabulary)."""
-        from eagle_ray.model.draft_head import CONFIG_KEYS
         kw = {k: getattr(target_config, k) for k in CONFIG_KEYS if getattr(target_config, k, None) is not None}
         if intermediate_size:
             kw["intermediate_size"] = intermediate_size
@@ -124,7 +118,6 @@ class Eagle3Head(nn.Module):
         needs the key ships its embedding (``include_embedding`` defaults to that)."""
         from safetensors.torch import save_file
 
-        from eagle_ray.model.draft_head import add_legacy_rope_keys
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         cfg = self.config.to_dict()
@@ -142,15 +135,12 @@ class Eagle3Head(nn.Module):
         save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
 
     @classmethod
-    def load(cls, path: str | Path, target_config, target_embed: torch.Tensor | None = None,
+    def load(cls, head: str | Path | HeadCheckpoint, target_config, target_embed: torch.Tensor | None = None,
              dtype: torch.dtype = torch.float32, device="cpu") -> "Eagle3Head":
-        from eagle_ray.model.draft_head import load_checked, read_config, read_state_dict
-        path = Path(path)
-        raw = read_config(path)
-        check_config(path, raw, target_config)
-        raw = {k: v for k, v in raw.items() if k not in ("architectures", "model_type", "transformers_version")}
-        raw["num_hidden_layers"] = 1
-        head = cls(LlamaConfig(**raw), target_config.num_hidden_layers)
+        ckpt = read_head(head)
+        path = ckpt.path
+        check_config(path, ckpt.config, target_config)
+        head = cls(ckpt.layer_config(), target_config.num_hidden_layers)
         state = read_state_dict(path)
         state = {k.removeprefix("model."): v for k, v in state.items()}  # some exporters nest the keys
         if "embed_tokens.weight" not in state:

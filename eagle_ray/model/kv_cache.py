@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from eagle_ray.model.device import uploads_for
+from eagle_ray.uploads import uploads_for
 
 
 class KVCache:

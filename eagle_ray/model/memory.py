@@ -15,7 +15,10 @@ from pathlib import Path
 import torch
 
 from eagle_ray.errors import InsufficientMemoryError
-from eagle_ray.model.device import numerics_for
+from eagle_ray.model.checkpoint import ARCHITECTURES, HeadCheckpoint, head_biases
+from eagle_ray.model.draft_head import DraftHead
+from eagle_ray.model.eagle3_head import Eagle3Head
+from eagle_ray.model.numerics import numerics_for
 
 GiB = 2**30
 
@@ -56,7 +59,7 @@ class Copies:
 
 
 def copies_for(device_type: str, dtype: torch.dtype | str, precision=None) -> Copies:
-    """The one rule for lm_head copies, read off the target's numerics (``device.numerics_for``).
+    """The one rule for lm_head copies, read off the target's numerics (``numerics.numerics_for``).
 
     CPU: linears are stored in a CPU layout (``device.cpu_linears_for``). The oneDNN-packed lm_head keeps its dense
     weight beside the packed one, and RefinedLogits reads that dense weight; an input-major lm_head has no out-major
@@ -200,10 +203,6 @@ def module_bytes(module: torch.nn.Module) -> int:
 
 def head_on_meta(kind: str, target_config, head_config: dict | None):
     """The draft head module, on the meta device, as the engine would build or load it."""
-    from transformers import LlamaConfig
-
-    from eagle_ray.model.draft_head import DraftHead, head_biases
-    from eagle_ray.model.eagle3_head import ARCHITECTURES, Eagle3Head
     with torch.device("meta"):
         if head_config is None:
             if kind == "eagle2":
@@ -214,12 +213,11 @@ def head_on_meta(kind: str, target_config, head_config: dict | None):
             cfg.architectures = [ARCHITECTURES[0]]
             cfg.draft_vocab_size, cfg.target_hidden_size = target_config.vocab_size, target_config.hidden_size
             return Eagle3Head(cfg, target_config.num_hidden_layers)
-        raw = {k: v for k, v in head_config.items() if k not in ("architectures", "model_type", "transformers_version")}
-        raw["num_hidden_layers"] = 1
+        layer_config = HeadCheckpoint(Path("."), head_config).layer_config()
         if kind == "eagle3":
-            return Eagle3Head(LlamaConfig(**raw), target_config.num_hidden_layers)
-        bias, qkv_bias = head_biases(raw)
-        return DraftHead(LlamaConfig(**raw), bias=bias, qkv_bias=qkv_bias)
+            return Eagle3Head(layer_config, target_config.num_hidden_layers)
+        bias, qkv_bias = head_biases(head_config)
+        return DraftHead(layer_config, bias=bias, qkv_bias=qkv_bias)
 
 
 def _activation_bytes_per_token(cfg, kv_width: int, size: int) -> int:
@@ -302,7 +300,7 @@ def _dtype(dtype) -> torch.dtype:
 
 
 def _numerics(device_type: str, dtype, precision):
-    """The target's numerics for a device type, dtype and precision switches (see ``device.numerics_for``)."""
+    """The target's numerics for a device type, dtype and precision switches (see ``numerics.numerics_for``)."""
     switches = {k: _switch(precision, k) for k in ("fp32_logits", "fp32_activations", "batch_invariant",
                                                    "cpu_linears")}
     return numerics_for(torch.device(device_type), _dtype(dtype), **switches)

@@ -12,7 +12,7 @@ import torch
 
 from eagle_ray.errors import CheckpointError, first_line
 from eagle_ray.model.attention import decoder_layer, make_block_meta, pad_rows
-from eagle_ray.model.device import numerics_for
+from eagle_ray.model.numerics import numerics_for
 from eagle_ray.model.kv_cache import KVCache
 from eagle_ray.model.linears import lay_out_linears
 from eagle_ray.model.logits import RefinedLogits
@@ -75,13 +75,15 @@ class TargetModel:
                              self.dtype, self.device)
 
     @classmethod
-    def load(cls, path: str | Path, dtype: torch.dtype, device, max_slots: int, max_len: int,
+    def load(cls, path: str | Path, dtype: torch.dtype, device, max_slots: int, max_len: int, config=None,
              fp32_logits="auto", fp32_activations="auto", batch_invariant="auto",
              cpu_linears="auto") -> "TargetModel":
+        """The target's weights; ``config``: its transformers config, if already read (it is not read again)."""
         from transformers import AutoModelForCausalLM
 
         try:
-            hf, info = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa",
+            hf, info = AutoModelForCausalLM.from_pretrained(str(path), config=config, dtype=dtype,
+                                                            attn_implementation="sdpa",
                                                             output_loading_info=True, ignore_mismatched_sizes=True,
                                                             use_safetensors=True)   # never a pickle
         except torch.OutOfMemoryError:

@@ -18,7 +18,7 @@ from ray import serve
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from eagle_ray.config import ServeConfig
+from eagle_ray.serve.config import ServeConfig
 from eagle_ray.errors import EagleError, EngineDeadError, PromptTooLongError
 from eagle_ray.serve.openai_api import (ApiError, ParsedRequest, authorized, eagle_stats, error_body, finish_reason,
                                         new_id, now, parse_body)
@@ -215,7 +215,7 @@ class EagleServer:
         c["mean_verify_batch"] = c["decode_sequences"] / c["decode_passes"] if c["decode_passes"] else 0.0
         c["free_slots"] = len(self.engine.scheduler.free)
         c["pending"] = self.queue.num_pending
-        c["tree"] = self.engine.tree_summary()
+        c["tree"] = self.engine.policy.summary()
         return c
 
     @api.get("/v1/models")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from eagle_ray.train.trainer import unrolled_attention
+from eagle_ray.train.unrolled import unrolled_attention
 
 
 def collate(convs: list[dict], idx: list[int], max_len: int):

@@ -18,18 +18,17 @@ import os
 import signal
 import statistics
 import time
-import uuid
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
-from eagle_ray.config import JobConfig
+from eagle_ray.batch.config import SUMMARY_FILE, JobConfig, new_run_id, part_file
 from eagle_ray.cluster import ensure_ray
-from eagle_ray.data.rows import OUTPUT_SCHEMA, RETRIED_ON_RESUME, empty_row, read_input, to_table
-from eagle_ray.data.stage import now
+from eagle_ray.batch.rows import OUTPUT_SCHEMA, RETRIED_ON_RESUME, empty_row, read_input, to_table
+from eagle_ray.batch.stage import now
 from eagle_ray.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -109,7 +108,7 @@ class PartWriter:
     def __init__(self, fs, root: str, rows_per_file: int, committed: set[str]):
         self.fs, self.root, self.rows_per_file = fs, root.rstrip("/"), rows_per_file
         self.committed = committed
-        self.run = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
+        self.run = new_run_id()
         self.buffer: list[dict] = []
         self.parts = 0
         self.written = 0
@@ -131,7 +130,7 @@ class PartWriter:
             self.buffer = []
 
     def _commit(self, rows: list[dict]) -> None:
-        _write_atomic(self.fs, f"{self.root}/part-{self.run}-{self.parts:05d}.parquet", to_table(rows))
+        _write_atomic(self.fs, f"{self.root}/{part_file(self.run, self.parts)}", to_table(rows))
         self.parts += 1
         self.written += len(rows)
 
@@ -149,8 +148,8 @@ def check_local_models(cfg: JobConfig) -> None:
     exist, or a head that does not fit the target, fails here in one line. In the actors it would fail in every
     one, again and again as Ray restarts them, after Ray and the job had started. (On a cluster the paths are the
     workers', which this machine may not see: they are checked there.) S3 and the embedded pair are not read."""
-    from eagle_ray.engine.engine import RANDOM_HEADS
-    from eagle_ray.model.draft_head import check_head
+    from eagle_ray.engine.builder import RANDOM_HEADS
+    from eagle_ray.model.heads import check_head
     from eagle_ray.model.loading import check_gguf_path, resolve_draft, resolve_target, target_config_and_tokenizer
     if cfg.ray_address or os.environ.get("RAY_ADDRESS"):
         return
@@ -173,7 +172,7 @@ def run_job(cfg: JobConfig, print_fn=print) -> dict:
     true when SIGTERM stopped it early: what finished is committed)."""
     import ray
 
-    from eagle_ray.engine.engine import check_prompt_room
+    from eagle_ray.engine.tree_policy import check_prompt_room
     check_prompt_room(cfg.engine.cache.max_model_len, cfg.engine.speculation.trees())
     check_local_models(cfg)
     in_fs, in_path = filesystem(cfg.input.uri, cfg)
@@ -208,7 +207,7 @@ def run_job(cfg: JobConfig, print_fn=print) -> dict:
                                                      int(cfg.actors.num_actors * cfg.actors.num_cpus))))
             if _main_thread():  # ray.init may install its own handler
                 signal.signal(signal.SIGTERM, _raise_interrupted)
-            from eagle_ray.data.stage import GenerateStage
+            from eagle_ray.batch.stage import GenerateStage
             a = cfg.actors
             ds = ray.data.from_items(runnable, override_num_blocks=max(1, min(len(runnable) // a.batch_size, 1000)))
             ds = ds.map_batches(
@@ -230,7 +229,7 @@ def run_job(cfg: JobConfig, print_fn=print) -> dict:
     summary = summarize(read_output(out_fs, out_root), writer, wall, started)
     summary["interrupted"] = interrupted
     summary["rows_matching_no_input"] = unmatched
-    with out_fs.open(f"{out_root.rstrip('/')}/summary.json", "w") as f:
+    with out_fs.open(f"{out_root.rstrip('/')}/{SUMMARY_FILE}", "w") as f:
         json.dump(summary, f, indent=1, default=str)
     print_fn(format_summary(summary))
     if interrupted and ray.is_initialized():

@@ -17,8 +17,8 @@ from datetime import datetime, timezone
 
 import pyarrow as pa
 
-from eagle_ray.config import JobConfig
-from eagle_ray.data.rows import INTERNAL_ERROR, empty_row, error_kind, to_table
+from eagle_ray.batch.config import JobConfig
+from eagle_ray.batch.rows import INTERNAL_ERROR, empty_row, error_kind, to_table
 from eagle_ray.engine.request import RowRequest, parse_row
 from eagle_ray.errors import EagleError
 from eagle_ray.stats import RequestStats
@@ -67,7 +67,7 @@ class GenerateStage:
         row.update(target_model=self.target_name, draft_model=self.draft_name, speculative=self.cfg.speculative,
                    worker_id=self.worker_id, started_at=now())
         if item.get("error"):
-            row.update(error=item["error"], tree=json.dumps(self.engine.tree_summary()), finished_at=now())
+            row.update(error=item["error"], tree=json.dumps(self.engine.policy.summary()), finished_at=now())
             return row
         try:
             req = parse_row(json.loads(item["payload"]), self.cfg.sampling)
@@ -84,7 +84,7 @@ class GenerateStage:
             for key in ("output", "turn_outputs", "output_token_ids", "prompt_tokens", "output_tokens",
                         "finish_reason"):
                 row[key] = None
-        row["tree"] = json.dumps(self.engine.tree_summary())   # what each batch size runs as this row ends
+        row["tree"] = json.dumps(self.engine.policy.summary())   # what each batch size runs as this row ends
         row["finished_at"] = now()
         return row
 

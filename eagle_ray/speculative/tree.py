@@ -288,7 +288,7 @@ LOOKUP_LOGP = math.log(0.8)
 
 
 def graft_chain(tree: Tree, chain: torch.Tensor, n: torch.Tensor) -> Tree:
-    """Add a chain of guessed tokens (``chain [B, L]``, the first ``n [B]`` of each row; ``spec/lookup.py``) to
+    """Add a chain of guessed tokens (``chain [B, L]``, the first ``n [B]`` of each row; ``speculative/lookup.py``) to
     every tree: it follows the tree's own nodes as long as they spell it, then continues as ``L`` new nodes (padding
     where the chain ends), so siblings stay distinct and acceptance stays one walk. A new node scores its attach
     point's cumulative log-prob plus ``LOOKUP_LOGP`` per level, for a batch budget to weigh it against drafts.

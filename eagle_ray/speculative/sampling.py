@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle_ray.model.device import uploads_for
+from eagle_ray.uploads import uploads_for
 
 
 @dataclass

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle_ray.spec.tree import Tree
+from eagle_ray.speculative.tree import Tree
 
 
 @dataclass

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from eagle_ray.spec.tree import draft_log_probs
+from eagle_ray.speculative.tree import draft_log_probs
 
 
 class ContextTokens:

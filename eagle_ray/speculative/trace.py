@@ -4,7 +4,7 @@ Recording is off unless a :class:`TreeTrace` is attached to the engine. Each ver
 verified tree's nodes (cumulative draft log-prob, parent, depth) and which of them the target accepted, as a
 few small CPU tensors; nothing is looped over in Python. It also notes where each sequence stood, so that once the
 outputs are known (:meth:`TreeTrace.match_chains`) the trace can say how deep a prompt-lookup chain
-(``spec/lookup.py``) would have been accepted at each step.
+(``speculative/lookup.py``) would have been accepted at each step.
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from eagle_ray.spec.lookup import TokenHistory
-from eagle_ray.spec.tree import Tree
+from eagle_ray.speculative.lookup import TokenHistory
+from eagle_ray.speculative.tree import Tree
 
 CALIBRATION_BINS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
@@ -141,9 +141,9 @@ class TreeTrace:
         return float((accepted + 1).float().mean())
 
     def simulated_budget(self, total_tokens: int, depth: int, top_k: int, batch: int,
-                         max_verify_tokens: int) -> tuple[float, float]:
+                         verify_cap: int) -> tuple[float, float]:
         """(tau, mean verify width) had the cut trees of every ``batch`` consecutive sequence-steps shared a verify
-        pass capped at ``max_verify_tokens`` nodes: the roots, then the best-scoring draft nodes across the batch
+        pass capped at ``verify_cap`` nodes: the roots, then the best-scoring draft nodes across the batch
         (``spec.tree.fit_batch_budget``). The width is the largest kept tree of each group, as ``drop_padding``
         makes it."""
         t = self.stacked()
@@ -154,7 +154,7 @@ class TreeTrace:
         chosen, accepted = chosen[:N].view(-1, batch * chosen.shape[1]), t["accepted"][:N].view(N // batch, -1)
         key = torch.where(chosen, t["scores"][:N].view(N // batch, -1), float("-inf"))
         kept = torch.zeros_like(chosen)
-        budget = max_verify_tokens - batch
+        budget = verify_cap - batch
         if budget > 0:
             top = key.topk(min(budget, key.shape[1]), dim=1)
             kept.scatter_(1, top.indices, top.values > float("-inf"))

@@ -3,7 +3,7 @@
 Text often repeats itself: code restates a signature, a summary quotes its article, a small model loops. Where
 the last ``ngram`` tokens occurred before (in the prompt or the output), the tokens that followed them then are a
 cheap guess at what follows now, and one that can run deeper than the head's tree. ``graft_chain``
-(``spec/tree.py``) adds that guess to the draft tree; the target verifies it like any other branch, so output is
+(``speculative/tree.py``) adds that guess to the draft tree; the target verifies it like any other branch, so output is
 unchanged and only the number of accepted tokens can grow.
 """
 from __future__ import annotations

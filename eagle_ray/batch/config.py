@@ -1,0 +1,96 @@
+"""The batch job's configuration (``jobs/generate.py --config job.yaml``): what to read, where to write, the actor
+pool, and the engine every actor builds."""
+from __future__ import annotations
+
+import os
+import re
+import uuid
+from datetime import datetime, timezone
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from eagle_ray.config import (EngineConfig, S3Options, SamplingParams, StrictModel, apply_overrides,
+                              need_a_head_to_speculate, one_gpu_per_engine, read_yaml_mapping, tune_tree_unless_named)
+
+
+class InputConfig(StrictModel):
+    uri: str = Field(..., description="a .jsonl/.parquet file, a directory or glob of them; local or s3://")
+    format: Literal["auto", "jsonl", "parquet"] = "auto"
+    limit: int | None = Field(None, ge=1, description="read only the first N rows")
+
+
+class OutputConfig(StrictModel):
+    uri: str = Field(..., description="output directory (local or s3://): part-*.parquet + summary.json")
+    rows_per_file: int = Field(256, ge=1, le=1_000_000)
+
+
+class ActorsConfig(StrictModel):
+    """The actor pool: one engine (target + draft pair) per actor."""
+    num_actors: int = Field(1, ge=1)
+    num_cpus: float = Field(1.0, gt=0, description="CPUs per actor (also its torch thread count on CPU)")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per actor (0 = CPU actors, at most 1)")
+    batch_size: int = Field(16, ge=1, description="rows per Ray Data batch handed to an actor")
+    max_concurrent_batches: int = Field(4, ge=1, description="batches in flight per actor, all feeding one "
+                                        "continuously batched engine")
+
+    @field_validator("num_gpus")
+    @classmethod
+    def _one_gpu(cls, v):
+        return one_gpu_per_engine(v, "num_actors")
+
+
+class JobConfig(StrictModel):
+    """``jobs/generate.py --config job.yaml``: everything the batch generation job needs."""
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+
+    _default_tree = model_validator(mode="before")(tune_tree_unless_named)
+    _head = model_validator(mode="after")(need_a_head_to_speculate)
+    sampling: SamplingParams = Field(default_factory=SamplingParams, description="defaults; rows may override")
+    speculative: bool = True
+    input: InputConfig
+    output: OutputConfig
+    s3: S3Options = Field(default_factory=S3Options)
+    actors: ActorsConfig = Field(default_factory=ActorsConfig)
+    resume: bool = Field(True, description="skip ids already in the output (exactly-once re-runs)")
+    ray_address: str | None = Field(None, description="None: RAY_ADDRESS or a new local Ray on 127.0.0.1")
+
+    @model_validator(mode="after")
+    def _output_outside_input(self):
+        """Output files under the input would be read back as input rows by the next run."""
+        inp, out = (u.rstrip("/") if "://" in u else os.path.abspath(u) for u in (self.input.uri, self.output.uri))
+        if reads_path(inp, out):
+            raise ValueError(f"output.uri {self.output.uri} lies inside input.uri {self.input.uri}: the next run "
+                             "would read the job's own output as input; write it elsewhere")
+        return self
+
+    @classmethod
+    def from_yaml(cls, path, overrides: dict | None = None) -> "JobConfig":
+        """Load a YAML file; ``overrides`` maps dotted keys (``input.uri``) to values applied on top."""
+        return cls(**apply_overrides(read_yaml_mapping(path, "job config"), overrides or {}))
+
+
+def reads_path(input_uri: str, path: str) -> bool:
+    """Whether reading ``input_uri`` (a file, a directory read whole, or a glob whose matches are read whole)
+    would read ``path`` or a file under it."""
+    if not any(c in input_uri for c in "*?["):
+        return path == input_uri or path.startswith(input_uri + "/")
+    from fsspec.utils import glob_translate   # the pattern as fsspec's glob reads it (``**`` spans 0+ folders)
+    pattern = re.compile(glob_translate(input_uri))
+    parts = path.split("/")
+    under = [f"{path}/{part_file(new_run_id(), 0)}", f"{path}/{SUMMARY_FILE}"]  # what a job writes there
+    return any(pattern.fullmatch("/".join(parts[:i])) for i in range(1, len(parts) + 1)) or \
+        any(pattern.fullmatch(p) for p in under)
+
+
+SUMMARY_FILE = "summary.json"
+
+
+def new_run_id() -> str:
+    """A run's name in its part files: when it started (UTC) and a random suffix."""
+    return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
+
+
+def part_file(run: str, n: int) -> str:
+    """The ``n``-th Parquet part a run commits."""
+    return f"part-{run}-{n:05d}.parquet"

@@ -1,0 +1,85 @@
+"""Building an engine from its config, in the order that fails fastest: resolve the pair, read both checkpoints'
+configs once (a head that does not fit its target fails before any weight loads), plan the memory (a plan that does
+not fit fails before anything is allocated), then load the weights.
+
+``EagleEngine.from_config`` runs :func:`load_pair` and builds the engine from what it returns; tuning the trees
+needs a running engine, so the engine does that last (``TreePolicy.adopt``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from eagle_ray.config import EngineConfig
+from eagle_ray.engine.sizing import size_engine
+from eagle_ray.model.checkpoint import HeadCheckpoint
+from eagle_ray.model.device import pick_device, pick_dtype
+from eagle_ray.model.draft_head import DraftHead
+from eagle_ray.model.eagle3_head import Eagle3Head
+from eagle_ray.model.heads import check_head, load_head
+from eagle_ray.model.loading import resolve_draft, resolve_target, target_config_and_tokenizer
+from eagle_ray.model.target import TargetModel
+
+RANDOM_HEADS = ("random", "random-eagle3")  # untrained heads (EAGLE-2, EAGLE-3): lossless-test fixtures
+
+
+@dataclass
+class Checkpoints:
+    """The pair's configs, each read once: what every later step checks, plans and loads from."""
+    target_dir: Path
+    target_config: object        # the transformers config
+    tokenizer: object
+    head: HeadCheckpoint | None  # None: no head, or an untrained one (``draft``: none / random / random-eagle3)
+
+
+@dataclass
+class LoadedPair:
+    target: TargetModel
+    draft: DraftHead | Eagle3Head | None
+    tokenizer: object
+    config: EngineConfig         # with max_batch_size an int that fits the device
+    checkpoints: Checkpoints
+
+
+def read_checkpoints(config: EngineConfig, storage_options: dict | None = None) -> Checkpoints:
+    """Resolve the target and the head (local, S3 or the embedded pair) and read their configs; a head that does
+    not fit its target fails here, naming the mismatch."""
+    m = config.model
+    target_dir = resolve_target(m.target, storage_options)
+    target_config, tokenizer = target_config_and_tokenizer(target_dir)
+    head = None
+    if m.draft not in ("none", *RANDOM_HEADS):
+        head = check_head(resolve_draft(m.draft, storage_options), target_config)
+    return Checkpoints(target_dir, target_config, tokenizer, head)
+
+
+def load_pair(config: EngineConfig, storage_options: dict | None = None) -> LoadedPair:
+    """Read, check, plan and load the target and its head for ``config``."""
+    m = config.model
+    if m.threads:
+        torch.set_num_threads(m.threads)
+    device = pick_device(m.device)
+    dtype = pick_dtype(m.dtype, device)
+    ckpts = read_checkpoints(config, storage_options)
+    if m.compile != "off" and config.precision.cpu_linears == "auto":
+        config = config.replace(cpu_linears="input_major")   # Inductor lowers dense weights, not packed ones
+    # plan the memory before allocating any: max_batch_size "auto" becomes an int, one that does not fit fails
+    config = size_engine(config, ckpts.target_config, ckpts.head, device, dtype)
+    target = TargetModel.load(ckpts.target_dir, dtype, device, config.cache.max_batch_size,
+                              config.cache.max_model_len, config=ckpts.target_config, **config.precision.model_dump())
+    return LoadedPair(target, load_draft(m.draft, ckpts, target, dtype, device), ckpts.tokenizer, config, ckpts)
+
+
+def load_draft(draft: str | None, ckpts: Checkpoints, target: TargetModel, dtype: torch.dtype, device):
+    """The head ``draft`` names: its checkpoint, an untrained one (a strong test of losslessness, useless for
+    speed), or None."""
+    if ckpts.head is not None:
+        return load_head(ckpts.head, target.config, target.model.embed_tokens.weight, dtype, device)
+    if draft not in RANDOM_HEADS:
+        return None
+    torch.manual_seed(0)
+    head = (Eagle3Head if draft == "random-eagle3" else DraftHead).for_target(target.config)
+    head.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight)
+    return head.to(device=device, dtype=dtype).eval()

@@ -1,0 +1,48 @@
+"""The Serve app's configuration (``eagle-ray serve --config serve.yaml`` / ``serve run``)."""
+from __future__ import annotations
+
+from pydantic import Field, field_validator, model_validator
+
+from eagle_ray.config import (EngineConfig, S3Options, StrictModel, need_a_head_to_speculate, one_gpu_per_engine,
+                              read_yaml_mapping, tune_tree_unless_named)
+
+
+class ServeConfig(StrictModel):
+    """``eagle-ray serve --config serve.yaml`` / ``serve run``: one engine per replica behind an OpenAI API."""
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+
+    _default_tree = model_validator(mode="before")(tune_tree_unless_named)
+    _head = model_validator(mode="after")(need_a_head_to_speculate)
+    model_name: str = Field("eagle-ray/smollm2-135m-instruct", description="the id clients send as `model`")
+    speculative: bool = True
+    host: str = Field("127.0.0.1", description="bind address; 0.0.0.0 exposes the server to the network")
+    port: int = Field(8000, ge=0, le=65535)
+    route_prefix: str = "/"
+    num_replicas: int = Field(1, ge=1)
+    num_cpus: float = Field(1.0, gt=0, description="CPUs per replica (its torch threads on CPU)")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per replica (at most 1)")
+    api_key_env: str | None = Field(None, description="if set, requests need `Authorization: Bearer <value of "
+                                    "this environment variable>`")
+    max_tokens_cap: int = Field(2048, ge=1, description="largest max_tokens a request may ask for")
+    default_max_tokens: int = Field(256, ge=1)
+    max_request_bytes: int = Field(4 * 2**20, ge=1024, description="largest request body (413 above it)")
+    s3: S3Options = Field(default_factory=S3Options)
+
+    @field_validator("num_gpus")
+    @classmethod
+    def _one_gpu(cls, v):
+        return one_gpu_per_engine(v, "num_replicas")
+
+    @model_validator(mode="after")
+    def _default_within_cap(self):
+        if self.default_max_tokens > self.max_tokens_cap:
+            raise ValueError(f"default_max_tokens {self.default_max_tokens} is above max_tokens_cap "
+                             f"{self.max_tokens_cap}: a request without max_tokens would get more than the cap")
+        return self
+
+    @classmethod
+    def from_yaml(cls, path, overrides: dict | None = None) -> "ServeConfig":
+        """Load a YAML file (None: the defaults); ``overrides`` (``{"port": 8001}``) replace top-level keys before
+        validation, so a command-line value is checked like the file's."""
+        data = read_yaml_mapping(path, "serve config") if path else {}
+        return cls(**{**data, **{k: v for k, v in (overrides or {}).items() if v is not None}})

@@ -18,6 +18,7 @@ from transformers import LlamaConfig
 from eagle_ray.config import EngineConfig
 from eagle_ray.engine.sizing import tree_demand
 from eagle_ray.model.memory import GiB, MemoryPlan, gpu_usable_bytes, plan_memory
+from eagle_ray.model.numerics import step_tokens
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "memory.md"
@@ -54,7 +55,7 @@ def plan_for(target_config, engine: EngineConfig, device_type: str = "cuda") -> 
     dtype = "bfloat16" if engine.model.dtype == "auto" else engine.model.dtype
     return plan_memory(target_config, "eagle2", None, dtype, device_type, engine.cache.max_model_len, verify,
                        draft_room=room, top_k=rows, precision=engine.precision,
-                       step_tokens=engine.cache.step_budget(device_type))
+                       step_tokens=step_tokens(engine.cache.max_step_tokens, device_type))
 
 
 def gib(n: int) -> str:
@@ -63,8 +64,8 @@ def gib(n: int) -> str:
 
 def slots_on(plan: MemoryPlan, gpu: str) -> int:
     """What ``max_batch_size: auto`` would pick on this GPU (0: the weights alone do not fit)."""
-    from eagle_ray.model.memory import AUTO_MAX_SLOTS
-    return min(plan.max_slots(gpu_usable_bytes(gpu)), AUTO_MAX_SLOTS["cuda"])
+    from eagle_ray.model.numerics import defaults_for
+    return min(plan.max_slots(gpu_usable_bytes(gpu)), defaults_for("cuda").auto_max_slots)
 
 
 def table(targets: dict) -> tuple[str, list[dict]]:

@@ -1,4 +1,4 @@
-"""Ray overhead of the batch job: generated tokens/s of jobs/generate.py (one actor) against the same engine run
+"""Ray overhead of the batch job: generated tokens/s of jobs/batch.py (one actor) against the same engine run
 directly in this process, over the same prompts and settings, in the same run -> JSON.
 
     .venv/bin/python bench/ray_overhead.py --num-prompts 24 --max-new-tokens 64 --out bench/results/ray_overhead.json

@@ -136,6 +136,7 @@ def main() -> int:
     from eagle_ray.serve.config import ServeConfig
     from eagle_ray.cluster import ensure_ray
     from eagle_ray.model.device import cpu_model
+    from eagle_ray.model.numerics import step_tokens
     from eagle_ray.model.loading import resolve_target
     from eagle_ray.serve.app import build_app
     from mixed_load import mixed_prompts
@@ -156,7 +157,7 @@ def main() -> int:
             time.sleep(0.5)
     result = asyncio.run(run(base, prompts, a.duration, a.max_tokens))
     result.update(cpu=cpu_model(), duration_s=a.duration, config=json.loads(cfg.model_dump_json()),
-                  step_budget=cfg.engine.cache.step_budget("cpu"))
+                  step_budget=step_tokens(cfg.engine.cache.max_step_tokens, "cpu"))
     serve.shutdown()
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1, default=str))

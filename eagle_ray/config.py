@@ -49,8 +49,7 @@ class TreeConfig(StrictModel):
     fixed tree (``static_tree`` paths of sibling ranks), ``chain`` drafts ``depth + 1`` tokens greedily. A tree of
     ``total_tokens: 1`` is plain decoding (:data:`PLAIN`): the step verifies only its root and drafts nothing, while
     the head's inputs keep accumulating, so a later step can speculate again.
-    Defaults are the ones measured fastest for the embedded pair on a 2-core CPU (see README; ``bench/tree_speed.py``
-    times trees side by side).
+    The defaults are the tree measured fastest for the embedded pair (docs/benchmarks.md).
     """
     mode: Literal["dynamic", "static", "chain"] = "dynamic"
     total_tokens: int = Field(8, ge=1, le=512, description="verify budget per sequence, root included")
@@ -133,22 +132,13 @@ class CacheConfig(StrictModel):
     """What the engine holds at once: KV slots, their length, and how much prompt a step may prefill."""
     max_batch_size: Annotated[int, Field(ge=1, le=1024)] | Literal["auto"] = Field(
         8, description="KV-cache slots: sequences running at once; 'auto': as many as the device's free memory "
-        "holds after weights and workspace (model/memory.py; at most 256 on CUDA, 32 on CPU), resolved to an int "
+        "holds after weights and workspace (model/memory.py; capped per device, model/numerics.py), resolved to an int "
         "when the engine loads")
     max_model_len: int = Field(2048, ge=16, description="positions per slot (prompt + output + one verify budget)")
     max_step_tokens: int | None = Field(None, ge=16, description="tokens one step may run: a token of every "
                                         "running sequence, prompt chunks (at least 16 tokens), then draft tree tokens "
-                                        "in what is left; it "
-                                        "bounds how long a step stalls the running streams (None: 48 on CPU, 8192 "
-                                        "on CUDA)")
-
-    def step_budget(self, device) -> int:
-        """Tokens per step (verify + prompt chunks): a running stream waits about one such pass per token step.
-        On a 2-core CPU at batch 8 on ~1k-token contexts a step costs ~0.55 s before any prompt chunk; 48 keeps
-        streams under a second between tokens while long prompts arrive (128: 0.9 s steps, 1.4 s gaps)."""
-        if self.max_step_tokens is not None:
-            return self.max_step_tokens
-        return 8192 if str(device).startswith("cuda") else 48
+                                        "in what is left; it bounds how long a step stalls the running streams "
+                                        "(None: the device's default, model/numerics.py DEVICE_DEFAULTS)")
 
 
 class SpeculationConfig(StrictModel):

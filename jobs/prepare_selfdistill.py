@@ -2,7 +2,7 @@
 
 The target then answers them with the batch job itself (plain greedy decoding, resumable):
     python jobs/prepare_selfdistill.py --out data/selfdistill/prompts.jsonl --limit 20000
-    python jobs/generate.py --config configs/selfdistill.yaml
+    python jobs/batch.py --config configs/selfdistill.yaml
 and ``eagle-ray extract --input <job output dir>`` turns (prompt, answer) pairs into drafter features.
 Answers written by the target match its own distribution, which is what the draft head has to predict.
 """

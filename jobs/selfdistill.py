@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 
 from eagle_ray.errors import CheckpointError, ConfigError
-from eagle_ray.train.selfdistill import REPO_DATA, AnswerSetError, export_prompts, generate
+from eagle_ray.train.selfdistill import REPO_DATA, AnswerSetError, answer_prompts, export_prompts
 
 
 def main(argv=None) -> int:
@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     if a.source == "prompt-file" and not a.prompt_file:
         p.error("--source prompt-file needs --prompt-file")
     try:
-        n = generate(a.set_dir, max_batch_size=a.batch_size, max_new_tokens=a.max_new_tokens, dtype=a.dtype,
+        n = answer_prompts(a.set_dir, max_batch_size=a.batch_size, max_new_tokens=a.max_new_tokens, dtype=a.dtype,
                      threads=a.threads, shard_rows=a.shard_rows, limit=a.limit, skip_sets=a.skip_sets,
                      stop_repeat_ngram=a.stop_repeat_ngram, second_turns=a.second_turns, source=a.source,
                      prompt_file=a.prompt_file, device=a.device, target=a.target, max_seconds=a.max_seconds)

@@ -40,7 +40,7 @@ def test_rayjob_runs_the_real_entrypoint_with_a_valid_config():
     job = load("kuberay-rayjob.yaml")
     assert job["kind"] == "RayJob"
     entry = job["spec"]["entrypoint"].split()
-    assert entry[:2] == ["python", "jobs/generate.py"] and (ROOT / entry[1]).exists()
+    assert entry[:2] == ["python", "jobs/batch.py"] and (ROOT / entry[1]).exists()
     JobConfig.from_yaml(ROOT / entry[entry.index("--config") + 1])
     gpus = [g["template"]["spec"]["containers"][0]["resources"]["limits"].get("nvidia.com/gpu")
             for g in job["spec"]["rayClusterSpec"]["workerGroupSpecs"]]

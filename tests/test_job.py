@@ -150,7 +150,7 @@ def test_invalid_config_fails_before_any_model_loads(tmp_path):
     bad.write_text("input: {uri: x.jsonl}\noutput: {uri: out}\nactors: {num_actors: 0}\n")
     with pytest.raises(ConfigError, match=r"actors\.num_actors"):
         JobConfig.from_yaml(bad)
-    proc = subprocess.run([sys.executable, str(ROOT / "jobs" / "generate.py"), "--config", str(bad)],
+    proc = subprocess.run([sys.executable, str(ROOT / "jobs" / "batch.py"), "--config", str(bad)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "actors.num_actors" in proc.stderr and "Loading" not in proc.stderr
     bad.write_text("engine: {tree: {top_k: 0}}\ninput: {uri: x.jsonl}\noutput: {uri: out}\n")
@@ -178,7 +178,7 @@ def test_a_missing_or_mismatched_model_fails_in_one_line_before_ray_starts(pair,
     bad = tmp_path / "job.yaml"
     bad.write_text(f"engine: {{target: {target}, draft: {tmp_path / 'nope'}}}\ninput: {{uri: {tmp_path / 'in.jsonl'}}}\n"
                    f"output: {{uri: {tmp_path / 'o'}}}\n")
-    proc = subprocess.run([sys.executable, str(ROOT / "jobs" / "generate.py"), "--config", str(bad)],
+    proc = subprocess.run([sys.executable, str(ROOT / "jobs" / "batch.py"), "--config", str(bad)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "is not a directory" in proc.stderr
 
@@ -231,7 +231,7 @@ def test_a_killed_driver_resumes_exactly_once(ray_local, pair, tmp_path):
     cfg = config(pair, str(tmp_path / "in.jsonl"), str(out), sampling__max_new_tokens=24, output__rows_per_file=10)
     (tmp_path / "job.yaml").write_text(json.dumps(json.loads(cfg.model_dump_json())))
     env = dict(os.environ, RAY_ADDRESS=ray_local.get_runtime_context().gcs_address)
-    proc = subprocess.Popen([sys.executable, str(ROOT / "jobs" / "generate.py"), "--config", str(tmp_path / "job.yaml")],
+    proc = subprocess.Popen([sys.executable, str(ROOT / "jobs" / "batch.py"), "--config", str(tmp_path / "job.yaml")],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     while time.time() < deadline and len(list(out.glob("part-*.parquet"))) < 2:
@@ -290,7 +290,7 @@ def test_a_resume_says_how_many_written_rows_no_input_row_claims_any_more(ray_lo
 
 def _job_process(tmp_path, cfg, env=None):
     (tmp_path / "job.yaml").write_text(json.dumps(json.loads(cfg.model_dump_json())))
-    return subprocess.Popen([sys.executable, str(ROOT / "jobs" / "generate.py"), "--config", str(tmp_path / "job.yaml")],
+    return subprocess.Popen([sys.executable, str(ROOT / "jobs" / "batch.py"), "--config", str(tmp_path / "job.yaml")],
                             env=env or dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

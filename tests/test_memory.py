@@ -16,10 +16,10 @@ from eagle_ray.engine.sizing import plan_engine, tree_demand
 from eagle_ray.errors import ConfigError, InsufficientMemoryError
 from eagle_ray.model.draft_head import DraftHead
 from eagle_ray.model.eagle3_head import Eagle3Head
-from eagle_ray.model.numerics import cpu_linears_for
+from eagle_ray.model.numerics import DEVICE_DEFAULTS, cpu_linears_for
 from eagle_ray.model.kv_cache import KVCache
 from eagle_ray.model.linears import packed_available
-from eagle_ray.model.memory import (AUTO_MAX_SLOTS, GiB, MemoryPlan, copies_for, fit_slots, free_memory,
+from eagle_ray.model.memory import (GiB, MemoryPlan, copies_for, fit_slots, free_memory,
                                     gpu_usable_bytes, module_bytes, plan_memory)
 from eagle_ray.model.target import TargetModel
 
@@ -166,7 +166,7 @@ PLAN = MemoryPlan("cuda", "bfloat16", 4096, target_weights=15 * GiB, draft_weigh
 def test_auto_takes_the_most_slots_that_fit():
     assert fit_slots(PLAN, "auto", PLAN.total(5)) == 5
     assert fit_slots(PLAN, "auto", PLAN.total(6) - 1) == 5
-    assert fit_slots(PLAN, "auto", 10**15) == AUTO_MAX_SLOTS["cuda"] == 256
+    assert fit_slots(PLAN, "auto", 10**15) == DEVICE_DEFAULTS["cuda"].auto_max_slots == 256
     assert fit_slots(PLAN, 5, PLAN.total(5)) == 5
 
 

@@ -678,7 +678,7 @@ ROOT = repo_scripts.ROOT
 
 
 def generate_main(args: list[str]) -> int:
-    return repo_scripts.load("jobs/generate.py").main(args)
+    return repo_scripts.load("jobs/batch.py").main(args)
 
 
 def test_the_job_cli_answers_bad_paths_with_one_line_and_status_2(tmp_path, capsys):

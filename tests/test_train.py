@@ -129,7 +129,7 @@ def test_extraction_refuses_to_mix_shards_made_otherwise_into_one_directory(tiny
 
 
 def test_self_distilled_conversations_come_from_a_job_output(tmp_path):
-    """jobs/generate.py output -> (prompt messages + the target's answer) in input order; error rows skipped."""
+    """jobs/batch.py output -> (prompt messages + the target's answer) in input order; error rows skipped."""
     import json
 
     import pyarrow.parquet as pq
@@ -572,7 +572,7 @@ def test_a_set_takes_new_shards_after_its_last_and_only_answers_made_its_way(tmp
     """A new shard never replaces one the manifest lists, even when the list has a gap; a writer whose answers
     would differ may not add to the set (where it runs may differ); flags no run can use fail before loading."""
     from eagle_ray.errors import ConfigError
-    from eagle_ray.train.selfdistill import MANIFEST, AnswerSetError, ShardWriter, generate, load_answers
+    from eagle_ray.train.selfdistill import MANIFEST, AnswerSetError, ShardWriter, answer_prompts, load_answers
 
     def rows(k):
         return [{"id": f"{k}-{i}", "prompt_ids": [5], "answer_ids": [7, 8], "eos": True} for i in range(2)]
@@ -590,9 +590,9 @@ def test_a_set_takes_new_shards_after_its_last_and_only_answers_made_its_way(tmp
         ShardWriter(tmp_path / "set", {"what": "other", "cpu": "another machine"})
     ShardWriter(tmp_path / "set", {"what": "test answers", "cpu": "another machine"})   # where it ran may differ
     with pytest.raises(ConfigError, match="shard_rows, window and limit must be >= 1"):
-        generate(tmp_path / "set2", shard_rows=0)
+        answer_prompts(tmp_path / "set2", shard_rows=0)
     with pytest.raises(AnswerSetError, match="does not exist"):
-        generate(tmp_path / "set2", skip_sets=tmp_path / "typo")
+        answer_prompts(tmp_path / "set2", skip_sets=tmp_path / "typo")
 
 
 def test_a_mistyped_source_fails_before_a_feature_directory_records_it(tmp_path):
@@ -631,14 +631,14 @@ def test_a_committed_set_resumes_under_its_command_and_refuses_another_before_lo
     import shutil
 
     from eagle_ray.engine.engine import EagleEngine
-    from eagle_ray.train.selfdistill import REPO_DATA, AnswerSetError, generate
+    from eagle_ray.train.selfdistill import REPO_DATA, AnswerSetError, answer_prompts
 
     def loading(*args, **kwargs):
         raise RuntimeError("the target loads")
     monkeypatch.setattr(EagleEngine, "from_pretrained", loading)
     shutil.copytree(REPO_DATA / set_name, tmp_path / set_name)
     with pytest.raises(RuntimeError, match="the target loads"):
-        generate(tmp_path / set_name, **command)
+        answer_prompts(tmp_path / set_name, **command)
     for other in ({"max_new_tokens": 100}, {"stop_repeat_ngram": 16}, {"max_prompt_tokens": 3000}):
         with pytest.raises(AnswerSetError, match="holds answers made otherwise"):
-            generate(tmp_path / set_name, **{**command, **other})
+            answer_prompts(tmp_path / set_name, **{**command, **other})

@@ -1,4 +1,4 @@
-"""The batch job's configuration (``jobs/generate.py --config job.yaml``): what to read, where to write, the actor
+"""The batch job's configuration (``jobs/batch.py --config job.yaml``): what to read, where to write, the actor
 pool, and the engine every actor builds."""
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ class ActorsConfig(StrictModel):
 
 
 class JobConfig(StrictModel):
-    """``jobs/generate.py --config job.yaml``: everything the batch generation job needs."""
+    """``jobs/batch.py --config job.yaml``: everything the batch generation job needs."""
     engine: EngineConfig = Field(default_factory=EngineConfig)
 
     _default_tree = model_validator(mode="before")(tune_tree_unless_named)

@@ -26,6 +26,7 @@ from eagle_ray.errors import InvalidRequestError
 from eagle_ray.model.compiled import compile_forwards
 from eagle_ray.model.draft_head import DraftHead
 from eagle_ray.model.memory import max_pending_pairs, pending_pair_bytes
+from eagle_ray.model.numerics import step_tokens
 from eagle_ray.model.target import TargetModel
 from eagle_ray.stats import RequestStats
 
@@ -51,7 +52,7 @@ class EagleEngine:
         self.codec = TextCodec(tokenizer, target.vocab_size)
         check_prompt_room(target.max_len, self.policy.trees())
         self._ids = itertools.count()
-        budget = config.cache.step_budget(target.device)
+        budget = step_tokens(config.cache.max_step_tokens, target.device)
         extend_budget = max(budget, 512)   # padded tokens a head pass takes
         self.runner = ModelRunner(target, draft, extend_budget, context_vocab=config.speculation.context_vocab)
         feeding = None

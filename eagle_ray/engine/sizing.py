@@ -13,6 +13,7 @@ from eagle_ray.engine.tree_policy import draft_budget, draft_room, verify_budget
 from eagle_ray.engine.tuning import GRID_DEPTH, GRID_TOPK, GRID_TOTAL, TRACE_TREE
 from eagle_ray.model.checkpoint import HeadCheckpoint, read_token_map
 from eagle_ray.model.memory import MemoryPlan, fit_slots, free_memory, plan_memory
+from eagle_ray.model.numerics import step_tokens
 
 
 def tree_demand(spec: SpeculationConfig) -> tuple[int, int, int]:
@@ -56,7 +57,7 @@ def plan_engine(config: EngineConfig, target_config, head: HeadCheckpoint | None
     return plan_memory(target_config, kind, head_config, dtype, device.type, config.cache.max_model_len, verify,
                        draft_room=room, top_k=rows, precision=config.precision,
                        draft_vocab=draft_vocab_for(kind, head, config.speculation.draft_vocab_size),
-                       step_tokens=config.cache.step_budget(device))
+                       step_tokens=step_tokens(config.cache.max_step_tokens, device))
 
 
 def size_engine(config: EngineConfig, target_config, head: HeadCheckpoint | None, device: torch.device,

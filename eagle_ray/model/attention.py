@@ -120,9 +120,8 @@ def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     ``q [B, H, T, D]`` over ``k, v [B, Hkv, L, D]``: the ``H / Hkv`` query heads that share a kv head become
     ``H / Hkv * T`` rows of one head, so the kernel sees plain multi-head attention with an explicit mask: the form
     CUDA's memory-efficient kernel accepts (its flash kernel takes no mask, and ``enable_gqa`` is served by flash
-    or the slow math path only). On CPU (bench/sdpa_fold.py, 9 heads over 3, fp32) the fold is faster for tree
-    blocks of several sequences (8 x 8 rows: 3.6 against 4.2 ms; 32 x 8: 11.8 against 14.0 ms) and slower for one
-    sequence or one row (1 x 8: 280 against 252 us; 1 x 1: 169 against 111 us), so the CPU folds only those.
+    or the slow math path only). On CPU the fold pays for tree blocks of several sequences and costs for one
+    sequence or one row, so the CPU folds only the former (``bench/costs.py``).
     """
     B, H, T, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]

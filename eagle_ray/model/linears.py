@@ -4,12 +4,8 @@ multiplies, and on CPU the kernel behind ``nn.Linear`` makes them cost several s
 ``numerics_for`` picks one per device and dtype (``Numerics.cpu_linears``):
 
 - ``packed`` (fp32 on CPU with oneDNN; bf16 too where the CPU has native bf16): the weight in oneDNN's own
-  blocked layout, run by oneDNN's kernel. On a 2-core AMD EPYC (AVX2) an 8-row product of 576 x 1536 takes 0.14 ms
-  against 0.29 ms for ``nn.Linear`` (MKL sgemm), and the 49k-row lm_head 8.4 ms against 23 ms; a whole 12-token
-  verify pass of the embedded target 80 ms against 121 ms input-major, and a one-token pass is as fast
-  (``bench/linear_kernels.py``).
-  On a 2-core AMD EPYC with AVX512-BF16, packed bf16 1-row products take 0.57-0.62x the input-major time (the
-  lm_head 0.9 against 4.1 ms).
+  blocked layout, run by oneDNN's kernel, which keeps a few-row product close to the cost of one row where MKL's
+  sgemm behind ``nn.Linear`` does not (figures per CPU: docs/benchmarks.md, ``bench/costs.py``).
 - ``input_major`` (fp16, and bf16 without native bf16, on CPU): the weight stored [in, out], faster than
   ``nn.Linear``'s layout for MKL-DNN's emulated low-precision few-row products.
 - ``native`` (CUDA): ``nn.Linear`` as loaded.

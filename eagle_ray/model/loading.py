@@ -122,7 +122,7 @@ def target_config_and_tokenizer(path: Path):
     from eagle_ray.model.target import check_model_type
     check_model_type(config)   # before its weights load, not after
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        tokenizer = AutoTokenizer.from_pretrained(str(path), config=config)   # the config is not read again
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(f"target {path} has no readable tokenizer (tokenizer.json / tokenizer_config.json): "
                               f"{type(e).__name__}: {first_line(e)}") from None

@@ -2,8 +2,8 @@
 
 A bf16 target's logits rounded to bf16 tie often (8 significant bits), and a last-bit difference in a hidden
 state then flips a greedy choice. Exact fp32 logits avoid that, but an fp32 ``[rows, hidden] x [hidden, vocab]``
-product is the slowest GEMM of a small model on CPUs whose fp32 kernels are poor for a few rows (on the 2-core
-AMD EPYC with AVX512-BF16: 35 ms for 4 rows of SmolLM2's 49k vocabulary, against 5 ms in bf16, more than all 30 layers).
+product is the slowest GEMM of a small model on CPUs whose fp32 kernels are poor for a few rows (on some CPUs
+slower than all of the model's layers together; docs/benchmarks.md).
 
 ``RefinedLogits`` computes the bf16 product (fp32 accumulation), recomputes the ``candidates`` largest entries
 of each row exactly in fp32, and proves per row that no other token can beat them: a token's exact logit differs

@@ -18,7 +18,7 @@ from eagle_ray.errors import InsufficientMemoryError
 from eagle_ray.model.checkpoint import ARCHITECTURES, HeadCheckpoint, head_biases
 from eagle_ray.model.draft_head import DraftHead
 from eagle_ray.model.eagle3_head import Eagle3Head
-from eagle_ray.model.numerics import numerics_for
+from eagle_ray.model.numerics import defaults_for, numerics_for
 
 GiB = 2**30
 
@@ -32,9 +32,6 @@ LOGITS_COPIES = 2
 # The head's pending (feature, token) pairs (engine/model_runner.py feeds the head lazily): a sequence holds at most
 # this many bytes of them (max_pending_pairs), features counted in the dtype the target's activations run in.
 PENDING_BYTES_PER_SLOT = 2 * 2**20
-# "auto" slot counts stop here: beyond 256 sequences a step's verify pass is compute-bound on any current GPU, and
-# on a CPU a step's cost grows with every running sequence (batch 8 already takes ~0.5 s a step on 2 cores).
-AUTO_MAX_SLOTS = {"cuda": 256, "cpu": 32}
 
 # Usable memory of common GPUs: the total nvidia-smi reports (MiB), less CUDA_CONTEXT for the CUDA context and
 # driver reservations, which torch.cuda.mem_get_info already excludes on a live device.
@@ -266,7 +263,7 @@ def _host_available() -> int:
 # ---- the decision -------------------------------------------------------------------------------------------------
 def fit_slots(plan: MemoryPlan, max_batch_size: int | str, free_bytes: int) -> int:
     """The KV slot count to allocate: ``max_batch_size`` if its plan fits ``free_bytes``, for ``"auto"`` the most
-    slots that fit (at most ``AUTO_MAX_SLOTS``); else :class:`InsufficientMemoryError` naming both numbers."""
+    slots that fit (at most the device's ``auto_max_slots``, ``numerics.DEVICE_DEFAULTS``); else :class:`InsufficientMemoryError` naming both numbers."""
     where = "one GPU" if plan.device_type == "cuda" else f"this {plan.device_type} device"
     if plan.fixed > free_bytes:
         split = (" eagle-ray runs one engine per GPU and does not split a target across GPUs (no tensor or "
@@ -281,7 +278,7 @@ def fit_slots(plan: MemoryPlan, max_batch_size: int | str, free_bytes: int) -> i
             raise InsufficientMemoryError(
                 f"max_batch_size=auto: not even one KV slot fits: needs {plan.breakdown(1)}, {_gib(free_bytes)} "
                 f"free; lower max_model_len")
-        return min(fits, AUTO_MAX_SLOTS.get(plan.device_type, AUTO_MAX_SLOTS["cuda"]))
+        return min(fits, defaults_for(plan.device_type).auto_max_slots)
     n = int(max_batch_size)
     if plan.total(n) > free_bytes:
         hint = f"max_batch_size <= {fits} fits" if fits else "not even one slot fits at this max_model_len"

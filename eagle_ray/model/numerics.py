@@ -1,5 +1,8 @@
-"""How a target computes on its device: the one place where device facts decide numeric choices.
+"""Device facts in one table, and how a target computes on its device.
 
+``DEVICE_DEFAULTS`` holds every default that depends on the kind of device (the config's ``auto`` values resolve
+here); :func:`numerics_for` turns them and a dtype into the :class:`Numerics` a target runs with. What these were
+measured on, and why, is in docs/design.md and docs/benchmarks.md, not here: figures go stale silently.
 """
 from __future__ import annotations
 
@@ -11,12 +14,39 @@ from eagle_ray.model.device import cpu_has_fast_bf16
 
 
 @dataclass(frozen=True)
+class DeviceDefaults:
+    """What a kind of device sets where the config says ``auto`` (or leaves a field unset)."""
+    step_tokens: int              # cache.max_step_tokens: tokens a step runs, so a stall of the running streams
+    #                               while prompts arrive lasts about one pass of this many tokens
+    auto_max_slots: int           # max_batch_size "auto" stops here (beyond it a step costs more than it batches)
+    exact_low_precision: bool     # bf16/fp16 targets: exact top logits, fp32 activations, batch-invariant kernels
+    cpu_layouts: bool             # the target's linears in a CPU layout (model/linears.py), by dtype and bf16 support
+
+
+DEVICE_DEFAULTS = {
+    "cpu": DeviceDefaults(step_tokens=48, auto_max_slots=32, exact_low_precision=True, cpu_layouts=True),
+    "cuda": DeviceDefaults(step_tokens=8192, auto_max_slots=256, exact_low_precision=False, cpu_layouts=False),
+}
+
+
+def defaults_for(device) -> DeviceDefaults:
+    """``DEVICE_DEFAULTS`` of a device (a torch device, or its type); an accelerator not in the table is run as CUDA."""
+    kind = device if isinstance(device, str) else torch.device(device).type
+    return DEVICE_DEFAULTS.get(kind, DEVICE_DEFAULTS["cuda"])
+
+
+def step_tokens(max_step_tokens: int | None, device) -> int:
+    """Tokens per step (verify and prompt chunks): the configured ``cache.max_step_tokens``, else the device's."""
+    return max_step_tokens if max_step_tokens is not None else defaults_for(device).step_tokens
+
+
+@dataclass(frozen=True)
 class Numerics:
     """How a target computes on its device: every device-specific numeric choice is made here, once.
 
-    The CPU tricks buy exactness where the CPU kernels need it: a bf16 residual stream, a 1-row and an 8-row
-    attention, or a GEMM's leftover rows round differently on CPU, and a bf16 verify then drifts from bf16 plain
-    decoding. On CUDA they would buy nothing the fused kernels do not already give, and cost memory (an fp32
+    The CPU's exactness switches buy exactness where the CPU kernels need it: a bf16 residual stream, a 1-row and an
+    8-row attention, or a GEMM's leftover rows round differently on CPU, and a bf16 verify then drifts from bf16
+    plain decoding. On CUDA they would buy nothing the fused kernels do not already give, and cost memory (an fp32
     lm_head copy is GBs at a 128k vocabulary) and speed (fp32 activations rule out the fused SDPA kernels).
     """
     fp32_logits: bool           # top logits recomputed exactly in fp32 (model/logits.py RefinedLogits)
@@ -34,27 +64,26 @@ def numerics_for(device: torch.device, dtype: torch.dtype, fp32_logits="auto", f
                  batch_invariant="auto", cpu_linears="auto") -> Numerics:
     """Resolve the precision switches (``True``, ``False`` or ``"auto"``) for a device and dtype.
 
-    ``auto``: exact logits, fp32 activations and batch-invariant kernels for a bf16/fp16 target on CPU only;
-    CUDA runs natively in its dtype. An fp32 target needs none of them. Batch-invariant kernels exist on CPU
-    only and need fp32 activations.
+    ``auto``: the device's ``exact_low_precision`` for a bf16/fp16 target (an fp32 target needs none of them).
+    Batch-invariant kernels exist on CPU only and need fp32 activations.
     """
-    cpu, low = device.type == "cpu", dtype != torch.float32
+    facts, cpu, low = defaults_for(device), device.type == "cpu", dtype != torch.float32
 
     def pick(value, default: bool) -> bool:
         return default if value == "auto" else bool(value)
 
-    logits = low and pick(fp32_logits, cpu)
-    activations = low and pick(fp32_activations, cpu)
+    logits = low and pick(fp32_logits, facts.exact_low_precision)
+    activations = low and pick(fp32_activations, facts.exact_low_precision)
     invariant = activations and cpu and pick(batch_invariant, True)
     linears = cpu_linears_for(device, dtype) if cpu_linears == "auto" or not cpu else cpu_linears
     return Numerics(logits, activations, invariant, cpu_linears=linears)
 
 
 def cpu_linears_for(device: torch.device, dtype: torch.dtype) -> str:
-    """CUDA: as loaded. CPU: oneDNN's packed weights for fp32, and for bf16 where the CPU has native bf16 (a 1-row
-    product there takes about 0.6x the input-major time); input-major weights otherwise (fp16, bf16 without it)."""
+    """CUDA: as loaded. CPU: oneDNN's packed weights for fp32, and for bf16 where the CPU has native bf16;
+    input-major weights otherwise (fp16, bf16 without it: oneDNN's packed kernels emulate those)."""
     from eagle_ray.model.linears import packed_available
-    if device.type != "cpu":
+    if not defaults_for(device).cpu_layouts:
         return "native"
     fast = dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_has_fast_bf16())
     return "packed" if fast and packed_available() else "input_major"

@@ -156,7 +156,7 @@ def write_shard(out_dir: Path, index: int, tensors: dict) -> Path:
 
 
 def iter_job_output(source: str) -> Iterable[list[dict] | None]:
-    """Conversations from a ``jobs/generate.py`` output (self-distillation): the row's messages (or prompt) plus
+    """Conversations from a ``jobs/batch.py`` output (self-distillation): the row's messages (or prompt) plus
     the target's own answer, in input order; error rows yield None."""
     import json
 

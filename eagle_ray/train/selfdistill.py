@@ -177,7 +177,7 @@ def export_prompts(out: str | Path, *, source: str = "sharegpt", second_turns: b
                    limit: int | None = None, target: str | None = None) -> int:
     """Write the prompts ``generate`` would answer next (ids in no set under ``skip_sets``), templated and
     tokenised by ``target``'s tokenizer (default: the embedded target's), to a zstd Parquet file that
-    ``generate(source="prompt-file", target=...)`` answers elsewhere. Returns rows."""
+    ``answer_prompts(source="prompt-file", target=...)`` answers elsewhere. Returns rows."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     from transformers import AutoTokenizer
@@ -185,7 +185,7 @@ def export_prompts(out: str | Path, *, source: str = "sharegpt", second_turns: b
     from eagle_ray.engine.text import TextCodec
     from eagle_ray.model.loading import resolve_target
     tok = AutoTokenizer.from_pretrained(str(resolve_target(target)))
-    codec = TextCodec(tok, len(tok))   # the engine's own encoding, so the ids are what generate() would make
+    codec = TextCodec(tok, len(tok))   # the engine's own encoding, so the ids are what the engine would make
     skip = answered_ids(skip_sets) if skip_sets else set()
     what, id_scheme, chosen, prompts = source_prompts(source, second_turns)
     rows = []
@@ -367,12 +367,13 @@ class ShardWriter:
         return self.dir / name
 
 
-def generate(set_dir: str | Path, *, max_batch_size: int = 48, max_new_tokens: int = 384, max_prompt_tokens: int = 1500,
-             max_model_len: int = 2048, dtype: str = "float32", threads: int | None = None, shard_rows: int = 256,
-             limit: int | None = None, skip_sets: str | Path | None = None, window: int = 512,
-             stop_repeat_ngram: int | None = None, second_turns: bool = False, source: str = "sharegpt",
-             prompt_file: str | Path | None = None, device: str = "cpu", target: str | None = None,
-             max_seconds: float | None = None, log=print) -> int:
+def answer_prompts(set_dir: str | Path, *, max_batch_size: int = 48, max_new_tokens: int = 384,
+                   max_prompt_tokens: int = 1500, max_model_len: int = 2048, dtype: str = "float32",
+                   threads: int | None = None, shard_rows: int = 256, limit: int | None = None,
+                   skip_sets: str | Path | None = None, window: int = 512, stop_repeat_ngram: int | None = None,
+                   second_turns: bool = False, source: str = "sharegpt", prompt_file: str | Path | None = None,
+                   device: str = "cpu", target: str | None = None, max_seconds: float | None = None,
+                   log=print) -> int:
     """Answer prompts with the embedded target (plain greedy, continuously batched) into ``set_dir``: ShareGPT
     user turns (``source="sharegpt"``) or code-completion requests (``"python-functions"``,
     ``python_function_prompts``).

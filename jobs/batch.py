@@ -1,4 +1,4 @@
-"""Batch generation job (the main job): ``ray job submit -- python jobs/generate.py --config configs/embedded.yaml``.
+"""Batch generation job (the main job): ``ray job submit -- python jobs/batch.py --config configs/embedded.yaml``.
 
 Reads prompts (JSONL/Parquet, local or s3://), runs EAGLE-2 on a pool of Ray actors, writes Parquet with
 per-request acceptance stats and a summary.json. Re-running into the same output resumes (exactly once).

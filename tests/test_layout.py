@@ -1,0 +1,50 @@
+"""The house's shape: imports flow down the layers the README draws, no two files import each other, and building an
+engine reads each checkpoint's config once."""
+import builtins
+import io
+from collections import Counter
+from pathlib import Path
+
+from repo_scripts import load
+
+from eagle_ray.config import EngineConfig
+
+graph = load("scripts/import_graph.py")
+
+
+def test_every_part_of_the_package_has_a_layer_and_imports_only_its_own_or_lower_ones():
+    parts = {p.name.removesuffix(".py") for p in graph.PACKAGE.iterdir()
+             if (p.suffix == ".py" and p.name != "__init__.py") or (p / "__init__.py").exists()}
+    assert parts == set(graph.LAYER)
+    assert graph.upward_imports() == []
+
+
+def test_no_files_or_parts_import_each_other():
+    assert graph.circles(graph.module_graph()) == []
+    assert graph.circles(graph.part_graph()) == []
+
+
+def test_the_circle_check_finds_a_loop():
+    assert graph.circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_building_an_engine_reads_each_checkpoint_config_once(tiny_dir, tmp_path, monkeypatch):
+    from tiny import make_target
+
+    from eagle_ray.engine.engine import EagleEngine
+    from eagle_ray.model.draft_head import DraftHead
+    DraftHead.for_target(make_target().config).save(tmp_path / "head")
+    reads = Counter()
+    real_open = builtins.open
+
+    def counting_open(file, *args, **kwargs):
+        if isinstance(file, (str, Path)) and Path(file).name == "config.json":
+            reads[str(Path(file).resolve().parent)] += 1
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", counting_open)
+    monkeypatch.setattr(io, "open", counting_open)
+    engine = EagleEngine.from_config(EngineConfig(target=str(tiny_dir), draft=str(tmp_path / "head"),
+                                                  dtype="float32", max_batch_size=2, max_model_len=64))
+    assert engine.draft.kind == "eagle2"
+    assert reads == {str(Path(tiny_dir).resolve()): 1, str((tmp_path / "head").resolve()): 1}

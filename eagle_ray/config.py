@@ -194,6 +194,9 @@ class PrecisionConfig(StrictModel):
         "auto", description="layout of the target's linears on CPU (model/linears.py); auto: oneDNN-packed for fp32 "
         "and for bf16 on CPUs with native bf16 (input-major when model.compile is on), input-major otherwise; "
         "CUDA keeps them as loaded")
+    fused_layers: Switch = Field("auto", description="run each decoder layer in few kernels (q/k/v and gate/up "
+                                 "merged, fused norms, residual adds in the output GEMMs; model/fused.py); auto: on "
+                                 "CUDA, where a kernel launch costs more than a small one's work")
 
 
 def aliases(name: str, field) -> list[str]:

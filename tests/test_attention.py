@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle_ray.model import attention
-from eagle_ray.model.attention import masked_sdpa
+from eagle_ray.model.attention import BlockMeta, masked_sdpa
 
 
 def test_folded_grouped_query_attention_accepts_a_kernel_output_in_any_layout(monkeypatch):
@@ -24,4 +24,5 @@ def test_folded_grouped_query_attention_accepts_a_kernel_output_in_any_layout(mo
         return kernel(*args, **kwargs).transpose(1, 2).contiguous().transpose(1, 2)
 
     monkeypatch.setattr(attention.F, "scaled_dot_product_attention", rows_major)
-    torch.testing.assert_close(masked_sdpa(q, k, v, mask, 0.5), expected)
+    meta = BlockMeta(slice(0, B), None, None, mask, L, torch.zeros(B, dtype=torch.long))
+    torch.testing.assert_close(masked_sdpa(q, k, v, meta, 0.5), expected)

@@ -7,7 +7,7 @@ trees 8/2/3 (the default) and 60/5/10 on 10 prompts (fp32, greedy; tests/golden/
 draft tree, every step's accepted length and the output are committed. Here eagle-ray runs the same prompts: every
 tree token, parent and depth equal, every draft score within ``SCORE_TOL``, every step's accepted length and every
 output token equal; at batch 1, at batch 4 (continuous batching of prompts of 16 to 89 tokens) and with key lengths
-bucketed as the CUDA-graph path reads them.
+bucketed as the CUDA-graph path reads them, and with the fused layers a GPU runs.
 """
 from pathlib import Path
 
@@ -58,6 +58,12 @@ def test_every_step_equals_the_reference(trace_file, batch):
 @pytest.mark.parametrize("trace_file", TRACES, ids=lambda f: f.stem)
 def test_every_step_equals_the_reference_with_bucketed_key_lengths(trace_file):
     assert disagreements(trace_file, 4, kv_bucket=256) == []
+
+
+@pytest.mark.parametrize("trace_file", TRACES, ids=lambda f: f.stem)
+def test_every_step_equals_the_reference_with_fused_layers(trace_file):
+    """The few-kernel layers a GPU runs (model/fused.py), here in fp32 on the CPU."""
+    assert disagreements(trace_file, 4, fused_layers=True, cpu_linears="native") == []
 
 
 @pytest.mark.slow

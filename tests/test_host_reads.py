@@ -1,10 +1,11 @@
-"""A decode step reads the device back to the host at most twice and sends its inputs up in one copy, whatever the
-batch and the tree.
+"""A decode step reads the device back to the host at most twice, makes no blocking copy to it, and sends its inputs
+up in one copy, whatever the batch and the tree.
 
-Every read (``tolist``, ``item``, ``int(t)``, ``if t:``, ``cpu()``, ``cuda.synchronize``) is counted during one step;
-on a GPU each would stall the step until the device catches up. The one read every step needs is the accepted
-tokens of every sequence; a tree that may hold padding (``min_cum_prob``, a batch verify budget) adds the read of
-its width. Host-to-device copies are counted by the device's ``Uploads``: one per decode step.
+Every read (``tolist``, ``item``, ``int(t)``, ``if t:``, ``cpu()``, ``cuda.synchronize``) and every blocking copy of
+host data to the device (``torch.tensor(..., device=)``, ``host_tensor.to(device)``) is counted during one step; on
+a GPU each would stall the step until the device catches up. The one read every step needs is the accepted tokens
+of every sequence; a tree that may hold padding (``min_cum_prob``, a batch verify budget) adds the read of its
+width. The step's inputs go up through the device's ``Uploads``: one copy per decode step.
 """
 import numpy as np
 import pytest
@@ -55,6 +56,43 @@ def test_trees_with_padding_add_only_the_read_of_their_width(tiny_dir):
     pruned = TreeConfig(total_tokens=12, depth=3, top_k=3, min_cum_prob=0.01)
     assert [(len(r), c) for r, c in (one_decode_step(tiny_dir, 4, pruned),
                                      one_decode_step(tiny_dir, 8, DEPTH3, verify_cap=40))] == [(2, 1), (2, 1)]
+
+
+@pytest.mark.parametrize("tree", [TreeConfig(mode="static"), TreeConfig(mode="chain", depth=3)], ids=["static", "chain"])
+def test_static_trees_and_chains_send_nothing_from_the_host_while_they_grow(tiny_dir, tree):
+    assert one_decode_step(tiny_dir, 4, tree) == (["engine/model_runner.py:verify tolist"], 1)
+
+
+def test_a_step_where_a_prompt_completes_reads_its_first_token_and_copies_nothing_blocking(tiny_dir):
+    """The prompt's first token is read with the prefill; its inputs go up in one more staged copy."""
+    engine = EagleEngine.from_pretrained(str(tiny_dir), "random", dtype="float32", max_batch_size=8, tree=DEPTH3)
+    for i in range(3):
+        engine.add_request([5 + i, 9, 10, 11], params=SamplingParams(max_new_tokens=64, ignore_eos=True))
+    engine.step()
+    engine.step()
+    engine.add_request([5, 6, 7, 8, 9, 10, 11], params=SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=1,
+                                                                      seed=3))
+    upload = uploads_for(engine.device)
+    copies = upload.copies
+    with count_host_reads() as reads:
+        engine.step()
+    assert not engine.scheduler.prefilling
+    sites = reads.sites
+    assert sites[0] == "engine/model_runner.py:prefill tolist" and sites[-1] == "engine/model_runner.py:verify tolist"
+    assert len(sites) <= 3 and all(s.endswith(("tolist", "__int__")) for s in sites)   # no blocking copy
+    assert upload.copies - copies == 2
+
+
+def test_the_counter_sees_blocking_copies_to_the_device():
+    with count_host_reads() as reads:
+        torch.tensor([1, 2], device="cpu")
+        host = torch.zeros(3, dtype=torch.long)
+        host.to("cpu")
+        torch.zeros(2, device="cpu").copy_(torch.from_numpy(np.array([1.0, 2.0])))
+        up = Uploads(torch.device("cpu"))
+        up.ints([4, 5])                  # pinned and non-blocking on CUDA: not a blocking copy
+    assert [s.split(" ", 1)[1] for s in reads.sites] == ["tensor(device=)", "to(device) from the host",
+                                                          "copy_ from the host"]
 
 
 def test_staged_inputs_are_served_from_one_copy_and_others_are_sent_alone():

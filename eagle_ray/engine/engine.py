@@ -28,6 +28,7 @@ from eagle_ray.model.draft_head import DraftHead
 from eagle_ray.model.memory import max_pending_pairs, pending_pair_bytes
 from eagle_ray.model.numerics import step_tokens
 from eagle_ray.model.target import TargetModel
+from eagle_ray.speculative.tree import prepare_trees
 from eagle_ray.stats import RequestStats
 
 
@@ -123,6 +124,7 @@ class EagleEngine:
             self._allocate_draft_cache()
 
     def _allocate_draft_cache(self, fresh: bool = False) -> None:
+        prepare_trees(self.policy.trees(), self.device)
         # consumed pairs never outnumber the target's cached tokens; a cycle's tree tokens stack on top of them
         room = max(draft_room(t) for t in self.policy.trees())
         cache = None if fresh else getattr(self.draft, "cache", None)

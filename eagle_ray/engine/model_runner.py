@@ -74,6 +74,14 @@ def root_only_tree(roots: torch.Tensor) -> Tree:
                 torch.ones(B, 1, 1, dtype=torch.bool, device=roots.device), torch.zeros(B, 1, device=roots.device))
 
 
+def prompt_block(chunks: list[PrefillChunk], width: int) -> np.ndarray:
+    """The prefill's token block ``[R, width]`` (zero padded), read from the chunks' prompts."""
+    block = np.zeros((len(chunks), width), dtype=np.int64)
+    for r, c in enumerate(chunks):
+        block[r, : c.end - c.start] = c.seq.prompt_ids[c.start:c.end]
+    return block
+
+
 def extend_tokens(seqs: list[Sequence], taken: list[tuple[int, int]]) -> np.ndarray:
     """One extend pass's token block ``[G, width]`` (zero padded), read from the sequences' pending tokens."""
     width = max(n for _, n in taken)
@@ -135,6 +143,21 @@ class ModelRunner:
         resolve_times(out.times)
         return out
 
+    def stage_prefill(self, chunks: list[PrefillChunk], width: int, done: list[int]):
+        """Send the prefill's inputs to the device in one copy (see ``Uploads``): the prompt block, the slots and
+        their lengths, and for the prompts that complete, their last rows, positions and sampling rows."""
+        upload = uploads_for(self.device)
+        slots = [c.seq.slot for c in chunks]
+        n = [c.end - c.start for c in chunks]
+        seqs = [chunks[r].seq for r in done]
+        arrays = [prompt_block(chunks, width), slots, self.target.cache.lengths[slots], n]
+        if done:
+            arrays += [done, [n[r] - 1 for r in done], [[len(s.prompt_ids)] for s in seqs]]
+            if any(not s.params.greedy for s in seqs):
+                arrays += [upload.float_bits(SamplingBatch.params_of(seqs)), SamplingBatch.seeds_of(seqs)]
+        upload.stage(arrays)
+        return upload
+
     def stage_decode(self, ready: list[Sequence], plain: list[Sequence], feed: list[Sequence], passes,
                      context: np.ndarray | None = None, chains: np.ndarray | None = None) -> None:
         """Send the step's small inputs to the device in one copy (see ``Uploads``): slots, target and head cache
@@ -176,25 +199,22 @@ class ModelRunner:
         target, device = self.target, self.device
         n = [c.end - c.start for c in chunks]
         R, W = len(chunks), max(n)
-        ids = torch.zeros(R, W, dtype=torch.long)
-        for r, c in enumerate(chunks):
-            ids[r, : n[r]] = torch.tensor(c.seq.prompt_ids[c.start:c.end])
         slots = [c.seq.slot for c in chunks]
         for c in chunks:
             if c.start == 0:
                 self.reset_slot(c.seq.slot)
+        done = [r for r, c in enumerate(chunks) if c.completes]
+        seqs = [chunks[r].seq for r in done]
+        upload = self.stage_prefill(chunks, W, done)
         t0 = clock()
-        hidden, feats = self.target_forward(ids.to(device, non_blocking=True), slots,
+        hidden, feats = self.target_forward(upload.ints(prompt_block(chunks, W)), slots,
                                             torch.arange(W, device=device).expand(R, W), causal_block(n, W, device),
                                             n_valid=n)
-        done = [r for r, c in enumerate(chunks) if c.completes]
         first: list[int] = []
         if done:
-            rows = torch.tensor(done, device=device)
-            last = torch.tensor([n[r] - 1 for r in done], device=device)
+            rows, last = upload.ints(done), upload.ints([n[r] - 1 for r in done])
             logits = target.logits(hidden[rows, last].unsqueeze(1))
-            seqs = [chunks[r].seq for r in done]
-            positions = torch.tensor([[len(s.prompt_ids)] for s in seqs], device=device)
+            positions = upload.ints([[len(s.prompt_ids)] for s in seqs])
             first = choose_tokens(logits, SamplingBatch.of(seqs, device), positions)[:, 0].tolist()
         times.prefill_s += clock() - t0
         target.cache.lengths[slots] += n

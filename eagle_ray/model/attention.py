@@ -6,7 +6,7 @@ embedding; only the cache and the mask are ours.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -15,6 +15,22 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from eagle_ray.uploads import uploads_for
 from eagle_ray.model.kv_cache import KVCache
+
+
+class FP32Rope:
+    """Keeps a rotary embedding's frequency table in fp32 when its module is cast to bf16 or fp16: rounded to bf16
+    (relative errors up to 2^-9) the angles drift further from the target's with every position, and drafts are
+    accepted less on long contexts."""
+
+    def __init__(self, rotary):
+        self.rotary = rotary
+        self.table = {name: buf.detach().float().clone() for name, buf in rotary.named_buffers()
+                      if name.endswith("inv_freq")}   # on the meta device (memory plans): shapes only
+
+    def restore(self) -> None:
+        for name, table in self.table.items():
+            buf = getattr(self.rotary, name)
+            setattr(self.rotary, name, buf.float() if buf.device.type == "meta" else table.to(buf.device))
 
 
 @dataclass
@@ -27,6 +43,20 @@ class BlockMeta:
     kv_len: int
     lengths: torch.Tensor         # [B] committed positions of each row's slot (device): rotary positions
     invariant: bool = False       # batch-invariant kernels (fp32 activations on CPU; see pad_rows)
+    attn_mask: torch.Tensor | None = None   # key_mask as the attention kernel reads it (with_attention_mask)
+    fold: int = 1                 # query heads per kv head folded into the query rows (1: none; see masked_sdpa)
+
+
+def with_attention_mask(meta: BlockMeta, heads: int, kv_heads: int) -> BlockMeta:
+    """``meta`` with the mask the attention kernel reads, folded for grouped-query heads once per forward (not in
+    every layer): see :func:`masked_sdpa` for when the heads are folded."""
+    B, _, T, L = meta.key_mask.shape
+    rep = heads // kv_heads
+    fold = rep > 1 and not (meta.key_mask.device.type == "cpu" and (T == 1 or B == 1))
+    if not fold:
+        return replace(meta, attn_mask=meta.key_mask, fold=1)
+    return replace(meta, attn_mask=meta.key_mask.unsqueeze(2).expand(B, 1, rep, T, L).reshape(B, 1, rep * T, L),
+                   fold=rep)
 
 
 def make_block_meta(cache: KVCache, slots: list[int], block_mask: torch.Tensor, offset: int = 0,
@@ -110,28 +140,27 @@ def attention(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache
     else:
         if x.dtype != dt:  # fp32 activations: bf16 SDPA rounds a 1-row and an 8-row block differently
             q, keys, values = q.float(), keys.float(), values.float()
-        out = masked_sdpa(q, keys, values, meta.key_mask, attn.scaling)
+        out = masked_sdpa(q, keys, values, meta, attn.scaling)
     return attn.o_proj(rows(out.to(dt).transpose(1, 2).reshape(B, T, -1)))[: B * T].view(B, T, -1).to(x.dtype)
 
 
-def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """SDPA with a boolean ``mask [B, 1, T, L]``, grouped-query heads folded into the query rows.
+def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: BlockMeta, scale: float) -> torch.Tensor:
+    """SDPA with the forward's boolean mask, grouped-query heads folded into the query rows where it pays.
 
     ``q [B, H, T, D]`` over ``k, v [B, Hkv, L, D]``: the ``H / Hkv`` query heads that share a kv head become
     ``H / Hkv * T`` rows of one head, so the kernel sees plain multi-head attention with an explicit mask: the form
     CUDA's memory-efficient kernel accepts (its flash kernel takes no mask, and ``enable_gqa`` is served by flash
     or the slow math path only). On CPU the fold pays for tree blocks of several sequences and costs for one
-    sequence or one row, so the CPU folds only the former (``bench/costs.py``).
+    sequence or one row, so the CPU folds only the former (``with_attention_mask`` decides, once per forward).
     """
+    if meta.attn_mask is None:
+        meta = with_attention_mask(meta, q.shape[1], k.shape[1])
     B, H, T, D = q.shape
-    Hkv, L = k.shape[1], k.shape[2]
-    if Hkv == H:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    if q.device.type == "cpu" and (T == 1 or B == 1):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    rep = H // Hkv
-    mask = mask.unsqueeze(2).expand(B, 1, rep, T, L).reshape(B, 1, rep * T, L)
-    out = F.scaled_dot_product_attention(q.reshape(B, Hkv, rep * T, D), k, v, attn_mask=mask, scale=scale)
+    Hkv = k.shape[1]
+    if meta.fold == 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=meta.attn_mask, scale=scale, enable_gqa=Hkv != H)
+    out = F.scaled_dot_product_attention(q.reshape(B, Hkv, meta.fold * T, D), k, v, attn_mask=meta.attn_mask,
+                                         scale=scale)
     return out.reshape(B, H, T, D)  # CUDA kernels may return it strided
 
 

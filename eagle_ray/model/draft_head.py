@@ -18,11 +18,12 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from eagle_ray.errors import CheckpointError
-from eagle_ray.model.attention import decoder_layer, make_block_meta
+from eagle_ray.model.attention import FP32Rope, decoder_layer, make_block_meta, with_attention_mask
 from eagle_ray.model.checkpoint import (CONFIG_KEYS, HeadCheckpoint, add_legacy_rope_keys, head_biases,
                                         load_checked, read_head, read_state_dict, read_token_map)
 from eagle_ray.model.kv_cache import KVCache
 from eagle_ray.model.linears import Scorer, scorer
+from eagle_ray.model.numerics import attention_kernels
 from eagle_ray.speculative.context_vocab import context_topk
 from eagle_ray.speculative.tree import draft_log_probs
 
@@ -47,6 +48,7 @@ class DraftHead(nn.Module):
                 setattr(layer.self_attn, name, nn.Linear(old.in_features, old.out_features, bias=True))
         self.layers = nn.ModuleList([layer])
         self.rotary_emb = LlamaRotaryEmbedding(config)
+        self.rope_fp32 = FP32Rope(self.rotary_emb)
         self.cache: KVCache | None = None
         # Optional draft vocabulary: target token ids the draft may propose, most frequent first (vLLM's
         # token_map / EAGLE-3's d2t idea). Scoring 8k instead of 49k rows makes each draft level several times
@@ -55,6 +57,12 @@ class DraftHead(nn.Module):
         self.lm_score = None   # hidden -> logits over the scored vocabulary (bind_lm_head)
         self.lm_weight = None  # the target's lm_head rows, where a sequence's context tokens are scored
         self.outside_map = None   # host bool [vocab]: tokens the bound map lacks (speculative/context_vocab.py)
+
+    def _apply(self, fn, recurse=True):
+        """Any cast of the head keeps its RoPE frequencies in fp32 (see ``FP32Rope``)."""
+        super()._apply(fn, recurse)
+        self.rope_fp32.restore()
+        return self
 
     @classmethod
     def for_target(cls, target_config, bias: bool = True, intermediate_size: int | None = None) -> "DraftHead":
@@ -172,14 +180,16 @@ class DraftHead(nn.Module):
         """Predicted next features for pairs ``(features[b, t], tokens[b, t])``; see ``make_block_meta``."""
         assert self.cache is not None, "call allocate_cache() first"
         meta = make_block_meta(self.cache, slots, block_mask, offset, n_valid=n_valid)
-        return self.run_block(tokens.contiguous(), features.contiguous(), depth.to(self.fc.weight.device).contiguous(),
-                              meta)
+        with attention_kernels(self.fc.weight.device):
+            return self.run_block(tokens.contiguous(), features.contiguous(),
+                                  depth.to(self.fc.weight.device).contiguous(), meta)
 
     def run_block(self, tokens: torch.Tensor, features: torch.Tensor, depth: torch.Tensor, meta) -> torch.Tensor:
         """The device part of :meth:`forward`: graph-ready like ``TargetModel.run_block``."""
         x = self.fc(torch.cat([self.embed_tokens(tokens), features.to(self.fc.weight.dtype)], dim=-1))
         positions = meta.lengths.view(-1, 1) + depth
         cos, sin = self.rotary_emb(x, positions)
+        meta = with_attention_mask(meta, self.config.num_attention_heads, self.config.num_key_value_heads)
         return decoder_layer(self.layers[0], x, cos, sin, self.cache, 0, meta)
 
 

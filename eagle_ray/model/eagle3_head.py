@@ -24,10 +24,11 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from eagle_ray.errors import CheckpointError
-from eagle_ray.model.attention import attention, make_block_meta, mlp
+from eagle_ray.model.attention import FP32Rope, attention, make_block_meta, mlp, with_attention_mask
 from eagle_ray.model.checkpoint import (ARCHITECTURES, CONFIG_KEYS, HeadCheckpoint, add_legacy_rope_keys,
                                         load_checked, read_head, read_state_dict)
 from eagle_ray.model.kv_cache import KVCache
+from eagle_ray.model.numerics import attention_kernels
 from eagle_ray.speculative.tree import draft_log_probs
 
 
@@ -68,10 +69,17 @@ class Eagle3Head(nn.Module):
                              self.draft_vocab_size == config.vocab_size else
                              torch.zeros(config.vocab_size, dtype=torch.bool))
         self.rotary_emb = LlamaRotaryEmbedding(config)
+        self.rope_fp32 = FP32Rope(self.rotary_emb)
         self.feature_layers = capture_layers(num_target_layers)
         self.cache: KVCache | None = None
 
     # ---- checkpoint I/O -----------------------------------------------------------------------------------------
+    def _apply(self, fn, recurse=True):
+        """Any cast of the head keeps its RoPE frequencies in fp32 (see ``FP32Rope``)."""
+        super()._apply(fn, recurse)
+        self.rope_fp32.restore()
+        return self
+
     @classmethod
     def for_target(cls, target_config, draft_vocab: torch.Tensor | None = None,
                    intermediate_size: int | None = None) -> "Eagle3Head":
@@ -187,8 +195,9 @@ class Eagle3Head(nn.Module):
         target's fused states (3 x d_target wide, through ``fc``) or the head's own outputs (d wide)."""
         assert self.cache is not None, "call allocate_cache() first"
         meta = make_block_meta(self.cache, slots, block_mask, offset, n_valid=n_valid)
-        return self.run_block(tokens.contiguous(), features.contiguous(), depth.to(self.fc.weight.device).contiguous(),
-                              meta)
+        with attention_kernels(self.fc.weight.device):
+            return self.run_block(tokens.contiguous(), features.contiguous(),
+                                  depth.to(self.fc.weight.device).contiguous(), meta)
 
     def run_block(self, tokens: torch.Tensor, features: torch.Tensor, depth: torch.Tensor, meta) -> torch.Tensor:
         """The device part of :meth:`forward`: graph-ready like ``TargetModel.run_block``."""
@@ -200,6 +209,7 @@ class Eagle3Head(nn.Module):
         positions = meta.lengths.view(-1, 1) + depth
         cos, sin = self.rotary_emb(hidden, positions)
         layer = self.midlayer
+        meta = with_attention_mask(meta, self.config.num_attention_heads, self.config.num_key_value_heads)
         x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(hidden)], dim=-1)
         hidden = hidden + attention(layer.self_attn, x, cos, sin, self.cache, 0, meta)
         return hidden + mlp(layer, hidden, meta)

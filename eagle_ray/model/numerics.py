@@ -6,6 +6,7 @@ measured on, and why, is in docs/design.md and docs/benchmarks.md, not here: fig
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -21,11 +22,19 @@ class DeviceDefaults:
     auto_max_slots: int           # max_batch_size "auto" stops here (beyond it a step costs more than it batches)
     exact_low_precision: bool     # bf16/fp16 targets: exact top logits, fp32 activations, batch-invariant kernels
     cpu_layouts: bool             # the target's linears in a CPU layout (model/linears.py), by dtype and bf16 support
+    kv_bucket: int                # key lengths a forward reads are rounded up to a multiple of this (masked): a new
+    #                               shape every step would make shape-specialised kernels build again and again
+    sdpa_backends: tuple[str, ...] | None   # attention kernels SDPA may pick, in order (None: its own choice);
+    #                               CUDA leaves out cuDNN, which builds a new graph for every new key length
+    fused_layers: bool            # decoder layers in few kernels (model/fused.py): where a launch costs more than its work
 
 
 DEVICE_DEFAULTS = {
-    "cpu": DeviceDefaults(step_tokens=48, auto_max_slots=32, exact_low_precision=True, cpu_layouts=True),
-    "cuda": DeviceDefaults(step_tokens=8192, auto_max_slots=256, exact_low_precision=False, cpu_layouts=False),
+    "cpu": DeviceDefaults(step_tokens=48, auto_max_slots=32, exact_low_precision=True, cpu_layouts=True, kv_bucket=1,
+                          sdpa_backends=None, fused_layers=False),
+    "cuda": DeviceDefaults(step_tokens=8192, auto_max_slots=256, exact_low_precision=False, cpu_layouts=False,
+                           kv_bucket=256, sdpa_backends=("EFFICIENT_ATTENTION", "FLASH_ATTENTION", "MATH"),
+                           fused_layers=True),
 }
 
 
@@ -33,6 +42,15 @@ def defaults_for(device) -> DeviceDefaults:
     """``DEVICE_DEFAULTS`` of a device (a torch device, or its type); an accelerator not in the table is run as CUDA."""
     kind = device if isinstance(device, str) else torch.device(device).type
     return DEVICE_DEFAULTS.get(kind, DEVICE_DEFAULTS["cuda"])
+
+
+def attention_kernels(device):
+    """A context in which SDPA picks only the device's ``sdpa_backends`` (a no-op where the table says None)."""
+    backends = defaults_for(device).sdpa_backends
+    if backends is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([getattr(SDPBackend, b) for b in backends])
 
 
 def step_tokens(max_step_tokens: int | None, device) -> int:
@@ -53,6 +71,7 @@ class Numerics:
     fp32_activations: bool      # fp32 residual stream, norms and attention; projections stay low precision
     batch_invariant: bool       # row-invariant GEMM shapes and chunked attention (attention.pad_rows)
     cpu_linears: str            # the linears' layout: native | input_major | packed (see model/linears.py)
+    fused_layers: bool = False  # merged projections and fused norms (model/fused.py)
 
     @property
     def input_major_weights(self) -> bool:
@@ -61,11 +80,12 @@ class Numerics:
 
 
 def numerics_for(device: torch.device, dtype: torch.dtype, fp32_logits="auto", fp32_activations="auto",
-                 batch_invariant="auto", cpu_linears="auto") -> Numerics:
+                 batch_invariant="auto", cpu_linears="auto", fused_layers="auto") -> Numerics:
     """Resolve the precision switches (``True``, ``False`` or ``"auto"``) for a device and dtype.
 
     ``auto``: the device's ``exact_low_precision`` for a bf16/fp16 target (an fp32 target needs none of them).
-    Batch-invariant kernels exist on CPU only and need fp32 activations.
+    Batch-invariant kernels exist on CPU only and need fp32 activations. Fused layers need the modules' own
+    weights (native linears) and a residual stream in the model dtype.
     """
     facts, cpu, low = defaults_for(device), device.type == "cpu", dtype != torch.float32
 
@@ -76,7 +96,8 @@ def numerics_for(device: torch.device, dtype: torch.dtype, fp32_logits="auto", f
     activations = low and pick(fp32_activations, facts.exact_low_precision)
     invariant = activations and cpu and pick(batch_invariant, True)
     linears = cpu_linears_for(device, dtype) if cpu_linears == "auto" or not cpu else cpu_linears
-    return Numerics(logits, activations, invariant, cpu_linears=linears)
+    fused = pick(fused_layers, facts.fused_layers) and linears == "native" and not activations
+    return Numerics(logits, activations, invariant, cpu_linears=linears, fused_layers=fused)
 
 
 def cpu_linears_for(device: torch.device, dtype: torch.dtype) -> str:

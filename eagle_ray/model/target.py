@@ -11,11 +11,12 @@ from pathlib import Path
 import torch
 
 from eagle_ray.errors import CheckpointError, first_line
-from eagle_ray.model.attention import decoder_layer, make_block_meta, pad_rows
-from eagle_ray.model.numerics import numerics_for
+from eagle_ray.model.attention import decoder_layer, make_block_meta, masked_sdpa, pad_rows, with_attention_mask
+from eagle_ray.model.fused import RopeTables, fuse_layer, fused_decoder_layer
 from eagle_ray.model.kv_cache import KVCache
 from eagle_ray.model.linears import lay_out_linears
 from eagle_ray.model.logits import RefinedLogits
+from eagle_ray.model.numerics import attention_kernels, defaults_for, numerics_for
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 
@@ -40,7 +41,7 @@ def check_loading_info(path, info: dict) -> None:
 
 class TargetModel:
     def __init__(self, hf_model, max_slots: int, max_len: int, fp32_logits="auto", fp32_activations="auto",
-                 batch_invariant="auto", cpu_linears="auto"):
+                 batch_invariant="auto", cpu_linears="auto", fused_layers="auto"):
         """The precision switches are True, False or "auto" (resolved for the device by ``numerics_for``)."""
         cfg = hf_model.config
         check_model_type(cfg)
@@ -49,7 +50,7 @@ class TargetModel:
         param = next(hf_model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.numerics = numerics_for(self.device, self.dtype, fp32_logits, fp32_activations, batch_invariant,
-                                     cpu_linears)
+                                     cpu_linears, fused_layers)
         lay_out_linears(hf_model, self.numerics.cpu_linears, keep_dense=("lm_head",))  # see model/linears.py
         self.model = hf_model.model
         self.layers = list(self.model.layers)
@@ -73,11 +74,12 @@ class TargetModel:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.cache = KVCache(len(self.layers), max_slots, cfg.num_key_value_heads, self.max_len, head_dim,
                              self.dtype, self.device)
+        self.cache.kv_bucket = defaults_for(self.device).kv_bucket
+        self.fused = [fuse_layer(layer) for layer in self.layers] if self.numerics.fused_layers else None
 
     @classmethod
     def load(cls, path: str | Path, dtype: torch.dtype, device, max_slots: int, max_len: int, config=None,
-             fp32_logits="auto", fp32_activations="auto", batch_invariant="auto",
-             cpu_linears="auto") -> "TargetModel":
+             **precision) -> "TargetModel":
         """The target's weights; ``config``: its transformers config, if already read (it is not read again)."""
         from transformers import AutoModelForCausalLM
 
@@ -91,7 +93,7 @@ class TargetModel:
         except Exception as e:  # noqa: BLE001 - transformers and safetensors raise many types for a bad file
             raise CheckpointError(f"cannot load target from {path}: {type(e).__name__}: {first_line(e)}") from None
         check_loading_info(path, info)
-        return cls(hf.to(device), max_slots, max_len, fp32_logits, fp32_activations, batch_invariant, cpu_linears)
+        return cls(hf.to(device), max_slots, max_len, **precision)
 
     @property
     def hidden_size(self) -> int:
@@ -121,8 +123,9 @@ class TargetModel:
         meta = make_block_meta(self.cache, slots, block_mask, invariant=self.batch_invariant, n_valid=n_valid)
         if capture:
             self.capture_layers = tuple(capture)  # an attribute, not an argument: traced as a constant
-        return self.run_block(tokens.to(self.device).contiguous(), depth.to(self.device).contiguous(), meta,
-                              bool(capture))
+        with attention_kernels(self.device):
+            return self.run_block(tokens.to(self.device).contiguous(), depth.to(self.device).contiguous(), meta,
+                                  bool(capture))
 
     def run_block(self, tokens: torch.Tensor, depth: torch.Tensor, meta, capture: bool = False):
         """The device part of :meth:`forward`: tensors in, tensors out, no host reads and no Python state
@@ -133,12 +136,20 @@ class TargetModel:
         cos, sin = self.model.rotary_emb(hidden, positions)  # in the model dtype, like q and k
         if self.fp32_activations:
             hidden = hidden.float()
+        attn = self.layers[0].self_attn
+        meta = with_attention_mask(meta, self.config.num_attention_heads, self.config.num_key_value_heads)
+        if self.fused is not None:
+            rope = RopeTables.of(cos, sin)
+            attend = lambda q, k, v: masked_sdpa(q, k, v, meta, attn.scaling)   # noqa: E731
         captured = [hidden] * len(layers)
         for i, layer in enumerate(self.layers):
             for j, wanted in enumerate(layers):
                 if wanted == i:
                     captured[j] = hidden
-            hidden = decoder_layer(layer, hidden, cos, sin, self.cache, i, meta)
+            if self.fused is not None:
+                hidden = fused_decoder_layer(self.fused[i], hidden, rope, self.cache, i, meta, attend)
+            else:
+                hidden = decoder_layer(layer, hidden, cos, sin, self.cache, i, meta)
         if capture:
             return self.model.norm(hidden), torch.cat(captured, dim=-1)
         return self.model.norm(hidden)

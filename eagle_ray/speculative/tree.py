@@ -166,64 +166,110 @@ def children_per_node(cfg: TreeConfig) -> int:
     return cfg.top_k if cfg.mode == "dynamic" else max(p[-1] for p in static_shape(cfg)) + 1
 
 
-def grow_static(draft_fn, topk_fn, root_hidden: torch.Tensor, root_tokens: torch.Tensor, cfg: TreeConfig) -> Tree:
-    """EAGLE-1 style fixed tree (and chains): node ``[r0, r1, ...]`` is the r-th ranked child along the path.
+@dataclass(frozen=True)
+class StaticLevel:
+    """One forwarded level of a static tree: which pool nodes go through the head, what they attend to among the
+    nodes forwarded before them, and where their children take their ranks from."""
+    parents: torch.Tensor      # [n] pool ids forwarded at this level
+    block: torch.Tensor        # [n, N0 + n] bool: the forwarded nodes each attends to (ancestors and itself)
+    offset: int                # N0: nodes forwarded before this level
+    children: torch.Tensor     # [c] pool ids of the next level
+    child_rows: torch.Tensor   # [c] which forwarded row is each child's parent
+    child_ranks: torch.Tensor  # [c] the child's rank among its parent's top-k
+    child_parents: torch.Tensor  # [c] the parent's pool id (its score is added)
 
-    Only nodes that have children are forwarded through the draft, one batched call per level.
-    """
-    shape = static_shape(cfg)
-    B, d = root_hidden.shape
-    device = root_hidden.device
+
+@dataclass(frozen=True)
+class StaticPlan:
+    """A static tree's shape turned into device index tensors once (per shape and device), so growing the tree
+    sends nothing from the host: ``static_plan`` caches it."""
+    first: torch.Tensor        # [l1] pool ids of level 1
+    first_ranks: torch.Tensor  # [l1] their ranks in the root's top-k
+    parents: torch.Tensor      # [P] parent pool id (-1: the root)
+    depth: torch.Tensor        # [P] depth of each pool node
+    levels: tuple[StaticLevel, ...]
+    max_depth: int
+
+
+_STATIC_PLANS: dict = {}
+
+
+def prepare_trees(trees: list[TreeConfig], device) -> None:
+    """Make the device plans of the static trees and chains among ``trees`` now (at load, or when the trees
+    change), not in the first step that grows one."""
+    for cfg in trees:
+        if cfg.mode != "dynamic":
+            static_plan(static_shape(cfg), device)
+
+
+def static_plan(shape: list[list[int]], device) -> StaticPlan:
+    key = (tuple(map(tuple, shape)), str(device))
+    if key not in _STATIC_PLANS:
+        _STATIC_PLANS[key] = _make_static_plan(shape, torch.device(device))
+    return _STATIC_PLANS[key]
+
+
+def _make_static_plan(shape: list[list[int]], device: torch.device) -> StaticPlan:
     index = {tuple(p): i for i, p in enumerate(shape)}
-    K = children_per_node(cfg)
-    levels = sorted({len(p) for p in shape})
-    logp, tok = topk_fn(root_hidden, K)
-    P = len(shape)
-    pool_tokens = torch.zeros(B, P, dtype=torch.long, device=device)
-    pool_scores = torch.zeros(B, P, device=device)
-    pool_parents = torch.tensor([index.get(tuple(p[:-1]), -1) for p in shape], device=device).expand(B, P)
-    pool_depth = torch.tensor([len(p) for p in shape], device=device).expand(B, P)
-    lvl1 = [i for i, p in enumerate(shape) if len(p) == 1]
-    ranks = torch.tensor([shape[i][-1] for i in lvl1], device=device)
-    pool_tokens[:, lvl1] = tok[:, ranks]
-    pool_scores[:, lvl1] = logp[:, ranks].float()
-    forwarded: list[int] = []                   # pool ids in draft block column order
-    hidden_of: dict[int, torch.Tensor] = {}
-    for level in levels[:-1]:
+    depths = sorted({len(p) for p in shape})
+    ints = lambda values: torch.tensor(values, dtype=torch.long, device=device)   # noqa: E731 (built once)
+    first = [i for i, p in enumerate(shape) if len(p) == 1]
+    levels, forwarded = [], []
+    for level in depths[:-1]:
         parents = [i for i, p in enumerate(shape) if len(p) == level and any(
             len(q) == level + 1 and q[:-1] == p for q in shape)]
         if not parents:
             break
-        n, N0 = len(parents), len(forwarded)
-        feats = torch.stack([_feature(i, shape, index, root_hidden, hidden_of) for i in parents], 1)
-        block = torch.zeros(B, n, N0 + n, dtype=torch.bool, device=device)
-        for r, i in enumerate(parents):  # host-side shape bookkeeping, independent of B
+        n0, n = len(forwarded), len(parents)
+        block = torch.zeros(n, n0 + n, dtype=torch.bool)
+        for r, i in enumerate(parents):   # host-side shape bookkeeping, once per shape
             for anc in _ancestors(shape[i], index):
                 if anc in forwarded:
-                    block[:, r, forwarded.index(anc)] = True
-            block[:, r, N0 + r] = True
-        hidden = draft_fn(pool_tokens[:, parents], feats, level - 1, block, N0)
+                    block[r, forwarded.index(anc)] = True
+            block[r, n0 + r] = True
         forwarded += parents
-        lp, tk = topk_fn(hidden, K)                                                # [B, n, K]
-        for r, i in enumerate(parents):
-            hidden_of[i] = hidden[:, r]
         children = [j for j, q in enumerate(shape) if len(q) == level + 1]
-        rows = torch.tensor([parents.index(index[tuple(shape[j][:-1])]) for j in children], device=device)
-        cr = torch.tensor([shape[j][-1] for j in children], device=device)
-        pool_tokens[:, children] = tk[:, rows, cr]
-        pool_scores[:, children] = pool_scores[:, [index[tuple(shape[j][:-1])] for j in children]] + lp[:, rows, cr].float()
-    return _pool_to_tree(root_tokens, pool_tokens, pool_scores, pool_parents, pool_depth, P, cfg.min_cum_prob,
-                         max(levels))
+        child_parents = [index[tuple(shape[j][:-1])] for j in children]
+        levels.append(StaticLevel(ints(parents), block.to(device), n0, ints(children),
+                                  ints([parents.index(p) for p in child_parents]),
+                                  ints([shape[j][-1] for j in children]), ints(child_parents)))
+    return StaticPlan(ints(first), ints([shape[i][-1] for i in first]),
+                      ints([index.get(tuple(p[:-1]), -1) for p in shape]), ints([len(p) for p in shape]),
+                      tuple(levels), max(depths))
+
+
+def grow_static(draft_fn, topk_fn, root_hidden: torch.Tensor, root_tokens: torch.Tensor, cfg: TreeConfig) -> Tree:
+    """EAGLE-1 style fixed tree (and chains): node ``[r0, r1, ...]`` is the r-th ranked child along the path.
+
+    Only nodes that have children are forwarded through the draft, one batched call per level; the shape's index
+    tensors come from :func:`static_plan` (made once per shape), so no level sends anything from the host.
+    """
+    shape = static_shape(cfg)
+    plan = static_plan(shape, root_hidden.device)
+    B, d = root_hidden.shape
+    P = len(shape)
+    K = children_per_node(cfg)
+    logp, tok = topk_fn(root_hidden, K)
+    pool_tokens = root_tokens.new_zeros(B, P)
+    pool_scores = root_hidden.new_zeros(B, P, dtype=torch.float32)
+    pool_tokens[:, plan.first] = tok[:, plan.first_ranks]
+    pool_scores[:, plan.first] = logp[:, plan.first_ranks].float()
+    outputs = root_hidden.new_zeros(B, P, d)   # the head's output at each forwarded node: its children's feature
+    for step, lvl in enumerate(plan.levels):
+        feats = root_hidden.unsqueeze(1).expand(B, len(lvl.parents), d) if step == 0 else \
+            outputs[:, plan.parents[lvl.parents]]
+        hidden = draft_fn(pool_tokens[:, lvl.parents], feats, step, lvl.block.expand(B, *lvl.block.shape),
+                          lvl.offset)
+        outputs[:, lvl.parents] = hidden.to(outputs.dtype)
+        lp, tk = topk_fn(hidden, K)                                                # [B, n, K]
+        pool_tokens[:, lvl.children] = tk[:, lvl.child_rows, lvl.child_ranks]
+        pool_scores[:, lvl.children] = pool_scores[:, lvl.child_parents] + lp[:, lvl.child_rows, lvl.child_ranks].float()
+    return _pool_to_tree(root_tokens, pool_tokens, pool_scores, plan.parents.expand(B, P), plan.depth.expand(B, P),
+                         P, cfg.min_cum_prob, plan.max_depth)
 
 
 def _ancestors(path: list[int], index: dict) -> list[int]:
     return [index[tuple(path[:j])] for j in range(1, len(path) + 1)]
-
-
-def _feature(i, shape, index, root_hidden, hidden_of):
-    """The draft feature a static node is forwarded with: its parent's draft output (root output at level 1)."""
-    path = shape[i]
-    return root_hidden if len(path) == 1 else hidden_of[index[tuple(path[:-1])]]
 
 
 def grow_tree(draft_fn, topk_fn, root_hidden, root_tokens, cfg: TreeConfig) -> Tree:

@@ -1,0 +1,122 @@
+"""A decoder layer in few kernels, for devices where a kernel launch costs more than the work in it (CUDA).
+
+transformers' layer modules launch about 44 kernels a layer in a verify pass (separate q, k, v and gate, up GEMMs,
+norms of eight ops each, RoPE of ten, a mask copy, residual adds); at ~15 us a launch an 8B verify pass then takes
+several times the time its weights take to read. Here the same layer runs as:
+
+    rms_norm -> qkv GEMM -> RoPE on q and k together -> K/V write -> attention -> o GEMM + residual
+    -> rms_norm -> gate_up GEMM -> silu * up -> down GEMM + residual
+
+q/k/v and gate/up are one GEMM each (their weights merged at load, the modules' weights becoming views of the merged
+ones, so memory does not grow), the norms are one fused kernel each, the residual adds ride in the output GEMMs
+(``addmm``), and RoPE's cos/sin tables (``RopeTables``) are made once per forward. ``tests/test_fused.py`` counts the
+operations of a layer and checks fp32 tokens against the modules' path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class FusedLayer:
+    """One decoder layer's weights in the merged form (views shared with the transformers modules)."""
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    eps: float
+    qkv: torch.Tensor                 # [(H + 2 Hkv) D, d]
+    qkv_bias: torch.Tensor | None     # Qwen2
+    o: torch.Tensor                   # [d, H D]
+    gate_up: torch.Tensor             # [2 I, d]
+    down: torch.Tensor                # [d, I]
+    q_norm: torch.Tensor | None       # Qwen3: per-head norms of q and k before RoPE
+    k_norm: torch.Tensor | None
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scaling: float
+
+
+def merge(modules: list[nn.Linear], bias: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for ``modules`` stacked by output rows; each module's weight becomes a view of it."""
+    weight = torch.cat([m.weight.detach() for m in modules])
+    b = torch.cat([m.bias.detach() for m in modules]) if bias else None
+    start = 0
+    for m in modules:
+        n = m.weight.shape[0]
+        m.weight = nn.Parameter(weight[start:start + n], requires_grad=False)
+        if bias:
+            m.bias = nn.Parameter(b[start:start + n], requires_grad=False)
+        start += n
+    return weight, b
+
+
+def fuse_layer(layer) -> FusedLayer:
+    """The merged form of a transformers decoder layer (Llama, Mistral, Qwen2, Qwen3 modules)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv, qkv_bias = merge([attn.q_proj, attn.k_proj, attn.v_proj], bias=attn.q_proj.bias is not None)
+    gate_up, _ = merge([mlp.gate_proj, mlp.up_proj])
+    head_dim = attn.head_dim
+    norm = layer.input_layernorm
+    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    return FusedLayer(norm.weight, layer.post_attention_layernorm.weight, norm.variance_epsilon, qkv, qkv_bias,
+                      attn.o_proj.weight, gate_up, mlp.down_proj.weight,
+                      None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
+                      attn.q_proj.weight.shape[0] // head_dim, attn.k_proj.weight.shape[0] // head_dim, head_dim,
+                      attn.scaling)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """One fused kernel where torch has one (``_fused_rms_norm``), else the functional form."""
+    fused = getattr(torch.ops.aten, "_fused_rms_norm", None)
+    if fused is not None:
+        return fused(x, [x.shape[-1]], weight, eps)[0]
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+@dataclass
+class RopeTables:
+    """cos and sign-folded sin of every row's position, made once per forward: RoPE is then
+    ``x * cos + swap_halves(x) * sin_signed`` (``rotate_half``'s negation folded into the table)."""
+    cos: torch.Tensor          # [B, T, 1, D]
+    sin_signed: torch.Tensor   # [B, T, 1, D]
+
+    @classmethod
+    def of(cls, cos: torch.Tensor, sin: torch.Tensor) -> "RopeTables":
+        D = cos.shape[-1]
+        sign = torch.ones(D, dtype=sin.dtype, device=sin.device)
+        sign[: D // 2] = -1
+        return cls(cos.unsqueeze(2), (sin * sign).unsqueeze(2))
+
+
+def apply_rope(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
+    """RoPE of ``x [B, T, heads, D]`` (q and k heads side by side) in three kernels."""
+    B, T, H, D = x.shape
+    swapped = x.view(B, T, H, 2, D // 2).flip(3).view(B, T, H, D)
+    return torch.addcmul(x * rope.cos, swapped, rope.sin_signed)
+
+
+def fused_decoder_layer(L: FusedLayer, hidden: torch.Tensor, rope: RopeTables, cache, layer_idx: int, meta,
+                        attend) -> torch.Tensor:
+    """The layer on ``hidden [B, T, d]``; ``attend(q [B, H, T, D], keys, values)`` is the attention kernel over
+    the cached prefix (``attention.masked_sdpa`` with the forward's mask)."""
+    B, T, d = hidden.shape
+    H, Hkv, D = L.heads, L.kv_heads, L.head_dim
+    flat = hidden.reshape(B * T, d)
+    qkv = F.linear(rms_norm(flat, L.input_norm, L.eps), L.qkv, L.qkv_bias).view(B, T, H + 2 * Hkv, D)
+    qk, v = qkv[:, :, : H + Hkv], qkv[:, :, H + Hkv:]
+    if L.q_norm is not None:   # Qwen3: each head's q and k normed before RoPE
+        qk = torch.cat([rms_norm(qk[:, :, :H], L.q_norm, L.eps), rms_norm(qk[:, :, H:], L.k_norm, L.eps)], 2)
+    qk = apply_rope(qk, rope)
+    q, k = qk[:, :, :H], qk[:, :, H:]
+    cache.write(layer_idx, meta.slot_index, meta.write_pos, k.transpose(1, 2), v.transpose(1, 2))
+    keys, values = cache.read(layer_idx, meta.slots, meta.kv_len)
+    out = attend(q.transpose(1, 2), keys, values).transpose(1, 2).reshape(B * T, H * D)
+    flat = torch.addmm(flat, out, L.o.t())
+    up = F.linear(rms_norm(flat, L.post_norm, L.eps), L.gate_up)
+    gate, up = up.chunk(2, dim=-1)
+    flat = torch.addmm(flat, F.silu(gate) * up, L.down.t())
+    return flat.view(B, T, d)

@@ -157,8 +157,9 @@ def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: BlockMe
         meta = with_attention_mask(meta, q.shape[1], k.shape[1])
     B, H, T, D = q.shape
     Hkv = k.shape[1]
-    if meta.fold == 1:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=meta.attn_mask, scale=scale, enable_gqa=Hkv != H)
+    if meta.fold == 1:   # a branch, not the comparison itself: under torch.compile's dynamic shapes it is symbolic
+        gqa = True if Hkv != H else False   # noqa: SIM210
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=meta.attn_mask, scale=scale, enable_gqa=gqa)
     out = F.scaled_dot_product_attention(q.reshape(B, Hkv, meta.fold * T, D), k, v, attn_mask=meta.attn_mask,
                                          scale=scale)
     return out.reshape(B, H, T, D)  # CUDA kernels may return it strided

@@ -19,7 +19,7 @@ def unrolled_attention(attn, x: torch.Tensor, s: int, keys: list, values: list, 
     q, k = apply_rotary_pos_emb(q, k, cos, sin)
     keys.append(k)
     values.append(v)
-    gqa = k.shape[1] != q.shape[1]
+    gqa = True if k.shape[1] != q.shape[1] else False   # noqa: SIM210 - see attention.masked_sdpa
     if s == 0:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=gqa)
     else:

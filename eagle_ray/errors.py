@@ -25,6 +25,10 @@ class EngineDeadError(EagleError, RuntimeError):
     """The engine failed in a step (a device error, a bug): it serves nothing more and must be replaced."""
 
 
+class EngineStalledError(EngineDeadError):
+    """An engine step ran past its bound (a hung kernel, a deadlock): the engine is failed rather than waited on."""
+
+
 class InsufficientMemoryError(ConfigError):
     """The engine's memory plan (weights, KV slots, workspace) does not fit the device's free memory."""
 

@@ -164,3 +164,44 @@ def test_abandoning_agenerate_cancels_the_request(engine):
     asyncio.run(main())
     q.shutdown()
     assert engine.scheduler.free == [0, 1, 2, 3] and q.num_pending == 0
+
+
+def test_generate_from_two_threads_refuses_the_second_caller_and_answers_the_first_right(tiny_dir, tiny_head):
+    """One engine is stepped by one caller: a second thread's generate() gets a clear error pointing to
+    RequestQueue (it used to corrupt the first caller's output)."""
+    import threading
+
+    from eagle_ray.errors import InvalidRequestError
+    engine = tiny_engine(tiny_dir, tiny_head)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    expected = engine.generate([[5, 9, 12]], params)[0].token_ids
+    results, errors = [], []
+    started = threading.Event()
+    step = engine.step
+
+    def slow_step():
+        started.set()
+        return step()
+
+    engine.step = slow_step
+
+    def first():
+        results.append(engine.generate([[5, 9, 12]], params)[0].token_ids)
+
+    t = threading.Thread(target=first)
+    t.start()
+    started.wait(10)
+    try:
+        engine.generate([[5, 9, 13]], params)
+    except InvalidRequestError as e:
+        errors.append(str(e))
+    t.join(60)
+    assert results == [expected] and len(errors) == 1 and "RequestQueue" in errors[0]
+    queue = RequestQueue(engine)
+    try:
+        with pytest.raises(InvalidRequestError, match="RequestQueue"):
+            engine.generate([[5, 9, 12]], params)
+        assert queue.generate([5, 9, 12], params).token_ids == expected
+    finally:
+        queue.shutdown()
+    assert engine.generate([[5, 9, 12]], params)[0].token_ids == expected   # the queue let go of it

@@ -781,12 +781,13 @@ def test_the_bearer_scheme_is_case_insensitive():
 def test_the_engine_failing_ends_the_job_actor_and_fails_serve_health(tiny_dir, tiny_head):
     from eagle_ray.batch.config import JobConfig
     from eagle_ray.batch.stage import GenerateStage
-    from eagle_ray.engine.queue import RequestQueue
+    from eagle_ray.engine.queue import RequestQueue, StallBound
     stage = GenerateStage.__new__(GenerateStage)
     stage.cfg = JobConfig(input={"uri": "x"}, output={"uri": "y"})
     stage.engine = tiny_engine(tiny_dir, tiny_head)
     stage.queue = RequestQueue(stage.engine)
     stage.target_name, stage.draft_name, stage.worker_id = "t", "d", "w"
+    stage.stall, stage.isolating, stage.metrics = StallBound(), asyncio.Lock(), None
     died = []
     stage.die = lambda: died.append(True)
 
@@ -795,14 +796,18 @@ def test_the_engine_failing_ends_the_job_actor_and_fails_serve_health(tiny_dir, 
     stage.engine.step = broken
     batch = pa.table({"row_index": [0, 1], "id": ["a", "b"], "payload": ['{"prompt": "w1"}', '{"prompt": "w2"}'],
                       "error": ["", ""], "error_kind": ["", ""]})
-    out = asyncio.run(stage(batch)).to_pylist()
-    assert [r["error_kind"] for r in out] == ["engine_failed", "engine_failed"] and died == [True]
+    out = asyncio.run(stage(batch)).to_pylist()   # every row breaks the engine, alone too: the actor ends
+    assert [r["error_kind"] for r in out] == ["engine_failed", "engine_failed"] and died[:1] == [True]
 
+    stage.queue.shutdown(drain=False, timeout=10)   # one queue steps an engine at a time
     from eagle_ray.serve.app import EagleServer
     server = EagleServer.func_or_class.__new__(EagleServer.func_or_class)
-    server.queue = stage.queue
+    server.queue = RequestQueue(stage.engine)
+    with pytest.raises(EngineDeadError):
+        server.queue.submit("w1", SamplingParams(max_new_tokens=2)).result(timeout=30)
     with pytest.raises(RuntimeError, match="device lost"):
         server.check_health()
+    server.queue.shutdown(drain=False, timeout=10)   # no engine thread outlives the test
 
 
 def test_api_misuse_is_refused_naming_the_argument_and_the_engine_runs_on(tiny_dir, tiny_head):

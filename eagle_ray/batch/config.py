@@ -33,6 +33,15 @@ class ActorsConfig(StrictModel):
     batch_size: int = Field(16, ge=1, description="rows per Ray Data batch handed to an actor")
     max_concurrent_batches: int = Field(4, ge=1, description="batches in flight per actor, all feeding one "
                                         "continuously batched engine")
+    row_retries: int = Field(1, ge=1, description="after the engine fails under a batch, each of its unfinished "
+                             "rows runs alone on a restarted engine up to this many times; a row that still fails "
+                             "is an engine_failed error row")
+    max_restarts: int = Field(3, ge=0, description="times Ray restarts an actor whose process died (a device "
+                              "fault, a stalled step) before the job fails")
+    stall_floor_s: float = Field(120.0, gt=0, description="an engine step may run this long at least before it "
+                                 "counts as stalled")
+    stall_factor: float = Field(10.0, gt=1, description="... or this many times the slowest step seen so far, "
+                                "whichever is longer; a stalled step fails the engine and restarts the actor")
 
     @field_validator("num_gpus")
     @classmethod
@@ -54,6 +63,9 @@ class JobConfig(StrictModel):
     actors: ActorsConfig = Field(default_factory=ActorsConfig)
     resume: bool = Field(True, description="skip ids already in the output (exactly-once re-runs)")
     ray_address: str | None = Field(None, description="None: RAY_ADDRESS or a new local Ray on 127.0.0.1")
+    progress_every_s: float = Field(10.0, gt=0, description="seconds between the driver's progress lines")
+    lease_stale_s: float = Field(120.0, gt=1, description="a run holds its output with a lease renewed every "
+                                 "quarter of this; a second run refuses while it is fresh, takes it over once stale")
 
     @model_validator(mode="after")
     def _output_outside_input(self):

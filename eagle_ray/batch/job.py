@@ -35,10 +35,15 @@ log = logging.getLogger(__name__)
 
 
 def filesystem(uri: str, cfg: JobConfig):
+    """The filesystem and path of ``uri``: ``s3://`` through s3fs, anything else a local path used as written
+    (fsspec would read ``a::b`` as a chain of filesystems and ``file://`` prefixes as URLs)."""
     import fsspec
-    opts = cfg.s3.storage_options() if uri.startswith("s3://") else {}
-    fs, path = fsspec.core.url_to_fs(uri, **opts)
-    return fs, path
+    if uri.startswith("s3://"):
+        return fsspec.core.url_to_fs(uri, **cfg.s3.storage_options())
+    path = uri.removeprefix("file://")
+    if "://" in path:
+        raise ConfigError(f"{uri}: only local paths and s3:// URIs are read and written")
+    return LocalFileSystem(), os.path.abspath(os.path.expanduser(path))
 
 
 def committed_parts(fs, root: str) -> list[str]:
@@ -72,20 +77,106 @@ def read_output(fs, root: str, columns: list[str] | None = None) -> pa.Table:
     return pa.concat_tables(tables, promote_options="default")
 
 
-def drop_retryable_rows(fs, root: str) -> int:
-    """Rewrite every part holding rows that failed for a reason other than the row itself (the engine failed, a
-    bug) without those rows, one atomic replace per part, so that this run does them again. Returns how many."""
+def drop_rows(fs, root: str, drop) -> int:
+    """Rewrite every part holding rows for which ``drop(row)`` is true without them, one atomic replace per part,
+    so that this run does them again. Returns how many."""
     dropped = 0
     for path in committed_parts(fs, root):
         table = read_part(fs, path)
-        if "error_kind" not in table.column_names:
-            continue
-        keep = [k not in RETRIED_ON_RESUME for k in table["error_kind"].to_pylist()]
+        keep = [not drop(r) for r in table.select([c for c in ("id", "input", "error_kind")
+                                                   if c in table.column_names]).to_pylist()]
         if all(keep):
             continue
         dropped += keep.count(False)
         _write_atomic(fs, path, table.filter(pa.array(keep)))
     return dropped
+
+
+def drop_retryable_rows(fs, root: str) -> int:
+    """Drop the rows that failed for a reason other than the row itself (the engine failed, a bug)."""
+    return drop_rows(fs, root, lambda r: r.get("error_kind") in RETRIED_ON_RESUME)
+
+
+def drop_changed_rows(fs, root: str, inputs: dict[str, str]) -> int:
+    """Drop the rows whose id now stands for another request: the input row with that id is not the one they
+    answered (an inserted row shifts every later ``row-<index>`` id; an edited prompt keeps its id)."""
+    return drop_rows(fs, root, lambda r: r["id"] in inputs and r.get("input") != inputs[r["id"]])
+
+
+JOB_FILE, LEASE_FILE = "_job.json", "_lease.json"
+
+
+def output_identity(cfg: JobConfig) -> dict:
+    """What the output's rows depend on besides each row's own request: a resume into an output written with other
+    values would mix answers of two configurations."""
+    m = cfg.engine.model
+    return {"target": m.target, "draft": m.draft, "dtype": m.dtype, "speculative": cfg.speculative,
+            "sampling": cfg.sampling.model_dump(mode="json")}
+
+
+def check_output_identity(fs, root: str, cfg: JobConfig) -> None:
+    """Refuse to resume into an output written with another target, head, dtype, speculation or sampling
+    defaults; record them for the first run."""
+    path, mine = f"{root}/{JOB_FILE}", output_identity(cfg)
+    if fs.exists(path):
+        theirs = json.loads(fs.cat_file(path))
+        changed = [k for k in mine if theirs.get(k) != mine[k]]
+        if changed:
+            raise ConfigError(f"output.uri {cfg.output.uri} was written with other settings ("
+                              + "; ".join(f"{k}: {theirs.get(k)!r} there, {mine[k]!r} now" for k in changed)
+                              + "): resuming would mix answers of two configurations; write to a new output")
+    else:
+        fs.pipe_file(path, json.dumps(mine, indent=1).encode())
+
+
+class OutputLease:
+    """One run at a time per output: a run holds ``_lease.json`` (renewed every ``stale_s / 4`` seconds) and a
+    second run refuses while it is fresh, since both would run and commit every row. A lease older than
+    ``stale_s`` is a run that died: it is taken over. On S3 two runs starting in the same second may both write it;
+    each reads it back, and the one whose write did not last refuses."""
+
+    def __init__(self, fs, root: str, run: str, stale_s: float = 120.0):
+        import socket
+        self.fs, self.path, self.stale_s = fs, f"{root}/{LEASE_FILE}", stale_s
+        self.mine = {"run": run, "host": socket.gethostname(), "pid": os.getpid()}
+        self._stop = None
+
+    def held(self) -> dict | None:
+        try:
+            return json.loads(self.fs.cat_file(self.path))
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def _write(self) -> None:
+        self.fs.pipe_file(self.path, json.dumps(self.mine | {"heartbeat": time.time()}).encode())
+
+    def acquire(self) -> None:
+        held = self.held()
+        if held and held.get("run") != self.mine["run"] and time.time() - held.get("heartbeat", 0) < self.stale_s:
+            raise ConfigError(f"output.uri {self.path.rsplit('/', 1)[0]} is in use by run {held.get('run')} on "
+                              f"{held.get('host')} (pid {held.get('pid')}), alive {time.time() - held['heartbeat']:.0f}"
+                              f" s ago: two runs on one output would both write every row; wait for it to end, or "
+                              f"remove {self.path} if it died")
+        self._write()
+        time.sleep(0.2)
+        if (self.held() or {}).get("run") != self.mine["run"]:
+            raise ConfigError(f"output.uri {self.path.rsplit('/', 1)[0]}: another run took it at the same moment")
+        import threading
+        self._stop = threading.Event()
+        threading.Thread(target=self._renew, name="eagle-ray-lease", daemon=True).start()
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.stale_s / 4):
+            try:
+                self._write()
+            except OSError:   # a lost write is retried next time; the lease outlives a few
+                pass
+
+    def release(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+            if (self.held() or {}).get("run") == self.mine["run"]:
+                self.fs.rm(self.path)
 
 
 def _write_atomic(fs, path: str, table: pa.Table) -> None:
@@ -139,6 +230,36 @@ class JobInterrupted(Exception):
     """SIGTERM reached the driver."""
 
 
+class Progress:
+    """The driver's progress line, at a steady cadence: rows done of rows to run, rows/s, tokens/s, tau so far,
+    and the time left at the rate so far."""
+
+    def __init__(self, total: int, every_s: float, print_fn=print, clock=time.monotonic):
+        self.total, self.every_s, self.print_fn, self.clock = total, every_s, print_fn, clock
+        self.start = self.last = clock()
+        self.rows = self.tokens = self.steps = self.step_tokens = 0
+
+    def add(self, rows: list[dict]) -> None:
+        for r in rows:
+            self.rows += 1
+            self.tokens += r.get("output_tokens") or 0
+            if r.get("verify_steps"):
+                self.steps += r["verify_steps"]
+                self.step_tokens += r["tau"] * r["verify_steps"]
+        now = self.clock()
+        if now - self.last >= self.every_s or self.rows == self.total:
+            self.last = now
+            self.print_fn(self.line(now - self.start))
+
+    def line(self, elapsed: float) -> str:
+        rate = self.rows / elapsed if elapsed > 0 else 0.0
+        left = (self.total - self.rows) / rate if rate > 0 else None
+        tau = f"{self.step_tokens / self.steps:.2f}" if self.steps else "-"
+        return (f"eagle-ray job: {self.rows}/{self.total} rows ({self.rows / max(self.total, 1):.0%}), "
+                f"{rate:.2f} rows/s, {self.tokens / elapsed if elapsed > 0 else 0:.1f} tok/s, tau {tau}, "
+                f"ETA {'-' if left is None else f'{left:.0f} s'}")
+
+
 def _raise_interrupted(signum, frame):
     raise JobInterrupted()
 
@@ -170,28 +291,45 @@ def check_local_models(cfg: JobConfig) -> None:
 def run_job(cfg: JobConfig, print_fn=print) -> dict:
     """Run the job to completion (resuming into an existing output) and return the summary (``interrupted`` is
     true when SIGTERM stopped it early: what finished is committed)."""
-    import ray
-
     from eagle_ray.engine.tree_policy import check_prompt_room
     check_prompt_room(cfg.engine.cache.max_model_len, cfg.engine.speculation.trees())
     check_local_models(cfg)
     in_fs, in_path = filesystem(cfg.input.uri, cfg)
     out_fs, out_root = filesystem(cfg.output.uri, cfg)
     rows = read_input(in_path, in_fs, cfg.input.format, cfg.input.limit)
-    if not cfg.resume and committed_parts(out_fs, out_root):
+    if committed_parts(out_fs, out_root) and not cfg.resume:   # an output that is a file fails here, naming it
         raise ConfigError(f"output.uri {cfg.output.uri} already holds results and resume is false; "
                           "choose an empty output or set resume: true")
+    try:   # the first writes: an output that cannot be written fails here, before any model loads
+        writer = PartWriter(out_fs, out_root, cfg.output.rows_per_file, set())
+        lease = OutputLease(out_fs, out_root.rstrip("/"), writer.run, cfg.lease_stale_s)
+        lease.acquire()
+        check_output_identity(out_fs, out_root.rstrip("/"), cfg)
+    except OSError as e:
+        raise ConfigError(f"output.uri {cfg.output.uri} cannot be written: {type(e).__name__}: {e}") from None
+    try:
+        return run_leased(cfg, rows, out_fs, out_root, writer, print_fn)
+    finally:
+        lease.release()
+
+
+def run_leased(cfg: JobConfig, rows, out_fs, out_root: str, writer: "PartWriter", print_fn) -> dict:
+    import ray
     retried = drop_retryable_rows(out_fs, out_root) if cfg.resume else 0
+    changed = drop_changed_rows(out_fs, out_root, {r.id: r.payload for r in rows}) if cfg.resume else 0
     done = set(read_output(out_fs, out_root, ["id"]).column("id").to_pylist()) if cfg.resume else set()
+    writer.committed = done
     todo = [r for r in rows if r.id not in done]
     print_fn(f"eagle-ray job: {len(rows)} input rows, {len(rows) - len(todo)} already in {cfg.output.uri}"
              f"{f' ({retried} failed rows to retry)' if retried else ''}, {len(todo)} to run on "
              f"{cfg.actors.num_actors} actor(s)")
+    if changed:
+        print_fn(f"eagle-ray job: {changed} rows in {cfg.output.uri} answered another request than the input row "
+                 "now holding their id (rows inserted, removed or edited); they run again")
     unmatched = len(done - {r.id for r in rows})
     if unmatched:   # kept as they are; said aloud, since the same prompt may now run again under another id
         print_fn(f"eagle-ray job: {unmatched} rows already in {cfg.output.uri} match no input row id (the input, "
                  "its ids or input.limit changed since they were written); they are kept")
-    writer = PartWriter(out_fs, out_root, cfg.output.rows_per_file, done)
     t0 = time.time()
     started = now()
     interrupted = False
@@ -213,11 +351,15 @@ def run_job(cfg: JobConfig, print_fn=print) -> dict:
             ds = ds.map_batches(
                 GenerateStage, fn_constructor_kwargs={"config_json": cfg.model_dump_json()},
                 batch_size=a.batch_size, batch_format="pyarrow", num_cpus=a.num_cpus, num_gpus=a.num_gpus or None,
+                max_restarts=a.max_restarts, max_task_retries=a.max_restarts,
                 compute=ray.data.ActorPoolStrategy(size=a.num_actors,
                                                    max_tasks_in_flight_per_actor=a.max_concurrent_batches,
                                                    max_concurrent_calls_per_actor=a.max_concurrent_batches))
+            progress = Progress(len(runnable), cfg.progress_every_s, print_fn)
             for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
-                writer.add(batch.to_pylist())
+                rows = batch.to_pylist()
+                writer.add(rows)
+                progress.add(rows)
     except JobInterrupted:
         interrupted = True
         print_fn("eagle-ray job: SIGTERM received; committing the finished rows and stopping")

@@ -59,7 +59,7 @@ class InputRow:
 def _files(uri: str, fs, fmt: str) -> list[tuple[str, str]]:
     """(path, format) of every input file under ``uri`` in a stable order; a ConfigError naming ``input.uri``
     when there is nothing to read."""
-    if any(c in uri for c in "*?["):
+    if any(c in uri for c in "*?[") and not fs.exists(uri):   # a path that exists is read as written
         paths = []
         for p in sorted(fs.glob(uri)):
             if fs.isdir(p):

@@ -3,8 +3,13 @@
 ``__call__`` is async and Ray Data runs several batches per actor at once (``max_concurrent_batches``); each
 batch submits its rows to the actor's one :class:`RequestQueue`, so the engine stays full across batch
 boundaries instead of draining at every batch's tail. A bad row becomes an output row with ``error`` and
-``error_kind`` set. If the engine itself fails, the actor exits once its in-flight batches have their rows: Ray
-restarts it and retries those batches on a fresh engine (the driver keeps each id once).
+``error_kind`` set.
+
+If the engine itself fails under a batch, the rows it left unfinished run again one at a time on the restarted
+engine (``actors.row_retries`` times): a row that breaks the engine alone becomes an ``engine_failed`` row naming
+that, and the others get their answers; one poison row never takes its batch, or the job, with it. A stalled step,
+or an engine that cannot restart, ends the actor's process instead: Ray restarts it (``actors.max_restarts``) and
+retries its batches (the driver keeps each id once).
 """
 from __future__ import annotations
 
@@ -18,9 +23,9 @@ from datetime import datetime, timezone
 import pyarrow as pa
 
 from eagle_ray.batch.config import JobConfig
-from eagle_ray.batch.rows import INTERNAL_ERROR, empty_row, error_kind, to_table
+from eagle_ray.batch.rows import ENGINE_FAILED, INTERNAL_ERROR, empty_row, error_kind, to_table
 from eagle_ray.engine.request import RowRequest, parse_row
-from eagle_ray.errors import EagleError
+from eagle_ray.errors import EagleError, EngineStalledError
 from eagle_ray.stats import RequestStats
 
 log = logging.getLogger(__name__)
@@ -30,30 +35,113 @@ def now() -> datetime:
     return datetime.now(timezone.utc)
 
 
+class JobMetrics:
+    """The job's counters through Ray's metrics API (the Ray dashboard, and Prometheus on a cluster), named like
+    Serve's /metrics (``serve/metrics.py``) with ``eagle_ray_`` for ``vllm:``; nothing outside a Ray worker."""
+
+    def __init__(self, model_name: str):
+        from ray.util import metrics
+        tags = {"model_name": model_name}
+        self.rows = metrics.Counter("eagle_ray_job_rows", "rows finished (error rows included)", ("error_kind",))
+        self.counters = {name: metrics.Counter(f"eagle_ray_{name}", what, ("model_name",)) for name, what in (
+            ("prompt_tokens", "prompt tokens"), ("generation_tokens", "generated tokens"),
+            ("spec_decode_num_drafts", "verify steps with a draft tree"),
+            ("spec_decode_num_accepted_tokens", "draft tokens accepted"))}
+        self.tau = metrics.Histogram("eagle_ray_tau", "tokens per verify step of each row",
+                                     boundaries=[1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0],
+                                     tag_keys=("model_name",))
+        for m in (*self.counters.values(), self.tau):
+            m.set_default_tags(tags)
+
+    def record(self, row: dict) -> None:
+        self.rows.inc(tags={"error_kind": row["error_kind"] or "none"})
+        if row["error"]:
+            return
+        counts = {"prompt_tokens": row["prompt_tokens"], "generation_tokens": row["output_tokens"]}
+        if row.get("verify_steps") and (row.get("mean_tree_size") or 0) > 1:
+            counts |= {"spec_decode_num_drafts": row["verify_steps"],
+                       "spec_decode_num_accepted_tokens": sum(row.get("accepted_per_depth") or [])}
+            self.tau.observe(row["tau"])
+        for name, n in counts.items():
+            if n:   # Ray's counters take positive increments only
+                self.counters[name].inc(n)
+
+
+def job_metrics(model_name: str) -> JobMetrics | None:
+    try:
+        import ray
+        return JobMetrics(model_name) if ray.is_initialized() else None
+    except Exception:  # noqa: BLE001 - metrics never stop a job
+        log.warning("Ray metrics are not available; the job goes on without them")
+        return None
+
+
 class GenerateStage:
     def __init__(self, config_json: str):
         from eagle_ray.engine.engine import EagleEngine
-        from eagle_ray.engine.queue import RequestQueue
+        from eagle_ray.engine.queue import RequestQueue, StallBound
 
         self.cfg = JobConfig(**json.loads(config_json))
         engine_cfg = self.cfg.engine.for_ray_worker(self.cfg.actors.num_cpus, self.cfg.actors.num_gpus)
         self.engine = EagleEngine.from_config(engine_cfg, self.cfg.s3.storage_options())
-        self.queue = RequestQueue(self.engine)
+        self.stall = StallBound(self.cfg.actors.stall_floor_s, self.cfg.actors.stall_factor)
+        self.queue = RequestQueue(self.engine, self.stall)
+        self.isolating = asyncio.Lock()
+        self.metrics = job_metrics(self.cfg.engine.model.target or "embedded")
         self.target_name = engine_cfg.model.target or "embedded:SmolLM2-135M-Instruct"
         self.draft_name = engine_cfg.model.draft or ("embedded:smollm2-135m-instruct-eagle" if engine_cfg.model.target is None
                                                else "none")
         self.worker_id = f"{socket.gethostname()}:{os.getpid()}"
         try:
             import ray
-            self.worker_id = f"{self.worker_id}:{ray.get_runtime_context().get_actor_id()[:8]}"
-        except Exception:  # noqa: BLE001 - outside Ray (tests, direct use)
+            if ray.is_initialized():   # asking for the runtime context would start a Ray of its own
+                self.worker_id = f"{self.worker_id}:{ray.get_runtime_context().get_actor_id()[:8]}"
+        except Exception:  # noqa: BLE001 - outside an actor (tests, direct use)
             pass
 
     async def __call__(self, batch: pa.Table) -> pa.Table:
-        rows = await asyncio.gather(*(self.process(item) for item in batch.to_pylist()))
-        if not self.queue.healthy:
+        items = batch.to_pylist()
+        rows = list(await asyncio.gather(*(self.process(item) for item in items)))
+        if any(r["error_kind"] == ENGINE_FAILED for r in rows) or not self.queue.healthy:
+            rows = await self.isolate(items, rows)
+        if self.metrics is not None:
+            for row in rows:
+                self.metrics.record(row)
+        return to_table(rows)
+
+    def restart_engine(self) -> None:
+        """A fresh queue over the restarted engine; where that cannot be (the step stalled and still holds the
+        engine, or restarting fails), the actor process ends for Ray to restart it."""
+        if isinstance(self.queue.dead, EngineStalledError):
             self.die()
-        return to_table(list(rows))
+        from eagle_ray.engine.queue import RequestQueue
+        try:
+            self.queue.shutdown(drain=False, timeout=5)
+            self.engine.restart()
+            self.queue = RequestQueue(self.engine, self.stall)
+        except Exception:  # noqa: BLE001 - a device that faulted cannot restart in this process
+            log.exception("the engine could not restart in this process")
+            self.die()
+
+    async def isolate(self, items: list[dict], rows: list[dict]) -> list[dict]:
+        """Rerun, one at a time on a restarted engine, the rows the engine's failure left without an answer."""
+        async with self.isolating:   # one batch isolates at a time; the others wait for the restarted engine
+            alone = [i for i, r in enumerate(rows) if r["error_kind"] == ENGINE_FAILED]
+            for i in alone:
+                for attempt in range(self.cfg.actors.row_retries):
+                    if rows[i]["error_kind"] != ENGINE_FAILED:
+                        break
+                    if not self.queue.healthy:
+                        self.restart_engine()
+                    rows[i] = await self.process(items[i])
+                    if rows[i]["error_kind"] == ENGINE_FAILED and not self.queue.healthy:
+                        rows[i]["error"] = (f"the engine failed on this row run alone ({attempt + 1} of "
+                                            f"{self.cfg.actors.row_retries} tries): {rows[i]['error']}")
+            if len(alone) > 1 and all(rows[i]["error_kind"] == ENGINE_FAILED for i in alone):
+                self.die()   # every row breaks it: the engine, not the rows, is broken; Ray restarts the actor
+            if not self.queue.healthy:
+                self.restart_engine()
+        return rows
 
     def die(self) -> None:
         """The engine failed: end this actor process the way a crash would, so Ray restarts it and retries its

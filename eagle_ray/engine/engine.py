@@ -8,6 +8,7 @@ steps the engine.
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,7 @@ class EagleEngine:
         self.codec = TextCodec(tokenizer, target.vocab_size)
         check_prompt_room(target.max_len, self.policy.trees())
         self._ids = itertools.count()
+        self.driving = threading.Lock()   # held by the one caller that steps the engine (generate, a RequestQueue)
         budget = step_tokens(config.cache.max_step_tokens, target.device)
         extend_budget = max(budget, 512)   # padded tokens a head pass takes
         self.runner = ModelRunner(target, draft, extend_budget, context_vocab=config.speculation.context_vocab)
@@ -61,6 +63,7 @@ class EagleEngine:
             pair = pending_pair_bytes(draft.feature_size, target.dtype, target.numerics.fp32_activations)
             feeding = Feeding(extend_budget, max_pending_pairs(pair, target.max_len))
         self.scheduler = Scheduler(config.cache.max_batch_size, budget, self.policy, feeding)
+        self._feeding, self._step_budget = feeding, budget
         # lifetime counters: decode passes, sequences they carried (mean verify batch = sequences / passes)
         self.counters = {"decode_passes": 0, "decode_sequences": 0, "verify_tokens": 0, "tree_nodes": 0,
                          "prefill_passes": 0, "prefill_sequences": 0, "decode_step_s": 0.0, "decode_forward_s": 0.0}
@@ -106,6 +109,18 @@ class EagleEngine:
             engine.policy.adopt(autotune(engine))
             engine._allocate_draft_cache()
         return engine
+
+    def restart(self) -> None:
+        """Forget every request and start again from empty caches on the same weights: after a step failed, the
+        engine's state (its slots, the head's pending pairs) is in doubt, but a model that raised is not broken.
+        (A device that faulted cannot be restarted this way: that needs a new process.)"""
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self._finalize(seq)
+        self.target.cache.lengths[:] = 0
+        self.scheduler = Scheduler(self.config.cache.max_batch_size, self._step_budget, self.policy, self._feeding)
+        self.runner = ModelRunner(self.target, self.draft, self.runner.extend_budget, self.runner.context_vocab)
+        if self.draft is not None:
+            self._allocate_draft_cache(fresh=True)
 
     def reference_model(self):
         """A pristine transformers model of the target (our runtime rewrites its copy's linears on CPU), for
@@ -203,10 +218,18 @@ class EagleEngine:
         if len(plist) != len(prompts):
             raise InvalidRequestError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
         seqs = [self.make_sequence(p, sp, speculative=speculative) for p, sp in zip(prompts, plist)]
-        for seq in seqs:
-            self.scheduler.add(seq)
-        while self.has_unfinished():
-            self.step()
+        if not self.driving.acquire(blocking=False):
+            raise InvalidRequestError("this engine is already running generate() on another thread, or a "
+                                      "RequestQueue steps it: one caller steps an engine; share one engine between "
+                                      "threads through eagle_ray.engine.queue.RequestQueue (submit, generate, "
+                                      "agenerate, stream)")
+        try:
+            for seq in seqs:
+                self.scheduler.add(seq)
+            while self.has_unfinished():
+                self.step()
+        finally:
+            self.driving.release()
         return [self.output(s) for s in seqs]
 
     @torch.inference_mode()

@@ -8,7 +8,10 @@ prompt never stalls the engine thread or an event loop.
 
 An exception from the engine's step is not a bad request: the device or the engine's state is broken. The queue
 then fails every request in flight with :class:`EngineDeadError`, refuses new ones, and reports itself unhealthy
-(``healthy``), so that Serve restarts the replica and a job actor exits for Ray to retry its batches elsewhere.
+(``healthy``), so that Serve restarts the replica and a job actor reruns its batch's rows one at a time on a
+restarted engine (``batch/stage.py``). A step that never returns (a hung kernel, a deadlock) is failed the same way
+once it has run past its bound (:class:`StallBound`), with :class:`EngineStalledError`: a caller is never left
+waiting on a dead engine.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import asyncio
 import concurrent.futures
 import queue
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Iterator
@@ -23,7 +27,18 @@ from typing import AsyncIterator, Callable, Iterator
 from eagle_ray.config import SamplingParams
 from eagle_ray.engine.engine import EagleEngine, RequestOutput
 from eagle_ray.engine.sequence import Sequence
-from eagle_ray.errors import EagleError, EngineDeadError, InvalidRequestError
+from eagle_ray.errors import EagleError, EngineDeadError, EngineStalledError, InvalidRequestError
+
+
+@dataclass(frozen=True)
+class StallBound:
+    """How long a step may run before the engine is failed: ``factor`` x the slowest step seen so far, never less
+    than ``floor_s`` (the first steps of a fresh engine, prompt chunks and a GPU's warm-up can be slow)."""
+    floor_s: float = 120.0
+    factor: float = 10.0
+
+    def seconds(self, slowest: float) -> float:
+        return max(self.floor_s, self.factor * slowest)
 
 
 @dataclass
@@ -81,7 +96,10 @@ class _Listener:
 
 
 class RequestQueue:
-    def __init__(self, engine: EagleEngine):
+    def __init__(self, engine: EagleEngine, stall: StallBound | None = None):
+        if not engine.driving.acquire(blocking=False):
+            raise InvalidRequestError("this engine is already stepped by another RequestQueue or a generate() call: "
+                                      "one queue per engine")
         self.engine = engine
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._listeners: dict[str, _Listener] = {}
@@ -89,8 +107,13 @@ class RequestQueue:
         self._drain = True
         self._lock = threading.Lock()
         self.dead: BaseException | None = None  # the engine's failure, once it has failed
+        self.stall = stall or StallBound()
+        self._step_started: float | None = None   # monotonic time the running step began (None: no step running)
+        self._steps, self.slowest_step_s = 0, 0.0
         self._thread = threading.Thread(target=self._loop, name="eagle-ray-engine", daemon=True)
         self._thread.start()
+        self._watch = threading.Thread(target=self._watch_steps, name="eagle-ray-stall-watch", daemon=True)
+        self._watch.start()
 
     # ---- callers ------------------------------------------------------------------------------------------------
     def prepare(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
@@ -211,6 +234,12 @@ class RequestQueue:
 
     # ---- the engine thread ----------------------------------------------------------------------------------------
     def _loop(self) -> None:
+        try:
+            self._serve()
+        finally:
+            self.engine.driving.release()   # the engine can be stepped by another queue now
+
+    def _serve(self) -> None:
         while True:
             idle = self.dead is not None or not self.engine.has_unfinished()
             try:
@@ -261,10 +290,17 @@ class RequestQueue:
                     self._handle(("cancel", rid))
 
     def _step(self) -> None:
+        self._step_started = time.monotonic()
         try:
             touched = self.engine.step()
         except Exception as e:  # noqa: BLE001 - the engine is broken: fail everything, take nothing more
+            self._step_started = None
             self._die(e)
+            return
+        took, self._step_started = time.monotonic() - self._step_started, None
+        self._steps += 1
+        self.slowest_step_s = max(self.slowest_step_s, took)
+        if self.dead is not None:   # failed as stalled while this step ran: its results go to no one
             return
         for seq in touched:
             listener = self._listeners.get(seq.request_id)
@@ -280,11 +316,27 @@ class RequestQueue:
             if seq.finished:
                 del self._listeners[seq.request_id]
 
+    def _watch_steps(self) -> None:
+        """Fail the engine when a step runs past ``stall.seconds(slowest step so far)``."""
+        while self.dead is None and not (self._stopping and not self._thread.is_alive()):
+            started = self._step_started
+            if started is not None:
+                waited, bound = time.monotonic() - started, self.stall.seconds(self.slowest_step_s)
+                if waited > bound:
+                    self._die(EngineStalledError(
+                        f"engine step {self._steps + 1} has run for {waited:.1f} s, past its bound of {bound:.1f} s "
+                        f"({self.stall.factor:g} x the slowest of {self._steps} steps so far, "
+                        f"{self.slowest_step_s:.2f} s, and at least {self.stall.floor_s:g} s)"))
+                    return
+            time.sleep(min(1.0, self.stall.floor_s / 8))
+
     def _die(self, err: BaseException) -> None:
         import logging
         logging.getLogger(__name__).error("engine step failed; failing %d requests", len(self._listeners),
                                           exc_info=err)
         with self._lock:
+            if self.dead is not None:
+                return
             self.dead = err
         dead = EngineDeadError(f"the engine failed: {type(err).__name__}: {err}")
         dead.__cause__ = err

@@ -13,13 +13,15 @@ from pathlib import Path
 
 import ray
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from eagle_ray.serve.config import ServeConfig
 from eagle_ray.errors import EagleError, EngineDeadError, PromptTooLongError
+from eagle_ray.serve.config import ServeConfig
+from eagle_ray.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from eagle_ray.serve.metrics import ServeMetrics
 from eagle_ray.serve.openai_api import (ApiError, ParsedRequest, authorized, eagle_stats, error_body, finish_reason,
                                         new_id, now, parse_body)
 
@@ -66,35 +68,19 @@ def api_key_from_env(cfg: ServeConfig) -> str | None:
     return key
 
 
-class _Metrics:
-    """Ray metrics (exported by Ray's metrics agent; Prometheus on a cluster)."""
-
-    def __init__(self):
-        from ray.util import metrics
-        self.requests = metrics.Counter("eagle_ray_requests", description="requests received")
-        self.tokens = metrics.Counter("eagle_ray_generated_tokens", description="tokens generated")
-        self.tau = metrics.Histogram("eagle_ray_tau", description="mean accepted length per request",
-                                     boundaries=[1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0])
-
-    def record(self, out) -> None:
-        self.tokens.inc(len(out.token_ids))
-        if out.stats.verify_steps:
-            self.tau.observe(out.stats.tau)
-
-
 @serve.deployment(max_ongoing_requests=256, graceful_shutdown_timeout_s=60)
 @serve.ingress(api)
 class EagleServer:
     def __init__(self, config_json: str):
         from eagle_ray.engine.engine import EagleEngine
-        from eagle_ray.engine.queue import RequestQueue
+        from eagle_ray.engine.queue import RequestQueue, StallBound
 
         self.cfg = ServeConfig(**json.loads(config_json))
         self.api_key = api_key_from_env(self.cfg)  # before the model loads: a missing secret fails in seconds
         engine_cfg = self.cfg.engine.for_ray_worker(self.cfg.num_cpus, self.cfg.num_gpus)
         self.engine = EagleEngine.from_config(engine_cfg, self.cfg.s3.storage_options())
-        self.queue = RequestQueue(self.engine)
-        self.metrics = _Metrics()
+        self.queue = RequestQueue(self.engine, StallBound(self.cfg.stall_floor_s, self.cfg.stall_factor))
+        self.metrics = ServeMetrics(self.cfg.model_name)
 
     def check_health(self):
         """Serve's replica health check: a replica whose engine failed is replaced."""
@@ -132,7 +118,6 @@ class EagleServer:
         except ApiError as e:
             return JSONResponse(e.body(), status_code=e.status)
         rid = new_id("chatcmpl" if kind == "chat" else "cmpl")
-        self.metrics.requests.inc()
         try:  # tokenised in a worker thread; a too-long prompt is a 400 before any 200 goes out
             seq = await self.queue.aprepare(req.prompt, req.params, rid, self.cfg.speculative)
         except EagleError as e:
@@ -207,6 +192,11 @@ class EagleServer:
             return _err(503, f"the engine failed: {self.queue.dead!r}", "server_error", code="engine_failed")
         return {"status": "ok", "running": len(self.engine.scheduler.running),
                 "waiting": len(self.engine.scheduler.waiting), "free_slots": len(self.engine.scheduler.free)}
+
+    @api.get("/metrics")
+    async def prometheus(self):
+        """Prometheus text, vLLM's metric names (serve/metrics.py); like /health, no API key: counts only."""
+        return Response(self.metrics.render(self.engine), media_type=METRICS_CONTENT_TYPE)
 
     @api.get("/stats")
     async def stats(self):

@@ -27,6 +27,11 @@ class ServeConfig(StrictModel):
     default_max_tokens: int = Field(256, ge=1)
     max_request_bytes: int = Field(4 * 2**20, ge=1024, description="largest request body (413 above it)")
     s3: S3Options = Field(default_factory=S3Options)
+    stall_floor_s: float = Field(120.0, gt=0, description="an engine step may run this long at least before it "
+                                 "counts as stalled")
+    stall_factor: float = Field(10.0, gt=1, description="... or this many times the slowest step seen so far, "
+                                "whichever is longer; a stalled step fails the engine, /health then answers 503 "
+                                "and Serve replaces the replica")
 
     @field_validator("num_gpus")
     @classmethod

@@ -1,12 +1,16 @@
-"""Fidelity against the SafeAILab EAGLE reference: the same target, head, prompts and tree, fp32, greedy; the first
-draft tree (tokens, parents, depths, scores), every step's accepted length and the whole output must agree.
+"""Does eagle-ray decode what it should: step by step what the SafeAILab EAGLE reference does (the same target, head,
+prompts and tree, fp32, greedy: the first draft tree's tokens, parents, depths and scores, every step's accepted
+length and the whole output must agree), and, greedy, what plain decoding and transformers ``generate()`` do.
+
+    python bench/fidelity.py SUBCOMMAND --help
 
 The ``reference`` and ``make-random-eagle3`` subcommands run in the reference's own environment (torch 2.13 CPU,
-transformers 4.53.1; the reference does not run under transformers 5.x) and never import eagle_ray; they import
-``eagle.model`` from a checkout of https://github.com/SafeAILab/EAGLE at run time (``--eagle-dir``) and wrap, from
-the outside, the functions ``eagenerate`` calls once per cycle, to record what the reference did; none of the
-reference's code is copied. The ``eagle-ray`` subcommand runs in eagle-ray's environment on a ``reference`` result and
-writes the comparison. Nothing is downloaded at run time.
+transformers 4.53.1; the reference does not run under transformers 5.x) and never import eagle_ray (nor this
+folder's modules, which do); they import ``eagle.model`` from a checkout of https://github.com/SafeAILab/EAGLE at
+run time (``--eagle-dir``) and wrap, from the outside, the functions ``eagenerate`` calls once per cycle, to record
+what the reference did; none of the reference's code is copied. The ``eagle-ray`` subcommand runs in eagle-ray's
+environment on a ``reference`` result and writes the comparison; ``lossless`` runs there too. Nothing is downloaded
+at run time.
 
 Subcommands
 -----------
@@ -63,14 +67,14 @@ is added; token_map.safetensors is not used: the reference drafts over the full 
 
 Commands (from the repository root)::
 
-    nice -n 19 $REF/venv/bin/python bench/reference_fidelity.py make-random-eagle3 \\
+    nice -n 19 $REF/venv/bin/python bench/fidelity.py make-random-eagle3 \\
         --eagle-dir $REF/EAGLE --target $REF/target --out $REF/heads/random-eagle3 --seed 0 \\
         --token-ids eagle_ray/assets/smollm2-135m-instruct-eagle/token_map.safetensors
-    nice -n 19 $REF/venv/bin/python bench/reference_fidelity.py reference --eagle-dir $REF/EAGLE \\
+    nice -n 19 $REF/venv/bin/python bench/fidelity.py reference --eagle-dir $REF/EAGLE \\
         --target $REF/target --head $REF/heads/random-eagle3 --head-type eagle3 \\
         --prompts eagle_ray/assets/benchmarks/mt_bench.jsonl --num-prompts 10 --max-new-tokens 128 \\
         --total-token 8 --depth 2 --top-k 3 --check-greedy --out $REF/results/ref_eagle3_random_8-2-3.json
-    nice -n 19 $REF/venv/bin/python bench/reference_fidelity.py reference --eagle-dir $REF/EAGLE \\
+    nice -n 19 $REF/venv/bin/python bench/fidelity.py reference --eagle-dir $REF/EAGLE \\
         --target $REF/target --head $REF/heads/eagle2-v3 --head-type eagle2 \\
         --prompts eagle_ray/assets/benchmarks/mt_bench.jsonl --num-prompts 10 --max-new-tokens 128 \\
         --total-token 8 --depth 2 --top-k 3 --check-greedy --out $REF/results/ref_eagle2_v3_8-2-3.json
@@ -78,14 +82,20 @@ Commands (from the repository root)::
 
 Then eagle-ray on the same prompts, heads and trees, in its own environment, compared step by step::
 
-    .venv/bin/python bench/reference_fidelity.py eagle-ray --reference $REF/results/ref_eagle3_random_8-2-3.json \
+    .venv/bin/python bench/fidelity.py eagle-ray --reference $REF/results/ref_eagle3_random_8-2-3.json \
         --head $REF/heads/random-eagle3 --out bench/results/epyc-avx2-2core/fidelity_eagle3_random_8-2-3.json
-    .venv/bin/python bench/reference_fidelity.py eagle-ray --reference $REF/results/ref_eagle2_v3_8-2-3.json \
+    .venv/bin/python bench/fidelity.py eagle-ray --reference $REF/results/ref_eagle2_v3_8-2-3.json \
         --head eagle_ray/assets/smollm2-135m-instruct-eagle --out bench/results/epyc-avx2-2core/fidelity_eagle2_v3_8-2-3.json
     (and ref_eagle2_v3_60-5-10.json -> fidelity_eagle2_v3_60-5-10.json)
 
-Wall times on the shared, loaded 2-core machine (nice 19, 2 threads): make-random-eagle3 1 min 49 s (two model
-loads + a 24-token check); the three runs (10 prompts x 128 tokens, plus --check-greedy) 547 s, 369 s and 650 s.
+``lossless``
+    Greedy outputs of speculative decoding against plain decoding on the same runtime and against transformers
+    ``generate()`` on a prompt file (eagle-ray's environment): where an output first differs, the reference's top-2
+    logit gap there and whether that is a near-tie (fp32: under 1e-3; bf16/fp16: at most one unit of the dtype at
+    the top logit; ``--tie-gap`` to set one). Exit status 1 when a difference is not a near-tie::
+
+    .venv/bin/python bench/fidelity.py lossless --dtype float32 --prompts mt_bench --num-prompts 40 \
+        --max-new-tokens 128 --out bench/results/<hardware>/lossless_fp32_40x128.json
 """
 
 from __future__ import annotations
@@ -626,7 +636,7 @@ def cmd_make_random_eagle3(args) -> None:
 
         save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     info = {
-        "created_by": "bench/reference_fidelity.py make-random-eagle3",
+        "created_by": "bench/fidelity.py make-random-eagle3",
         "reference_commit": git_commit(args.eagle_dir),
         "class": "eagle/model/cnets.py:Model",
         "seed": args.seed,
@@ -690,6 +700,8 @@ def cmd_make_random_eagle3(args) -> None:
 def cmd_eagle_ray(args) -> None:
     """Run eagle-ray on the prompts, head and tree of a ``reference`` result and compare, step by step
     (``eagle_ray.fidelity``: what the golden test runs on every commit)."""
+    from harness import command_line, write_result
+
     from eagle_ray.fidelity import compare, engine_like, read_trace, run_prompts, trace_tree
     from eagle_ray.model.device import cpu_model
 
@@ -716,13 +728,128 @@ def cmd_eagle_ray(args) -> None:
               "tau_ours_mean": sum(r["tau_ours"] for r in rows) / n,
               "tau_reference_mean": sum(r["tau_reference"] for r in rows) / n, "rows": rows,
               "reference_settings": st, "reference_environment": ref.get("environment")}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    result = write_result(args.out, result, command_line("bench/fidelity.py", args.argv), engine.device)
     print(json.dumps({k: v for k, v in result.items() if k not in ("rows", "reference_settings",
                                                                    "reference_environment")}, indent=1))
     if min(agree.values()) < n:
         raise SystemExit(1)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# subcommand: lossless (eagle-ray's environment)
+
+
+def lossless_engine(args):
+    from eagle_ray.config import EngineConfig, TreeConfig
+    from eagle_ray.engine.engine import EagleEngine
+    from eagle_ray.errors import ConfigError
+
+    try:
+        tree = TreeConfig.from_spec(args.tree, lookup=args.lookup) if args.tree else TreeConfig(lookup=args.lookup)
+        settings = dict(s.split("=", 1) for s in args.engine)
+        config = EngineConfig(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device, tree=tree,
+                              max_batch_size=args.batch_size, max_model_len=args.max_model_len,
+                              threads=args.threads, **{k: json_or_text(v) for k, v in settings.items()})
+    except ValueError as e:  # pydantic's ValidationError is one
+        raise ConfigError(str(e)) from None
+    return EagleEngine.from_config(config)
+
+
+def json_or_text(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def greedy_generate(hf, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt_ids], device=hf.device)
+    with torch.inference_mode():
+        return hf.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)[0, ids.shape[1]:].tolist()
+
+
+def mismatches(rows: list[dict], key: str, dtype, tie_gap: float | None) -> dict:
+    """The rows' divergences under ``key``: how many, how many are near-ties, and the real ones."""
+    from eagle_ray.fidelity import near_tie
+
+    bad = [r[key] | {"id": r["id"], "near_tie": near_tie(r[key], dtype, tie_gap)} for r in rows if r.get(key)]
+    return {"count": len(bad), "near_ties": sum(b["near_tie"] for b in bad),
+            "real": [b for b in bad if not b["near_tie"]], "all": bad}
+
+
+def lossless_rows(engine, records: list[dict], args) -> list[dict]:
+    """Each prompt's speculative output against plain decoding's and ``generate()``'s (``--skip-hf``: not run)."""
+    from eagle_ray.config import SamplingParams
+    from eagle_ray.fidelity import divergence, hf_logits_fn
+    from eagle_ray.prompts import first_turn_prompt
+
+    prompts = [first_turn_prompt(r) for r in records]
+    params = SamplingParams(max_new_tokens=args.max_new_tokens)
+    spec = engine.generate(prompts, params)
+    plain = engine.generate(prompts, params, speculative=False)
+    hf = None if args.skip_hf else engine.reference_model()
+    rows = []
+    for i, (r, s, p) in enumerate(zip(records, spec, plain)):
+        row = {"id": r.get("question_id", r.get("id", i)), "tokens": len(s.token_ids), "tau": s.stats.tau,
+               "vs_plain": divergence(engine.target.next_token_logits, s.prompt_token_ids, p.token_ids,
+                                      s.token_ids)}
+        if hf is not None:
+            ref = greedy_generate(hf, s.prompt_token_ids, args.max_new_tokens)
+            row["vs_hf"] = divergence(hf_logits_fn(hf), s.prompt_token_ids, ref, s.token_ids)
+        rows.append(row)
+    return rows
+
+
+def cmd_lossless(args) -> None:
+    from harness import check_out, command_line, write_result
+    from workloads import task_records
+
+    from eagle_ray.errors import ConfigError
+    from eagle_ray.fidelity import tie_rule
+
+    check_out(args.out)
+    try:
+        records = task_records(args.prompts)[1][: args.num_prompts]
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    engine = lossless_engine(args)
+    rows = lossless_rows(engine, records, args)
+    dtype = engine.target.dtype
+    summary = {"dtype": str(dtype).replace("torch.", ""), "prompts": len(rows),
+               "tie_rule": tie_rule(dtype, args.tie_gap), "tau_mean": sum(r["tau"] for r in rows) / len(rows),
+               **{f"mismatches_{k}": mismatches(rows, k, dtype, args.tie_gap) for k in ("vs_plain", "vs_hf")
+                  if not (k == "vs_hf" and args.skip_hf)}}
+    write_result(args.out, {"summary": summary, "rows": rows}, command_line("bench/fidelity.py", args.argv),
+                 engine.device)
+    print(json.dumps({k: ({kk: vv for kk, vv in v.items() if kk != "all"} if isinstance(v, dict) else v)
+                      for k, v in summary.items()}, indent=1))
+    if any(v["real"] for k, v in summary.items() if k.startswith("mismatches_")):
+        raise SystemExit(1)
+
+
+def add_lossless(sub) -> None:
+    g = sub.add_parser("lossless", help="greedy outputs against plain decoding and transformers generate() "
+                       "(eagle-ray's venv)")
+    g.add_argument("--prompts", default="mt_bench", help="a bundled task (mt_bench, ...), name=path.jsonl or a path")
+    g.add_argument("--num-prompts", type=int, default=None)
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--target", default=None, help="target (default: eagle-ray's embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--draft", default=None, help="EAGLE head dir (default: the embedded head); 'random'")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="auto")
+    g.add_argument("--tree", default=None, help="total/depth/top_k (default: the engine's)")
+    g.add_argument("--lookup", type=int, default=5, help="prompt-lookup tokens grafted onto each tree (0: off)")
+    g.add_argument("--batch-size", type=int, default=1, help="max batch size of the engine")
+    g.add_argument("--max-model-len", type=int, default=2048)
+    g.add_argument("--threads", type=int, default=None)
+    g.add_argument("--engine", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="any other engine setting, e.g. cpu_linears=packed fp32_activations=false")
+    g.add_argument("--skip-hf", action="store_true", help="compare with plain decoding only")
+    g.add_argument("--tie-gap", type=float, default=None,
+                   help="top-2 logit gap under which a divergence counts as a near-tie (default: 1e-3 for fp32; for "
+                   "bf16/fp16 one unit of the dtype at the top logit's size)")
+    g.add_argument("--out", default=None)
+    g.set_defaults(func=cmd_lossless)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -803,8 +930,20 @@ def main(argv=None) -> None:
     e.add_argument("--out", required=True)
     e.set_defaults(func=cmd_eagle_ray)
 
+    add_lossless(sub)
+
     args = p.parse_args(argv)
-    args.func(args)
+    args.argv = sys.argv[1:] if argv is None else list(argv)
+    if args.cmd != "lossless":
+        args.func(args)
+        return
+    from eagle_ray.errors import CheckpointError, ConfigError
+
+    try:
+        args.func(args)
+    except (ConfigError, CheckpointError) as e:  # what the user gave is wrong: say what, in one line
+        print(f"bench/fidelity.py lossless: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -1,10 +1,13 @@
 """Fidelity against the SafeAILab reference, step by step: run eagle-ray on the prompts, head and tree of a
-reference trace (``bench/reference_fidelity.py reference``) and compare what each system did.
+reference trace (``bench/fidelity.py reference``) and compare what each system did; and, for greedy outputs that
+leave another decoder's (transformers ``generate()``, plain decoding), where they first part and whether that is a
+near-tie (:func:`divergence`, :func:`near_tie`).
 
 Compared per prompt: the first draft tree (tokens, parents and depths exactly, cumulative draft scores within a
 tolerance), the accepted length of every verify step, and the output tokens. The golden test
-(``tests/test_golden.py``) runs this on every commit against committed traces; ``bench/reference_fidelity.py
-eagle-ray`` writes the same comparison as a result file.
+(``tests/test_golden.py``) runs this on every commit against committed traces; ``bench/fidelity.py eagle-ray``
+writes the same comparison as a result file, and ``bench/fidelity.py lossless`` the greedy check against
+``generate()``.
 
 How the reference's counting differs, and how it is read here: ``eagenerate`` stops only once its counter passes
 ``max_new_tokens`` (the first token, from the prefill, is not counted), so it can run cycles after the output is
@@ -13,8 +16,11 @@ complete; they are cut from its cleaned output (``output_ids_clean``), and its l
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 from eagle_ray.config import SamplingParams, TreeConfig
 from eagle_ray.engine.engine import EagleEngine
@@ -98,3 +104,53 @@ def compare(run: PromptRun, ref: dict, score_tol: float = SCORE_TOL) -> dict:
         row["first_output_difference"] = {"index": i, "ours": run.tokens[i:i + 3], "reference": clean[i:i + 3]}
     return row
 
+
+
+# ---- greedy outputs against another decoder's -------------------------------------------------------------------
+def divergence(logits_fn, prompt_ids: list[int], ref: list[int], got: list[int]) -> dict | None:
+    """First index where ``got`` leaves ``ref``, with the reference's top-2 logit gap there (a near-tie or a bug).
+
+    ``logits_fn(ids)`` returns the reference's fp32 next-token logits after ``ids``.
+    """
+    n = min(len(ref), len(got))
+    i = next((j for j in range(n) if ref[j] != got[j]), None)
+    if i is None:
+        return None if len(ref) == len(got) else {"index": n, "gap": None, "reason": "length differs"}
+    top = logits_fn(prompt_ids + ref[:i]).float().topk(2)
+    return {"index": i, "gap": float(top.values[0] - top.values[1]), "top_logit": float(top.values[0]),
+            "ref_token": ref[i], "got_token": got[i]}
+
+
+def ulp(x: float, dtype: torch.dtype) -> float:
+    """The spacing of ``dtype``'s values at ``|x|``: two logits closer than this are one value in that dtype."""
+    return torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(abs(x) or 1.0))
+
+
+def near_tie(d: dict, dtype: torch.dtype, tie_gap: float | None) -> bool:
+    """Whether a divergence is a near-tie rather than a bug: its top-2 gap is under ``tie_gap`` when given; else,
+    for an fp32 target, under 1e-3 (reductions in another order), and for a bf16/fp16 target, at most one unit of
+    that dtype at the top logit's size: a gap the dtype itself cannot resolve (transformers' bf16 logits round
+    the two candidates to one value or to neighbours), whichever order the sums ran in."""
+    if d["gap"] is None:
+        return False
+    if tie_gap is not None:
+        return d["gap"] < tie_gap
+    if dtype == torch.float32:
+        return d["gap"] < 1e-3
+    return d["gap"] <= ulp(d["top_logit"], dtype)
+
+
+def tie_rule(dtype: torch.dtype, tie_gap: float | None) -> str:
+    """:func:`near_tie`'s rule in words, for result files."""
+    if tie_gap is not None:
+        return f"gap < {tie_gap}"
+    return "gap < 1e-3" if dtype == torch.float32 else \
+        f"gap <= one {str(dtype).replace('torch.', '')} unit at the top logit"
+
+
+def hf_logits_fn(hf):
+    """A transformers model's fp32 next-token logits after ``ids``, as :func:`divergence` reads them."""
+    def fn(ids: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            return hf(torch.tensor([ids], device=hf.device)).logits[0, -1].float()
+    return fn

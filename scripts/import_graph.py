@@ -8,7 +8,7 @@ Layers, bottom to top (a part may import its own layer or lower ones):
     1  speculative                                             trees, acceptance, sampling: tensors in, tensors out
     2  model                                                   target, heads, KV cache, attention, loading, memory
     3  engine                                                  scheduler, model runner, tree policy, builder, queue
-    4  batch, serve, train, fidelity, benchmark, measure, report   what runs an engine
+    4  batch, serve, train, fidelity                           what runs an engine
     5  cli
 
 Imports inside functions count too: a lazy import is still a dependency. ``tests/test_layout.py`` runs this.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "eagle_ray"
 LAYERS = [("config", "errors", "stats", "prompts", "cluster", "uploads"), ("speculative",), ("model",), ("engine",),
-          ("batch", "serve", "train", "fidelity", "benchmark", "measure", "report"), ("cli",)]
+          ("batch", "serve", "train", "fidelity"), ("cli",)]
 LAYER = {part: i for i, parts in enumerate(LAYERS) for part in parts}
 
 

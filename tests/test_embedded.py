@@ -1,17 +1,17 @@
 """The embedded default pair (SmolLM2-135M-Instruct + the head trained by this project) on real prompts.
 
 Greedy EAGLE-2 output equals transformers' ``generate(do_sample=False)`` in fp32 and our plain decoding in bf16;
-the only divergence tolerated is a near-tie at the first differing token (the measuring command reports the full
-40-prompt run, see README)."""
+the only divergence tolerated is a near-tie at the first differing token (``bench/fidelity.py lossless`` reports the
+full 40-prompt run, see README)."""
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from eagle_ray.measure import divergence, hf_logits_fn, near_tie
 from eagle_ray.config import SamplingParams
 from eagle_ray.engine.engine import EagleEngine
+from eagle_ray.fidelity import divergence, hf_logits_fn, near_tie
 from eagle_ray.model.loading import EMBEDDED_DRAFT_DIR
 from eagle_ray.prompts import demo_prompts_path, first_turn_prompt, read_jsonl
 
@@ -60,10 +60,10 @@ def test_self_distillation_appends_answers_that_stop_at_their_first_repeat(tmp_p
     """Answers come from the embedded target's plain greedy decoding into a set that load_answers checks; an answer
     ends with EOS, at the length cap, or at the first token completing an n-gram it already holds, never later."""
     from eagle_ray.train.data import repeated_tokens
-    from eagle_ray.train.selfdistill import generate, load_answers
+    from eagle_ray.train.selfdistill import answer_prompts, load_answers
 
     n, cap = 8, 96
-    assert generate(tmp_path / "set", max_batch_size=4, max_new_tokens=cap, shard_rows=3, limit=6,
+    assert answer_prompts(tmp_path / "set", max_batch_size=4, max_new_tokens=cap, shard_rows=3, limit=6,
                     stop_repeat_ngram=n, log=lambda m: None) == 6
     table = load_answers(tmp_path / "set")
     assert table.num_rows == 6 and len(list((tmp_path / "set").glob("answers-*.parquet"))) == 2
@@ -73,7 +73,7 @@ def test_self_distillation_appends_answers_that_stop_at_their_first_repeat(tmp_p
         assert not any(rep[:-1])
         assert rep[-1] or answer[-1] in eos or len(answer) == cap
     # a second call resumes: the same six prompts are not answered again
-    assert generate(tmp_path / "set", max_batch_size=4, max_new_tokens=cap, limit=2, stop_repeat_ngram=n,
+    assert answer_prompts(tmp_path / "set", max_batch_size=4, max_new_tokens=cap, limit=2, stop_repeat_ngram=n,
                     log=lambda m: None) == 2
     assert load_answers(tmp_path / "set").num_rows == 8
 
@@ -82,18 +82,18 @@ def test_prompts_exported_as_token_ids_are_answered_as_the_source_itself_would_b
     """A GPU machine has neither the ShareGPT wheel nor the target's package: the prompts travel as token ids
     (export_prompts) and are answered there (source="prompt-file") into the same rows, ids and manifest text as
     answering the source here; a deadline keeps only finished answers, so the rest are asked again next run."""
-    from eagle_ray.train.selfdistill import export_prompts, generate, load_answers, read_manifest
+    from eagle_ray.train.selfdistill import answer_prompts, export_prompts, load_answers, read_manifest
 
     assert export_prompts(tmp_path / "prompts.parquet", skip_sets=None, limit=3) == 3
     assert export_prompts(tmp_path / "none.parquet", skip_sets=None, limit=0) == 0
     kw = dict(max_batch_size=3, max_new_tokens=16, skip_sets=None, log=lambda m: None)
-    assert generate(tmp_path / "here", limit=3, **kw) == 3
-    assert generate(tmp_path / "there", source="prompt-file", prompt_file=tmp_path / "prompts.parquet", **kw) == 3
+    assert answer_prompts(tmp_path / "here", limit=3, **kw) == 3
+    assert answer_prompts(tmp_path / "there", source="prompt-file", prompt_file=tmp_path / "prompts.parquet", **kw) == 3
     here, there = (load_answers(tmp_path / d).sort_by("id").drop_columns(["set"]).to_pylist()
                    for d in ("here", "there"))
     assert here == there and [r["id"] for r in here] == ["sharegpt-0", "sharegpt-1", "sharegpt-2"]
     assert read_manifest(tmp_path / "there")["what"] == read_manifest(tmp_path / "here")["what"]
-    assert generate(tmp_path / "late", source="prompt-file", prompt_file=tmp_path / "prompts.parquet",
+    assert answer_prompts(tmp_path / "late", source="prompt-file", prompt_file=tmp_path / "prompts.parquet",
                     max_seconds=0, **kw) == 0
 
 
@@ -105,7 +105,7 @@ def test_an_id_the_source_repeats_is_answered_once(tmp_path, monkeypatch):
     prompts = [selfdistill.Prompt(i, [{"role": "user", "content": text}])
                for i, text in (("a", "Say hi."), ("b", "Say yes."), ("a", "Say no."))]
     monkeypatch.setattr(selfdistill, "sharegpt_prompts", lambda **kw: iter(prompts))
-    assert selfdistill.generate(tmp_path / "set", max_batch_size=3, max_new_tokens=4, skip_sets=None,
+    assert selfdistill.answer_prompts(tmp_path / "set", max_batch_size=3, max_new_tokens=4, skip_sets=None,
                                 log=lambda m: None) == 2
     assert sorted(selfdistill.load_answers(tmp_path / "set")["id"].to_pylist()) == ["a", "b"]
 
@@ -118,6 +118,6 @@ def test_a_prompt_longer_than_the_context_is_skipped_not_fatal(tmp_path, monkeyp
     prompts = [selfdistill.Prompt("long", [{"role": "user", "content": "word " * 400}]),
                selfdistill.Prompt("short", [{"role": "user", "content": "Say hi."}])]
     monkeypatch.setattr(selfdistill, "sharegpt_prompts", lambda **kw: iter(prompts))
-    assert selfdistill.generate(tmp_path / "set", max_batch_size=2, max_new_tokens=8, max_model_len=256,
+    assert selfdistill.answer_prompts(tmp_path / "set", max_batch_size=2, max_new_tokens=8, max_model_len=256,
                                 skip_sets=None, log=lambda m: None) == 1
     assert selfdistill.load_answers(tmp_path / "set")["id"].to_pylist() == ["short"]

@@ -1,5 +1,6 @@
 """Bad input raises a typed error whose message says what to fix."""
 import pytest
+import torch
 from tiny import make_target, tiny_engine
 from transformers import LlamaConfig
 
@@ -106,3 +107,34 @@ def test_malformed_prompts(tiny_dir, tiny_head, prompt, msg):
     engine = tiny_engine(tiny_dir, tiny_head)
     with pytest.raises(InvalidRequestError, match=msg):
         engine.generate([prompt])
+
+
+def test_every_command_says_in_one_line_what_is_wrong_with_what_it_was_given(tmp_path, capsys):
+    """A bad flag, path or config is the user's to fix: ``eagle-ray`` names it on one line and exits 2, before
+    any model loads, never with a traceback or by quietly doing less."""
+    from eagle_ray.cli import main
+    (tmp_path / "bad.yaml").write_text("engine: [1")
+    for argv, reason in ((["generate", "--num-prompts", "0"], "--num-prompts must be >= 1"),
+                         (["generate", "--num-prompts", "-1"], "--num-prompts must be >= 1"),
+                         (["generate", "--prompts", str(tmp_path / "nope.jsonl")], "is not a file"),
+                         (["generate", "--device", f"cuda:{torch.cuda.device_count()}", "--num-prompts", "1"],
+                          "this machine has"),   # one CUDA device more than there are
+                         (["generate", "--device", "bogus", "--num-prompts", "1"], "not a device torch knows"),
+                         (["generate", "--temperature", "nan"], "temperature"),
+                         (["serve", "--config", str(tmp_path / "nope.yaml")], "cannot read serve config"),
+                         (["serve", "--config", str(tmp_path / "bad.yaml")], "serve config"),
+                         (["serve", "--port", "70000"], "port"),
+                         (["extract", "--source", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "f")],
+                          "does not exist"),
+                         (["extract", "--source", str(tmp_path / "bad.yaml"), "--out", str(tmp_path / "g")],
+                          "bad.yaml:1: not a JSON record")):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith(f"eagle-ray {argv[0]}: ") and reason in err and err.count("\n") == 1, (argv, err)
+    for moved, where in (("measure", "bench/speed.py measure"), ("benchmark", "bench/speed.py table1")):
+        assert main([moved, "--prompts", "x.jsonl"]) == 2      # the old subcommands say where they went
+        err = capsys.readouterr().err
+        assert err.startswith(f"eagle-ray {moved}: moved to python ") and where in err and err.count("\n") == 1
+    with pytest.raises(SystemExit) as done:
+        main(["extract", "--help"])
+    assert done.value.code == 0 and "--max-conversations" in capsys.readouterr().out

@@ -79,7 +79,7 @@ KUBERAY = ("kuberay-rayjob.yaml", "kuberay-raycluster.yaml", "kuberay-rayservice
 
 
 def memory_table():
-    return repo_scripts.load("bench/memory_table.py")
+    return repo_scripts.load("bench/costs.py")
 
 
 def cluster_spec(manifest: dict) -> dict:
@@ -103,7 +103,7 @@ def engine_of(name: str, manifest: dict):
 
 
 def check_fits(engine, gpu: str):
-    """The engine's memory plan (the Llama-3.1-8B shape of bench/memory_table.py) fits one GPU of this type."""
+    """The engine's memory plan (the Llama-3.1-8B shape of bench/costs.py memory) fits one GPU of this type."""
     assert "Llama-3.1-8B" in engine.model.target  # the shape the plan uses
     plan = memory_table().plan_for(memory_table().LLAMA_3_1_8B, engine)
     n = engine.cache.max_batch_size

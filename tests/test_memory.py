@@ -25,7 +25,7 @@ from eagle_ray.model.target import TargetModel
 
 
 def memory_table():
-    return repo_scripts.load("bench/memory_table.py")
+    return repo_scripts.load("bench/costs.py")
 
 
 def held_bytes(*roots) -> int:
@@ -115,7 +115,7 @@ def test_plan_equals_the_bytes_a_tiny_engine_allocates(case, tmp_path):
 
 
 def test_weights_come_from_the_config_built_on_meta():
-    """Published shapes (bench/memory_table.py): parameter counts as published, bf16 bytes, tied counted once."""
+    """Published shapes (bench/costs.py memory): parameter counts as published, bf16 bytes, tied counted once."""
     t = memory_table()
     for cfg, params in ((t.LLAMA_3_2_1B, 1_235_814_400), (t.LLAMA_3_1_8B, 8_030_261_248),
                         (t.LLAMA_3_1_70B, 70_553_706_496)):

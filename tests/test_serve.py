@@ -8,6 +8,7 @@ import time
 
 import httpx
 import pytest
+import repo_scripts
 from tiny import tiny_engine
 
 from eagle_ray.config import SamplingParams
@@ -228,12 +229,12 @@ def test_requests_without_the_api_key_get_401(server):
 
 
 def test_32_concurrent_streams_complete_and_share_verify_passes(server):
-    """A short version of bench/serve_load.py (README has the 60 s run on the embedded pair)."""
+    """A short version of ``bench/load.py serve`` (README has the 60 s run on the embedded pair)."""
     import asyncio
 
     import httpx as hx
 
-    from eagle_ray.serve.load import run_load
+    run_load = repo_scripts.load("bench/load.py").run_load
     base = server[0]
     before = hx.get(base + "/stats").json()
     result = asyncio.run(run_load(base + "/v1", MODEL, PROMPTS, clients=32, duration_s=8, max_tokens=16,
@@ -242,3 +243,22 @@ def test_32_concurrent_streams_complete_and_share_verify_passes(server):
     assert result["errors"] == 0 and result["malformed"] == 0 and result["completed"] >= 32, result
     batch = (after["decode_sequences"] - before["decode_sequences"]) / (after["decode_passes"] - before["decode_passes"])
     assert batch > 1.5 and after["free_slots"] == 4
+
+
+def test_metrics_add_up_to_what_the_responses_report(server, client):
+    """/metrics (Prometheus text, vLLM's names, no API key) grows by exactly what the responses carry."""
+    from test_metrics import samples
+    base = server[0]
+    before = samples(httpx.get(base + "/metrics").content)
+    resps = [client.completions.create(model=MODEL, prompt=p, max_tokens=12) for p in PROMPTS]
+    after = samples(httpx.get(base + "/metrics").content)
+
+    def grew(name):
+        return after.get((name, ()), 0) - before.get((name, ()), 0)
+
+    eagle = [r.model_extra["eagle"] for r in resps]
+    assert grew("vllm:prompt_tokens_total") == sum(r.usage.prompt_tokens for r in resps)
+    assert grew("vllm:generation_tokens_total") == sum(r.usage.completion_tokens for r in resps)
+    assert grew("vllm:spec_decode_num_accepted_tokens_total") == sum(e["accepted_draft_tokens"] for e in eagle)
+    assert grew("vllm:spec_decode_num_drafts_total") == sum(e["verify_steps"] for e in eagle)
+    assert grew("eagle_ray:tau_count") == len(resps)

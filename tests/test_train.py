@@ -3,6 +3,7 @@ import json
 from dataclasses import replace
 
 import pytest
+import repo_scripts
 import torch
 from tiny import self_distilled_convs
 
@@ -484,10 +485,10 @@ def test_train_job_computes_the_target_states_of_answer_sets_in_memory(tiny_dir,
     assert card["assistant_tokens"] == sum(len(r["answer_ids"]) for r in rows)
     assert card["history"][-1]["eval_tokens"] == sum(len(r["answer_ids"]) for r in rows[:2])
     DraftHead.load(out / "head", tiny_hf.config, tiny_hf.model.embed_tokens.weight)
-    # bench/eval_heads.py --answers scores a head on exactly the conversations its run held out
-    eval_heads = runpy.run_path(str(Path(__file__).parents[1] / "bench" / "eval_heads.py"))["main"]
-    assert eval_heads(["--answers", str(tmp_path / "set"), "--first", "2", "--heads", str(out / "head"),
-                       "--target", str(tiny_dir), "--out", str(tmp_path / "eval.json")]) == 0
+    # bench/acceptance.py top1 --answers scores a head on exactly the conversations its run held out
+    acceptance = repo_scripts.load("bench/acceptance.py")
+    assert acceptance.main(["top1", "--answers", str(tmp_path / "set"), "--first", "2", "--heads",
+                            str(out / "head"), "--target", str(tiny_dir), "--out", str(tmp_path / "eval.json")]) == 0
     scored = json.loads((tmp_path / "eval.json").read_text())
     assert scored["conversations"] == {"held_out": 2}
     assert scored["results"][str(out / "head")]["eval_tokens"] == card["history"][-1]["eval_tokens"]

@@ -1,0 +1,212 @@
+"""How well does a draft head guess the target: tau per task on real decoding, and held-out top-1 per draft step.
+
+    python bench/acceptance.py SUBCOMMAND --help
+
+``tau``
+    Several heads on the same prompts and trees, in one run (greedy, fp32 by default): each head runs every tree
+    (with each ``--lookup`` length: prompt-lookup tokens grafted onto the tree, 0 = the head's tree alone; and each
+    ``--context-vocab``) on every task's first turns. A row holds tau (the mean over requests of tokens per verify
+    step) and the pooled ratio (all tokens / all verify steps). Greedy output is the target's whatever the head, so
+    the result counts the outputs that differ from the first run's (fp32: near-ties at most).
+
+        python bench/acceptance.py tau --heads embedded runs/head/head --tasks mt_bench humaneval \\
+            --num-prompts 20 --max-new-tokens 256 --out bench/results/<hardware>/head_acceptance.json
+
+``top1``
+    Held-out top-1 of several heads on the same conversations, per draft step: step 0 drafts from the target's true
+    feature (the tree's first level), step s from s of the head's own predictions (level s; see
+    ``trainer.head_forward_unrolled``). Each head is read through its own token map, as served, so a target token
+    outside the map counts as a miss. The conversations, one of:
+
+    - ``--features DIR``: extracted features (an EAGLE-3 head needs ``--eagle3`` ones); pick conversations no head
+      trained on (train_drafter holds out the first 2% of its first feature directory);
+    - ``--answers SET_DIR``: a self-distilled answer set, the target's states computed here (fp32);
+      ``train_drafter.py --answers SET_DIR --eval-fraction F`` holds out the first F of its conversations, so
+      ``--first`` that many scores a head on what its run held out;
+    - ``--tasks``: the target's own greedy answers to benchmark first turns (made here, fp32, plain decoding), the
+      first ``--test-prompts`` of each task (those ``tau`` runs) and the rest apart. EAGLE-1/2 heads only.
+
+        python bench/acceptance.py top1 --answers datasets/selfdistill/sharegpt-turn2-fp32 --first 122 \\
+            --heads embedded NEW --out bench/results/<hardware>/heldout_top1.json
+
+Both write JSON naming the hardware, torch version, threads and command line (``harness.py``).
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from harness import run_entry, subcommand, write_result
+from workloads import task_records
+
+from eagle_ray.config import SamplingParams, TreeConfig
+from eagle_ray.prompts import EAGLE_TASKS, first_turn_prompt
+
+SCRIPT = "bench/acceptance.py"
+TREES = {"default": TreeConfig(), "60": TreeConfig(total_tokens=60, depth=5, top_k=10)}
+
+
+# ---- tau ----------------------------------------------------------------------------------------------------------
+def tree_of(name: str) -> TreeConfig:
+    """A named tree, or ``total/depth/top_k`` (``12/3/4``) for any other dynamic tree."""
+    if name in TREES:
+        return TREES[name]
+    try:
+        return TreeConfig.from_spec(name)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"tree {name!r}: a name in {list(TREES)} or total/depth/top_k") from None
+
+
+def tree_name(name: str) -> str:
+    """argparse type: a name ``tree_of`` reads (rows keep the name)."""
+    tree_of(name)
+    return name
+
+
+def tau_rows(head: str, tree: str, context_vocab: int, lookup: int, tasks: dict, a) -> list[dict]:
+    """One head, tree, context vocabulary and lookup over every task: one row per task."""
+    from eagle_ray.engine.engine import EagleEngine
+    engine = EagleEngine.from_pretrained(draft=None if head == "embedded" else head, dtype=a.dtype,
+                                         max_batch_size=a.batch_size, threads=a.threads,
+                                         tree=tree_of(tree).model_copy(update={"lookup": lookup}),
+                                         context_vocab=context_vocab)
+    rows = []
+    for task, records in tasks.items():
+        outs = engine.generate([first_turn_prompt(r) for r in records], SamplingParams(max_new_tokens=a.max_new_tokens))
+        tokens = sum(len(o.token_ids) for o in outs)
+        rows.append({"head": head, "tree": tree, "context_vocab": context_vocab, "lookup": lookup, "task": task,
+                     "prompts": len(outs), "tokens": tokens, "tau": sum(o.stats.tau for o in outs) / len(outs),
+                     "tau_pooled": tokens / max(sum(o.stats.verify_steps for o in outs), 1),
+                     "token_ids": [o.token_ids for o in outs]})
+        print(f"{head} tree {tree} context {context_vocab} lookup {lookup} {task}: tau {rows[-1]['tau']:.3f} "
+              f"(pooled {rows[-1]['tau_pooled']:.3f})", flush=True)
+    return rows
+
+
+def cmd_tau(a) -> int:
+    tasks = {t: task_records(t)[1][:a.num_prompts] for t in a.tasks}
+    rows = [r for head in a.heads for tree in a.trees for c in a.context_vocab for lk in a.lookup
+            for r in tau_rows(head, tree, c, lk, tasks, a)]
+    same = {}
+    for r in rows:
+        same.setdefault((r["tree"], r["task"]), []).append(r.pop("token_ids"))
+    differ = {f"{tree}/{task}": sum(o != outs[0] for o in outs[1:]) for (tree, task), outs in same.items()}
+    write_result(a.out, {"dtype": a.dtype, "trees": {k: tree_of(k).model_dump(exclude_none=True) for k in a.trees},
+                         "outputs_differing_between_runs": differ, "rows": rows}, a.command)
+    print("outputs differing from the first run (fp32: near-ties at most):", differ)
+    return 0
+
+
+# ---- top1 ---------------------------------------------------------------------------------------------------------
+def first_conversations(features_dir: str, n: int) -> list[dict]:
+    from eagle_ray.train.extract import read_shard
+    convs = []
+    for shard in sorted(Path(features_dir).glob("shard-*.safetensors")):
+        convs += read_shard(shard)
+    return sorted(convs, key=lambda c: c["conv_index"])[:n]
+
+
+def task_conversations(tasks: list[str], target, max_new_tokens: int, threads: int | None) -> dict[str, list]:
+    """The target's greedy answers to each task's first turns, as feature conversations (prompt not scored)."""
+    from eagle_ray.engine.engine import EagleEngine
+    from eagle_ray.train.extract import extract_features
+
+    engine = EagleEngine.from_pretrained(draft="none", dtype="float32", max_batch_size=16, threads=threads)
+    out = {}
+    for task in tasks:
+        answers = engine.generate([first_turn_prompt(r) for r in task_records(task)[1]],
+                                  SamplingParams(max_new_tokens=max_new_tokens), speculative=False)
+        t = extract_features(target, None, [(i, {"prompt_ids": o.prompt_token_ids, "answer_ids": o.token_ids})
+                                            for i, o in enumerate(answers)], 2048)
+        off = t["offsets"].tolist()
+        out[task] = [{"input_ids": t["input_ids"][a:b].long(), "loss_mask": t["loss_mask"][a:b],
+                      "hidden": t["hidden"][a:b]} for a, b in zip(off[:-1], off[1:])]
+    return out
+
+
+def conversation_sets(a, target) -> dict[str, list]:
+    from eagle_ray.train.trainer import TrainConfig
+    if a.features:
+        return {"held_out": first_conversations(a.features, a.first)}
+    if a.answers:
+        from eagle_ray.train.extract import conversations_in_memory
+        return {"held_out": conversations_in_memory(target, None, a.answers, TrainConfig().max_len, limit=a.first,
+                                                    log=lambda m: None)}
+    sets = {}
+    for task, convs in task_conversations(a.tasks, target, a.max_new_tokens, a.threads).items():
+        sets[f"{task}/test"], sets[f"{task}/rest"] = convs[:a.test_prompts], convs[a.test_prompts:]
+    return sets
+
+
+def cmd_top1(a) -> int:
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from eagle_ray.model.heads import load_head
+    from eagle_ray.model.loading import EMBEDDED_DRAFT_DIR, resolve_target
+    from eagle_ray.train.trainer import TrainConfig, evaluate
+    if sum(x is not None for x in (a.features, a.answers, a.tasks)) != 1:
+        a.parser.error("give one of --features, --answers and --tasks")
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    target = AutoModelForCausalLM.from_pretrained(str(resolve_target(a.target)), dtype=torch.float32)
+    lm_weight, embed = target.lm_head.weight.detach(), target.model.embed_tokens.weight
+    sets = conversation_sets(a, target)
+    results = {}
+    for name in a.heads:
+        head = load_head(EMBEDDED_DRAFT_DIR if name == "embedded" else name, target.config, embed).float()
+        vocab = getattr(head, "token_map", None)  # an EAGLE-3 head scores its own draft vocabulary
+        for set_name, convs in sets.items():
+            metrics = evaluate(head, lm_weight, convs, TrainConfig(eval_steps=a.steps), vocab=vocab)
+            results.setdefault(name, {})[set_name] = metrics
+            print(name, set_name, json.dumps({k: (round(v, 4) if isinstance(v, float) else v)
+                                              for k, v in metrics.items()}), flush=True)
+    if not a.tasks:
+        results = {name: r["held_out"] for name, r in results.items()}
+    write_result(a.out, {"features": a.features, "answers": a.answers, "tasks": a.tasks,
+                         "conversations": {k: len(v) for k, v in sets.items()}, "results": results}, a.command)
+    return 0
+
+
+# ---- the command line ---------------------------------------------------------------------------------------------
+def add_tau(sub) -> None:
+    p = subcommand(sub, "tau", cmd_tau, "tau of several heads x trees x lookups on the same task prompts",
+                   out_required=True)
+    p.add_argument("--heads", nargs="+", required=True, help="head directories ('embedded' = the shipped head)")
+    p.add_argument("--trees", nargs="+", type=tree_name, default=list(TREES),
+                   help="names in TREES or total/depth/top_k")
+    p.add_argument("--tasks", nargs="+", default=["mt_bench", "humaneval"], choices=list(EAGLE_TASKS))
+    p.add_argument("--context-vocab", nargs="+", type=int, default=[256],
+                   help="context tokens a sequence adds to its draft vocabulary (0: the map alone); one run each")
+    p.add_argument("--lookup", nargs="+", type=int, default=[TreeConfig().lookup],
+                   help="prompt-lookup tokens grafted onto each tree (0: the head's tree alone); one run each")
+    p.add_argument("--num-prompts", type=int, default=20)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--threads", type=int, default=2)
+
+
+def add_top1(sub) -> None:
+    p = subcommand(sub, "top1", cmd_top1, "held-out top-1 of several heads per draft step")
+    p.add_argument("--features", default=None)
+    p.add_argument("--answers", default=None, help="a self-distilled answer set: its first conversations")
+    p.add_argument("--tasks", nargs="+", default=None, help="score on the target's answers to these tasks instead")
+    p.add_argument("--test-prompts", type=int, default=20)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--first", type=int, default=12, help="evaluate on the first N conversations")
+    p.add_argument("--heads", nargs="+", required=True, help="head directories ('embedded' = the shipped head)")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--target", default=None)
+    p.add_argument("--threads", type=int, default=None)
+    p.set_defaults(parser=p)
+
+
+def main(argv=None) -> int:
+    return run_entry(__doc__, SCRIPT, (add_tau, add_top1), argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

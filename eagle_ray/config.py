@@ -139,6 +139,9 @@ class CacheConfig(StrictModel):
                                         "running sequence, prompt chunks (at least 16 tokens), then draft tree tokens "
                                         "in what is left; it bounds how long a step stalls the running streams "
                                         "(None: the device's default, model/numerics.py DEVICE_DEFAULTS)")
+    memory_share: float | None = Field(None, gt=0, le=1, description="the share of the device's memory this engine "
+                                       "plans for with max_batch_size auto (None: all that is free); a Ray actor or "
+                                       "replica with num_gpus 0.5 gets 0.5")
 
 
 class SpeculationConfig(StrictModel):
@@ -248,9 +251,12 @@ class EngineConfig(StrictModel):
         return self.model_copy(update=parts)
 
     def for_ray_worker(self, num_cpus: float, num_gpus: float) -> "EngineConfig":
-        """A CPU actor/replica runs torch on the CPUs Ray reserved for it (unless ``threads`` says otherwise)."""
+        """A CPU actor/replica runs torch on the CPUs Ray reserved for it (unless ``threads`` says otherwise); one
+        with a fraction of a GPU plans its memory from that fraction (unless ``memory_share`` says otherwise)."""
         if self.model.threads is None and num_gpus == 0:
             return self.replace(threads=max(1, int(num_cpus)))
+        if 0 < num_gpus < 1 and self.cache.memory_share is None:
+            return self.replace(memory_share=num_gpus)
         return self
 
 

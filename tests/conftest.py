@@ -56,13 +56,16 @@ def s3(monkeypatch, tmp_path):
 
 @pytest.fixture(scope="session")
 def ray_local():
-    """A real local Ray bound to 127.0.0.1 (started once per test session, shut down at the end). Workers
-    inherit these AWS variables, so actors reach the test S3 server the way they reach a real one."""
+    """A real local Ray bound to 127.0.0.1 (started once per test session, shut down at the end), its own whatever
+    the machine holds (a running head, a stale record of one, RAY_ADDRESS), with one logical GPU for the
+    scheduling tests (nothing uses CUDA). Workers inherit these AWS variables, so actors reach the test S3 server
+    the way they reach a real one."""
     import ray
     for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                  "AWS_DEFAULT_REGION": "us-east-1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
                  "RAY_USAGE_STATS_ENABLED": "0", "EAGLE_RAY_TEST_API_KEY": "test-key"}.items():
         os.environ.setdefault(k, v)
-    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=2, log_to_driver=False)
+    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=2, num_gpus=1,
+             log_to_driver=False)
     yield ray
     ray.shutdown()

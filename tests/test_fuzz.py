@@ -100,9 +100,11 @@ class ValidatingQueue:
     def __init__(self, engine):
         self.engine, self.healthy = engine, True
 
-    async def agenerate(self, prompt, params, request_id=None, speculative=True):
+    async def aprepare(self, prompt, params=None, request_id=None, speculative=True):
+        return self.engine.make_sequence(prompt, params, request_id, speculative)
+
+    async def agenerate(self, seq):
         from eagle_ray.engine.engine import RequestOutput
-        seq = self.engine.make_sequence(prompt, params, request_id, speculative)
         return RequestOutput(seq.request_id, seq.prompt_ids, [5], "w2", "length")
 
 

@@ -191,15 +191,17 @@ def test_from_config_resolves_auto_before_allocating(tiny_dir, monkeypatch):
                        max_batch_size="auto")
     tiny = AutoModelForCausalLM.from_pretrained(tiny_dir).config
     plan = plan_engine(cfg, tiny, None, torch.device("cpu"), torch.float32)
-    monkeypatch.setattr("eagle_ray.engine.sizing.free_memory", lambda device: plan.total(7) + plan.per_slot // 2)
-    engine = EagleEngine.from_config(cfg)
-    assert engine.config.cache.max_batch_size == 7
+    shares = []
+    monkeypatch.setattr("eagle_ray.engine.sizing.free_memory",
+                        lambda device, share=None: shares.append(share) or plan.total(7) + plan.per_slot // 2)
+    engine = EagleEngine.from_config(cfg.for_ray_worker(num_cpus=1, num_gpus=0.5))   # half a GPU: plans from half
+    assert engine.config.cache.max_batch_size == 7 and shares == [0.5]
     assert engine.target.cache.num_slots == engine.draft.cache.num_slots == len(engine.scheduler.free) == 7
     assert plan.kv_per_slot * 7 == engine.target.cache.nbytes()
 
 
 def test_from_config_fails_before_loading_when_an_int_does_not_fit(tiny_dir, monkeypatch):
-    monkeypatch.setattr("eagle_ray.engine.sizing.free_memory", lambda device: 600 * 2**20)
+    monkeypatch.setattr("eagle_ray.engine.sizing.free_memory", lambda device, share=None: 600 * 2**20)
     monkeypatch.setattr(TargetModel, "load", lambda *a, **k: pytest.fail("the target was loaded"))
     with pytest.raises(InsufficientMemoryError, match=r"max_batch_size=1024 does not fit this cpu device: needs "
                                                       r"\d+\.\d\d GiB = .* but 0\.59 GiB is free"):

@@ -1,5 +1,6 @@
 """The batch job's configuration (``jobs/batch.py --config job.yaml``): what to read, where to write, the actor
-pool, and the engine every actor builds."""
+pool, and the engine every actor builds. The last two alone are a processor's (``processor.py``): a job is a
+processor with an input and an output."""
 from __future__ import annotations
 
 import os
@@ -27,9 +28,11 @@ class OutputConfig(StrictModel):
 
 class ActorsConfig(StrictModel):
     """The actor pool: one engine (target + draft pair) per actor."""
-    num_actors: int = Field(1, ge=1)
+    num_actors: int | tuple[int, int] = Field(1, description="actors in the pool, or [min, max]: Ray Data starts "
+                                              "min and adds actors up to max while batches wait")
     num_cpus: float = Field(1.0, gt=0, description="CPUs per actor (also its torch thread count on CPU)")
-    num_gpus: float = Field(0.0, ge=0, description="GPUs per actor (0 = CPU actors, at most 1)")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per actor: 0 = CPU actors; 0.5 or 0.25 put two or four "
+                            "engines of a small target on one GPU, each planning its memory from its share; at most 1")
     batch_size: int = Field(16, ge=1, description="rows per Ray Data batch handed to an actor")
     max_concurrent_batches: int = Field(4, ge=1, description="batches in flight per actor, all feeding one "
                                         "continuously batched engine")
@@ -48,19 +51,49 @@ class ActorsConfig(StrictModel):
     def _one_gpu(cls, v):
         return one_gpu_per_engine(v, "num_actors")
 
+    @field_validator("num_actors")
+    @classmethod
+    def _pool(cls, v):
+        lo, hi = (v, v) if isinstance(v, int) else v
+        if not 1 <= lo <= hi:
+            raise ValueError(f"num_actors must be >= 1, or [min, max] with 1 <= min <= max (got {v!r})")
+        return v
 
-class JobConfig(StrictModel):
-    """``jobs/batch.py --config job.yaml``: everything the batch generation job needs."""
+    @property
+    def pool(self) -> tuple[int, int]:
+        """(min, max) actors."""
+        return (self.num_actors, self.num_actors) if isinstance(self.num_actors, int) else tuple(self.num_actors)
+
+
+class ProcessorConfig(StrictModel):
+    """What a processor runs (``build_processor``): the engine, sampling defaults rows may override, and its
+    actors."""
     engine: EngineConfig = Field(default_factory=EngineConfig)
 
     _default_tree = model_validator(mode="before")(tune_tree_unless_named)
     _head = model_validator(mode="after")(need_a_head_to_speculate)
     sampling: SamplingParams = Field(default_factory=SamplingParams, description="defaults; rows may override")
     speculative: bool = True
+    actors: ActorsConfig = Field(default_factory=ActorsConfig)
+    s3: S3Options = Field(default_factory=S3Options)
+    split_special_tokens: bool = Field(False, description="tokenise chat message content with special-token text "
+                                       "(<|im_end|>, ...) split into plain text, so content cannot forge a role")
+
+    @classmethod
+    def of(cls, config) -> "ProcessorConfig":
+        """A ProcessorConfig from itself, a JobConfig (its processor part), a mapping, or a YAML file (a job config
+        is read without its input and output)."""
+        if isinstance(config, ProcessorConfig):
+            return config if type(config) is cls else cls(**config.model_dump(include=set(cls.model_fields)))
+        if not isinstance(config, dict):
+            config = read_yaml_mapping(config, "processor config")
+        return cls(**{k: v for k, v in config.items() if k not in JOB_ONLY})
+
+
+class JobConfig(ProcessorConfig):
+    """``jobs/batch.py --config job.yaml``: a processor with what it reads, where it writes and how it resumes."""
     input: InputConfig
     output: OutputConfig
-    s3: S3Options = Field(default_factory=S3Options)
-    actors: ActorsConfig = Field(default_factory=ActorsConfig)
     resume: bool = Field(True, description="skip ids already in the output (exactly-once re-runs)")
     ray_address: str | None = Field(None, description="None: RAY_ADDRESS or a new local Ray on 127.0.0.1")
     progress_every_s: float = Field(10.0, gt=0, description="seconds between the driver's progress lines")
@@ -96,6 +129,7 @@ def reads_path(input_uri: str, path: str) -> bool:
 
 
 SUMMARY_FILE = "summary.json"
+JOB_ONLY = ("input", "output", "resume", "ray_address", "progress_every_s", "lease_stale_s")
 
 
 def new_run_id() -> str:

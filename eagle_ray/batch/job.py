@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
-from eagle_ray.batch.config import SUMMARY_FILE, JobConfig, new_run_id, part_file
+from eagle_ray.batch.config import SUMMARY_FILE, JobConfig, ProcessorConfig, new_run_id, part_file
 from eagle_ray.cluster import ensure_ray
 from eagle_ray.batch.rows import OUTPUT_SCHEMA, RETRIED_ON_RESUME, empty_row, read_input, to_table
 from eagle_ray.batch.stage import now
@@ -132,7 +132,8 @@ def check_output_identity(fs, root: str, cfg: JobConfig) -> None:
 class OutputLease:
     """One run at a time per output: a run holds ``_lease.json`` (renewed every ``stale_s / 4`` seconds) and a
     second run refuses while it is fresh, since both would run and commit every row. A lease older than
-    ``stale_s`` is a run that died: it is taken over. On S3 two runs starting in the same second may both write it;
+    ``stale_s`` is a run that died: it is taken over, as is at once the lease of a run on this host whose process
+    is gone (a killed driver resumed right away). On S3 two runs starting in the same second may both write it;
     each reads it back, and the one whose write did not last refuses."""
 
     def __init__(self, fs, root: str, run: str, stale_s: float = 120.0):
@@ -150,9 +151,22 @@ class OutputLease:
     def _write(self) -> None:
         self.fs.pipe_file(self.path, json.dumps(self.mine | {"heartbeat": time.time()}).encode())
 
+    def alive(self, held: dict) -> bool:
+        """Whether the run holding the lease may still be running."""
+        if held.get("run") == self.mine["run"] or time.time() - held.get("heartbeat", 0) >= self.stale_s:
+            return False
+        if held.get("host") == self.mine["host"] and isinstance(held.get("pid"), int):
+            try:
+                os.kill(held["pid"], 0)
+            except ProcessLookupError:
+                return False   # its process is gone
+            except OSError:
+                pass
+        return True
+
     def acquire(self) -> None:
         held = self.held()
-        if held and held.get("run") != self.mine["run"] and time.time() - held.get("heartbeat", 0) < self.stale_s:
+        if held and self.alive(held):
             raise ConfigError(f"output.uri {self.path.rsplit('/', 1)[0]} is in use by run {held.get('run')} on "
                               f"{held.get('host')} (pid {held.get('pid')}), alive {time.time() - held['heartbeat']:.0f}"
                               f" s ago: two runs on one output would both write every row; wait for it to end, or "
@@ -322,7 +336,7 @@ def run_leased(cfg: JobConfig, rows, out_fs, out_root: str, writer: "PartWriter"
     todo = [r for r in rows if r.id not in done]
     print_fn(f"eagle-ray job: {len(rows)} input rows, {len(rows) - len(todo)} already in {cfg.output.uri}"
              f"{f' ({retried} failed rows to retry)' if retried else ''}, {len(todo)} to run on "
-             f"{cfg.actors.num_actors} actor(s)")
+             f"{'-'.join(map(str, sorted(set(cfg.actors.pool))))} actor(s)")
     if changed:
         print_fn(f"eagle-ray job: {changed} rows in {cfg.output.uri} answered another request than the input row "
                  "now holding their id (rows inserted, removed or edited); they run again")
@@ -342,19 +356,12 @@ def run_leased(cfg: JobConfig, rows, out_fs, out_root: str, writer: "PartWriter"
         runnable = [r.as_item() for r in todo if not r.error]
         if runnable:
             print_fn(ensure_ray(cfg.ray_address, max(os.cpu_count() or 1,
-                                                     int(cfg.actors.num_actors * cfg.actors.num_cpus))))
+                                                     int(cfg.actors.pool[1] * cfg.actors.num_cpus))))
             if _main_thread():  # ray.init may install its own handler
                 signal.signal(signal.SIGTERM, _raise_interrupted)
-            from eagle_ray.batch.stage import GenerateStage
-            a = cfg.actors
-            ds = ray.data.from_items(runnable, override_num_blocks=max(1, min(len(runnable) // a.batch_size, 1000)))
-            ds = ds.map_batches(
-                GenerateStage, fn_constructor_kwargs={"config_json": cfg.model_dump_json()},
-                batch_size=a.batch_size, batch_format="pyarrow", num_cpus=a.num_cpus, num_gpus=a.num_gpus or None,
-                max_restarts=a.max_restarts, max_task_retries=a.max_restarts,
-                compute=ray.data.ActorPoolStrategy(size=a.num_actors,
-                                                   max_tasks_in_flight_per_actor=a.max_concurrent_batches,
-                                                   max_concurrent_calls_per_actor=a.max_concurrent_batches))
+            from eagle_ray.batch.processor import Processor
+            blocks = max(1, min(len(runnable) // cfg.actors.batch_size, 1000))
+            ds = Processor(ProcessorConfig.of(cfg)).generate(ray.data.from_items(runnable, override_num_blocks=blocks))
             progress = Progress(len(runnable), cfg.progress_every_s, print_fn)
             for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
                 rows = batch.to_pylist()

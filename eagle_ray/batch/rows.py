@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import json
+import math
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -44,7 +45,7 @@ def error_kind(err: BaseException) -> str:
 
 @dataclass
 class InputRow:
-    row_index: int
+    row_index: int | None
     id: str
     payload: str          # the row as JSON text ("" when it could not be parsed)
     error: str = ""       # set when the row is already known to be bad (parse error, duplicate id)
@@ -157,7 +158,8 @@ def unique_ids(rows: list[InputRow]) -> list[InputRow]:
             first[r.id] = r.row_index
             continue
         if r.own_id and not r.error:
-            r.error, r.kind = f"duplicate id {r.id!r} (first at row {first[r.id]})", DUPLICATE_ID
+            r.error, r.kind = (f"duplicate id {r.id!r} (first at row {first[r.id]}; ids are compared as text, so 1 "
+                               f"and \"1\" are one id)"), DUPLICATE_ID
         moved.append(r)
     taken = set(first)
     for r in moved:
@@ -234,6 +236,12 @@ def _row(index: int, rec, err: str, kind: str) -> InputRow:
         return InputRow(index, f"row-{index}", "", f"row nested deeper than {MAX_NESTING} levels", INVALID_ROW)
     rid = rec.get("id")
     own = not (rid is None or rid == "")
+    if own and not isinstance(rid, (str, int, bytes)) or isinstance(rid, bool):   # bytes: parquet_row says why
+        if isinstance(rid, float) and rid.is_integer():
+            rid = int(rid)   # a pandas id column with a gap turns 1 into 1.0; JSON lines said 1
+        else:
+            return InputRow(index, f"row-{index}", _dump(rec), f"id must be a string or an integer, got "
+                            f"{_dump(rid)}", INVALID_ROW)
     return InputRow(index, storable(str(rid)) if own else f"row-{index}", _dump(rec), own_id=own)
 
 
@@ -330,9 +338,25 @@ def _temporal_as_text(t: pa.DataType) -> pa.DataType:
 
 def _dump(rec) -> str:
     """JSON text of a row, as written to the ``input`` column (ASCII-escaped if it holds lone surrogates, which
-    JSON allows and UTF-8 cannot hold; the escapes decode back to the same row)."""
-    text = json.dumps(rec, ensure_ascii=False, default=str)
+    JSON allows and UTF-8 cannot hold; the escapes decode back to the same row). A NaN or infinite float (a Parquet
+    float column may hold them; JSON cannot) is written as the text ``"NaN"``, ``"Infinity"``, ``"-Infinity"``,
+    so every ``input`` parses as JSON, and a request field holding one is refused as the wrong type."""
+    try:
+        text = json.dumps(rec, ensure_ascii=False, default=str, allow_nan=False)
+    except ValueError:
+        rec = _finite(rec)
+        text = json.dumps(rec, ensure_ascii=False, default=str)
     return text if storable(text) is text else json.dumps(rec, ensure_ascii=True, default=str)
+
+
+def _finite(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 STAT_FIELDS = [
@@ -361,7 +385,8 @@ STRING_COLUMNS = [f.name for f in OUTPUT_SCHEMA if pa.types.is_string(f.type)]
 
 def empty_row(item: dict) -> dict:
     row = {name: None for name in OUTPUT_SCHEMA.names}
-    row.update(id=item["id"], row_index=int(item["row_index"]), input=item["payload"])
+    index = item["row_index"]   # None for a processor's rows: a user's dataset has no global row position
+    row.update(id=item["id"], row_index=None if index is None else int(index), input=item["payload"])
     if item.get("error"):
         row.update(error=item["error"], error_kind=item.get("error_kind") or INVALID_ROW)
     return row

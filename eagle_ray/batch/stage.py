@@ -22,10 +22,10 @@ from datetime import datetime, timezone
 
 import pyarrow as pa
 
-from eagle_ray.batch.config import JobConfig
+from eagle_ray.batch.config import ProcessorConfig
 from eagle_ray.batch.rows import ENGINE_FAILED, INTERNAL_ERROR, empty_row, error_kind, to_table
 from eagle_ray.engine.request import RowRequest, parse_row
-from eagle_ray.errors import EagleError, EngineStalledError
+from eagle_ray.errors import EagleError, EngineStalledError, PromptTooLongError
 from eagle_ray.stats import RequestStats
 
 log = logging.getLogger(__name__)
@@ -81,9 +81,10 @@ class GenerateStage:
         from eagle_ray.engine.engine import EagleEngine
         from eagle_ray.engine.queue import RequestQueue, StallBound
 
-        self.cfg = JobConfig(**json.loads(config_json))
+        self.cfg = ProcessorConfig.of(json.loads(config_json))
         engine_cfg = self.cfg.engine.for_ray_worker(self.cfg.actors.num_cpus, self.cfg.actors.num_gpus)
         self.engine = EagleEngine.from_config(engine_cfg, self.cfg.s3.storage_options())
+        self.engine.codec.split_special_tokens = self.cfg.split_special_tokens
         self.stall = StallBound(self.cfg.actors.stall_floor_s, self.cfg.actors.stall_factor)
         self.queue = RequestQueue(self.engine, self.stall)
         self.isolating = asyncio.Lock()
@@ -168,13 +169,22 @@ class GenerateStage:
         except Exception as e:  # noqa: BLE001 - an unexpected failure still loses only this row
             log.exception("row %s failed", item["id"])
             row.update(error=f"{type(e).__name__}: {e}", error_kind=INTERNAL_ERROR)
-        if row["error"]:
-            for key in ("output", "turn_outputs", "output_token_ids", "prompt_tokens", "output_tokens",
-                        "finish_reason"):
+        if row["error"]:   # a multi-turn row keeps the turns answered before the one that failed
+            for key in ("output", "output_token_ids", "prompt_tokens", "output_tokens", "finish_reason"):
                 row[key] = None
+            row["turn_outputs"] = row["turn_outputs"] or None
         row["tree"] = json.dumps(self.engine.policy.summary())   # what each batch size runs as this row ends
         row["finished_at"] = now()
         return row
+
+    def check_room(self, req: RowRequest, prompt_tokens: int) -> None:
+        """A row that asks for more new tokens than fit after its prompt is refused, as Serve refuses it
+        (``context_length_exceeded``): cutting it at the context's end would be silent."""
+        fits = self.engine.max_new_tokens_for(prompt_tokens)
+        if req.asked_tokens is not None and req.asked_tokens > fits:
+            raise PromptTooLongError(f"the prompt has {prompt_tokens} tokens, so at most {fits} more fit in the "
+                                     f"context of {self.engine.target.max_len} tokens; the row asks for "
+                                     f"{req.asked_tokens}: lower max_tokens or shorten the prompt")
 
     async def run(self, req: RowRequest, row: dict, rid: str) -> None:
         turns = req.turns or [None]
@@ -186,8 +196,16 @@ class GenerateStage:
                 prompt = list(messages)
             else:
                 prompt = req.prompt
-            out = await self.queue.agenerate(prompt, req.params, request_id=f"{rid}/{i}",
-                                             speculative=self.cfg.speculative)
+            try:
+                seq = await self.queue.aprepare(prompt, req.params, f"{rid}/{i}", self.cfg.speculative)
+                self.check_room(req, len(seq.prompt_ids))
+                out = await self.queue.agenerate(seq)
+            except EagleError as e:
+                if req.kind != "turns":
+                    raise
+                row["turn_outputs"] = outputs   # what was answered stays
+                raise type(e)(f"turn {i + 1} of {len(turns)}: {e}" + (f" (turns 1-{i} were answered: turn_outputs)"
+                                                                      if i else "")) from None
             if req.kind == "turns":
                 messages.append({"role": "assistant", "content": out.text})
             outputs.append(out.text)

@@ -192,6 +192,7 @@ class RowRequest:
     prompt: Prompt | None     # None for turns
     turns: list[str] | None
     params: SamplingParams
+    asked_tokens: int | None = None   # the row's own max_new_tokens (None: the defaults' limit, cut at the context)
 
 
 SAMPLING_KEYS = ("sampling_params", "sampling")
@@ -209,15 +210,18 @@ def parse_row(rec, defaults: SamplingParams) -> RowRequest:
     value = rec[kind]
     overrides = next((rec[k] for k in SAMPLING_KEYS if rec.get(k) is not None), None)
     params = sampling_params(overrides, defaults)
+    limits = ("max_new_tokens", "max_tokens", "max_completion_tokens")
+    asked = params.max_new_tokens if isinstance(overrides, dict) and any(overrides.get(k) is not None
+                                                                         for k in limits) else None
     if kind == "turns":
-        return RowRequest(kind, None, parse_turns(value), params)
+        return RowRequest(kind, None, parse_turns(value), params, asked)
     if kind == "prompt":
         if not isinstance(value, str):
             raise InvalidRequestError(f"prompt must be a string, got {_describe(value)}")
         if not value.strip():
             raise InvalidRequestError("prompt is empty")
-        return RowRequest(kind, Prompt("text", check_text(value, "prompt")), None, params)
-    return RowRequest(kind, Prompt("messages", parse_messages(value)), None, params)
+        return RowRequest(kind, Prompt("text", check_text(value, "prompt")), None, params, asked)
+    return RowRequest(kind, Prompt("messages", parse_messages(value)), None, params, asked)
 
 
 def _describe(value) -> str:

@@ -65,6 +65,6 @@ def size_engine(config: EngineConfig, target_config, head: HeadCheckpoint | None
     """``config`` with ``max_batch_size`` an int that fits the device (``free_bytes``: default its free memory
     now); raises :class:`eagle_ray.errors.InsufficientMemoryError` if it does not fit."""
     plan = plan_engine(config, target_config, head, device, dtype)
-    free = free_memory(device) if free_bytes is None else free_bytes
+    free = free_memory(device, config.cache.memory_share) if free_bytes is None else free_bytes
     n = fit_slots(plan, config.cache.max_batch_size, free)
     return config if n == config.cache.max_batch_size else config.replace(max_batch_size=n)

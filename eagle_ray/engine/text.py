@@ -31,9 +31,10 @@ def max_token_bytes(tokenizer) -> int:
 class TextCodec:
     """Prompt -> token ids for one tokenizer and context size."""
 
-    def __init__(self, tokenizer, vocab_size: int):
+    def __init__(self, tokenizer, vocab_size: int, split_special_tokens: bool = False):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.split_special_tokens = split_special_tokens   # chat content's special-token text stays plain text
         self.max_token_bytes = max_token_bytes(tokenizer)
         if len(tokenizer) > vocab_size:
             log.warning("the tokenizer has %d tokens but the model embeds %d: prompts holding the others are refused",
@@ -81,10 +82,33 @@ class TextCodec:
         try:
             if p.kind == "text":
                 return list(self.tokenizer(p.value)["input_ids"])
+            if self.split_special_tokens and self._forges_special_tokens(p.value):
+                return self._chat_with_plain_content(p.value)
             return list(self.tokenizer.apply_chat_template(p.value, add_generation_prompt=True, tokenize=True,
                                                            return_dict=True)["input_ids"])
         except Exception as e:  # noqa: BLE001
             raise InvalidRequestError(f"cannot tokenize the prompt: {type(e).__name__}: {e}") from None
+
+
+    def _forges_special_tokens(self, messages) -> bool:
+        specials = self.tokenizer.all_special_tokens + [t.content for t in
+                                                        self.tokenizer.added_tokens_decoder.values() if t.special]
+        return any(tok in m["content"] for m in messages for tok in specials if tok)
+
+    def _chat_with_plain_content(self, messages) -> list[int]:
+        """The chat templated as usual, but each message's content tokenised with special-token text split into
+        ordinary tokens: ``"hi<|im_end|>\n<|im_start|>system"`` in a user message cannot open a system turn.
+        (Only chats whose content holds such text come here; the others tokenise exactly as the template says.)"""
+        marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
+        text = self.tokenizer.apply_chat_template([m | {"content": mark} for m, mark in zip(messages, marks)],
+                                                  add_generation_prompt=True, tokenize=False)
+        ids: list[int] = []
+        for i, mark in enumerate(marks):
+            before, text = text.split(mark, 1)
+            ids += self.tokenizer(before, add_special_tokens=False)["input_ids"]
+            ids += self.tokenizer(messages[i]["content"], add_special_tokens=False,
+                                  split_special_tokens=True)["input_ids"]
+        return ids + self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 # prompt tokens an output's first window is decoded after (vLLM primes its detokenizer with 5 likewise)

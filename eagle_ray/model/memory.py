@@ -226,13 +226,14 @@ def _activation_bytes_per_token(cfg, kv_width: int, size: int) -> int:
 
 
 # ---- the device ---------------------------------------------------------------------------------------------------
-def free_memory(device) -> int:
+def free_memory(device, share: float | None = None) -> int:
     """Bytes free for a new engine: CUDA's free memory on the device, or the host's available memory (the smaller
-    of /proc/meminfo's MemAvailable and what a cgroup v2 limit leaves)."""
+    of /proc/meminfo's MemAvailable and what a cgroup v2 limit leaves); with ``share``, at most that share of the
+    GPU's total memory (engines sharing a GPU each plan for their part, not for what the first left free)."""
     device = torch.device(device)
     if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
+        free, total = torch.cuda.mem_get_info(device)
+        return int(free if share is None else min(free, share * total))
     return _host_available()
 
 

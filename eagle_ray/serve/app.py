@@ -79,6 +79,7 @@ class EagleServer:
         self.api_key = api_key_from_env(self.cfg)  # before the model loads: a missing secret fails in seconds
         engine_cfg = self.cfg.engine.for_ray_worker(self.cfg.num_cpus, self.cfg.num_gpus)
         self.engine = EagleEngine.from_config(engine_cfg, self.cfg.s3.storage_options())
+        self.engine.codec.split_special_tokens = self.cfg.split_special_tokens
         self.queue = RequestQueue(self.engine, StallBound(self.cfg.stall_floor_s, self.cfg.stall_factor))
         self.metrics = ServeMetrics(self.cfg.model_name)
 

@@ -26,6 +26,8 @@ class ServeConfig(StrictModel):
     max_tokens_cap: int = Field(2048, ge=1, description="largest max_tokens a request may ask for")
     default_max_tokens: int = Field(256, ge=1)
     max_request_bytes: int = Field(4 * 2**20, ge=1024, description="largest request body (413 above it)")
+    split_special_tokens: bool = Field(True, description="tokenise chat message content with special-token text "
+                                       "(<|im_end|>, ...) split into plain text, so a client cannot forge a role")
     s3: S3Options = Field(default_factory=S3Options)
     stall_floor_s: float = Field(120.0, gt=0, description="an engine step may run this long at least before it "
                                  "counts as stalled")

@@ -1,0 +1,150 @@
+"""What the batch job does with its input and output paths before and around the engine: a resume keeps only the
+answers that still belong to their ids and settings, one run at a time holds an output, paths are used as written,
+and an output that cannot be written fails before any model loads. No Ray needed."""
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+from fsspec.implementations.local import LocalFileSystem
+
+from eagle_ray.batch.config import JobConfig
+from eagle_ray.batch.job import (OutputLease, PartWriter, check_output_identity, drop_changed_rows, filesystem,
+                                 read_output, run_job)
+from eagle_ray.batch.rows import empty_row, read_input
+from eagle_ray.errors import ConfigError
+
+FS = LocalFileSystem()
+
+
+def job(inp="in.jsonl", out="out", **kw) -> JobConfig:
+    return JobConfig(input={"uri": str(inp)}, output={"uri": str(out)}, **kw)
+
+
+def write_rows(root, payloads: dict[str, str]) -> None:
+    w = PartWriter(FS, str(root), 10, set())
+    w.add([empty_row({"id": i, "row_index": n, "payload": p}) for n, (i, p) in enumerate(payloads.items())])
+    w.close()
+
+
+def test_a_resume_reruns_the_ids_that_now_stand_for_another_request(tmp_path):
+    """Rows without ids are keyed by position: a row inserted at the top shifts every later id. The stored input
+    tells which answers still belong to their id; the others run again."""
+    old = ['{"prompt": "a"}', '{"prompt": "b"}', '{"prompt": "c"}']
+    write_rows(tmp_path, {f"row-{i}": p for i, p in enumerate(old)})
+    (tmp_path / "in.jsonl").write_text("\n".join(['{"prompt": "new"}'] + old) + "\n")
+    now = {r.id: r.payload for r in read_input(str(tmp_path / "in.jsonl"), FS)}
+    assert drop_changed_rows(FS, str(tmp_path), now) == 3
+    assert read_output(FS, str(tmp_path)).num_rows == 0
+    write_rows(tmp_path, {"row-0": '{"prompt": "new"}'})
+    assert drop_changed_rows(FS, str(tmp_path), now) == 0   # an answer that still fits its id stays
+
+
+def test_a_resume_with_other_settings_is_refused_naming_each(tmp_path):
+    check_output_identity(FS, str(tmp_path), job(sampling={"max_new_tokens": 16}))
+    check_output_identity(FS, str(tmp_path), job(sampling={"max_new_tokens": 16}))   # the same: resumes
+    with pytest.raises(ConfigError, match=r"other settings \(speculative: True there, False now; sampling: "):
+        check_output_identity(FS, str(tmp_path), job(sampling={"max_new_tokens": 32}, speculative=False))
+
+
+def test_one_run_at_a_time_holds_an_output(tmp_path):
+    first, second = OutputLease(FS, str(tmp_path), "run-a"), OutputLease(FS, str(tmp_path), "run-b")
+    first.acquire()
+    with pytest.raises(ConfigError, match="is in use by run run-a on .* wait for it to end"):
+        second.acquire()
+    first.release()
+    second.acquire()   # free again
+    second.release()
+
+
+def test_a_lease_whose_run_died_is_taken_over(tmp_path):
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    lease = OutputLease(FS, str(tmp_path), "run-new")
+    (tmp_path / "_lease.json").write_text(json.dumps(lease.mine | {"run": "run-killed", "pid": int(gone.stdout),
+                                                                   "heartbeat": time.time()}))
+    lease.acquire()   # a killed driver on this host, resumed at once
+    lease.release()
+    (tmp_path / "_lease.json").write_text(json.dumps({"run": "run-elsewhere", "host": "another-host", "pid": 1,
+                                                      "heartbeat": time.time() - 200}))
+    lease.acquire()   # silent for longer than stale_s: a run that died elsewhere
+    lease.release()
+
+
+@pytest.mark.parametrize("name", ["my data [final]/p.jsonl", "in[1]/p.jsonl", "a?.jsonl"])
+def test_an_input_path_that_exists_is_read_as_written_never_as_a_glob(tmp_path, name):
+    for decoy in ("my data f/p.jsonl", "in1/p.jsonl", "ab.jsonl"):   # what the glob would match instead
+        (tmp_path / decoy).parent.mkdir(exist_ok=True)
+        (tmp_path / decoy).write_text('{"prompt": "decoy"}\n')
+    (tmp_path / name).parent.mkdir(exist_ok=True)
+    (tmp_path / name).write_text('{"prompt": "mine"}\n')
+    assert [json.loads(r.payload)["prompt"] for r in read_input(str(tmp_path / name), FS)] == ["mine"]
+
+
+def test_local_paths_are_used_as_written_and_other_schemes_refused(tmp_path):
+    assert filesystem(str(tmp_path / "run::2"), job())[1] == str(tmp_path / "run::2")
+    assert filesystem("file://" + str(tmp_path / "x"), job())[1] == str(tmp_path / "x")
+    with pytest.raises(ConfigError, match="only local paths and s3:// URIs"):
+        filesystem("gs://bucket/x", job())
+
+
+def test_an_output_that_cannot_be_written_fails_before_any_model_loads(tmp_path, monkeypatch):
+    (tmp_path / "in.jsonl").write_text('{"prompt": "a"}\n')
+    (tmp_path / "a-file").write_text("")
+    import eagle_ray.engine.engine as engine
+    monkeypatch.setattr(engine.EagleEngine, "from_config", lambda *a, **k: pytest.fail("a model was loaded"))
+    with pytest.raises(ConfigError, match="cannot be written: (NotADirectoryError|FileExistsError)"):
+        run_job(job(tmp_path / "in.jsonl", tmp_path / "a-file" / "out"))
+
+
+# ---- rows: ids, numbers JSON cannot hold, limits, forged roles ------------------------------------------------------
+def rows_of(tmp_path, text: str):
+    (tmp_path / "in.jsonl").write_text(text)
+    return read_input(str(tmp_path / "in.jsonl"), FS)
+
+
+def test_an_integral_float_id_is_the_integer_and_1_and_text_1_are_one_id(tmp_path):
+    rows = rows_of(tmp_path, '{"id": 1.0, "prompt": "a"}\n{"id": "1", "prompt": "b"}\n{"id": 2.5, "prompt": "c"}\n')
+    assert [r.id for r in rows] == ["1", "1@row1", "row-2"]
+    assert rows[1].kind == "duplicate_id" and 'so 1 and "1" are one id' in rows[1].error
+    assert rows[2].kind == "invalid_row" and rows[2].error == "id must be a string or an integer, got 2.5"
+
+
+def test_nan_and_infinity_in_a_row_are_written_as_json_text(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"prompt": ["a", "b"], "score": [float("nan"), float("-inf")]}), tmp_path / "in.parquet")
+    payloads = [json.loads(r.payload) for r in read_input(str(tmp_path / "in.parquet"), FS)]   # strict JSON
+    assert payloads == [{"prompt": "a", "score": "NaN"}, {"prompt": "b", "score": "-Infinity"}]
+
+
+def multi_turn_stage(tiny_dir, tmp_path):
+    from test_batch_faults import stage_for
+    return stage_for(tiny_dir, tmp_path)   # max_model_len 128, 8 new tokens
+
+
+def run_rows(stage, payloads: list[dict]) -> list[dict]:
+    import asyncio
+
+    import pyarrow as pa
+    batch = pa.Table.from_pylist([{"id": f"r{i}", "row_index": i, "error": None, "error_kind": None,
+                                   "payload": json.dumps(p)} for i, p in enumerate(payloads)])
+    try:
+        return asyncio.run(stage(batch)).to_pylist()
+    finally:
+        stage.queue.shutdown(drain=False, timeout=10)
+
+
+def test_a_multi_turn_row_that_outgrows_the_context_keeps_its_answered_turns(tiny_dir, tmp_path):
+    """The job refuses what does not fit as Serve does (context_length_exceeded there): a turn whose prompt no
+    longer fits, or a row asking for more new tokens than fit after its prompt, never a silent cut."""
+    long_turn = " ".join(f"w{i % 50}" for i in range(120))
+    turns, asks, fits = run_rows(multi_turn_stage(tiny_dir, tmp_path),
+                                 [{"turns": ["w1 w2", long_turn]}, {"prompt": "w1 w2", "sampling_params":
+                                                                   {"max_tokens": 100000}},
+                                  {"prompt": "w1 w2", "sampling_params": {"max_tokens": 8}}])
+    assert turns["error_kind"] == "prompt_too_long" and turns["error"].startswith("turn 2 of 2: ")
+    assert "(turns 1-1 were answered: turn_outputs)" in turns["error"] and len(turns["turn_outputs"]) == 1
+    assert turns["output"] is None and turns["turn_outputs"][0]
+    assert asks["error_kind"] == "prompt_too_long" and "the row asks for 100000" in asks["error"]
+    assert fits["error"] is None and fits["output_tokens"] == 8

@@ -1,0 +1,81 @@
+"""eagle-ray in a user's own Ray Data pipeline: ``build_processor`` applied to a Dataset the user built gives the
+rows the batch job gives for the same input, error rows included; a small target's engines share a GPU."""
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import ray
+from test_job import config, pair, prompts, write_jsonl  # noqa: F401 - pair is a fixture
+
+from eagle_ray.batch.config import ActorsConfig, JobConfig, ProcessorConfig
+from eagle_ray.batch.job import read_output, run_job
+from eagle_ray.batch.processor import build_processor, request_item
+from eagle_ray.errors import ConfigError
+
+# what must agree between the job and the processor: the answers (acceptance counts follow which rows share a
+# step, as the verify cap is chosen per batch size, and timings follow the machine)
+SAME = ("id", "output", "turn_outputs", "output_token_ids", "finish_reason", "prompt_tokens", "output_tokens",
+        "error_kind", "new_tokens", "tree")
+
+
+def test_a_request_item_is_the_row_preprocess_makes_and_a_failing_preprocess_is_an_error_row():
+    item = request_item({"q": "w1 w2", "n": 7}, lambda r: {"id": r["n"], "prompt": r["q"]})
+    assert (item["id"], json.loads(item["payload"]), item["error"]) == ("7", {"id": 7, "prompt": "w1 w2"}, "")
+    anonymous = request_item({"prompt": "w1 w2"})
+    assert anonymous["id"] == request_item({"prompt": "w1 w2"})["id"] and anonymous["id"].startswith("row-")
+    assert request_item({"prompt": "w3"})["id"] != anonymous["id"]
+    bad = request_item({"q": 1}, lambda r: r["question"])
+    assert bad["error_kind"] == "invalid_row" and bad["error"] == "preprocess failed: KeyError: 'question'"
+    assert request_item({"q": 1}, lambda r: None)["error"] == "a request row must be a dict, got None"
+
+
+def test_the_processor_config_is_the_job_config_without_input_and_output(pair):  # noqa: F811
+    job = config(pair, "in.jsonl", "out")
+    proc = ProcessorConfig.of(job)
+    assert type(proc) is ProcessorConfig and proc.engine == job.engine and proc.actors == job.actors
+    assert ProcessorConfig.of(proc.model_dump()) == proc
+    with pytest.raises(ConfigError, match="actors.num_actors"):
+        ProcessorConfig.of({"actors": {"num_actors": [3, 2]}})
+    assert ActorsConfig(num_actors=[1, 3]).pool == (1, 3) and ActorsConfig().pool == (1, 1)
+
+
+@pytest.mark.slow
+def test_a_user_pipeline_gives_the_jobs_rows(ray_local, pair, tmp_path):  # noqa: F811
+    """read_parquet -> filter -> processor -> write_parquet on the user's side; the job on the same rows."""
+    rows = prompts(14) + [{"id": "bad", "messages": "not a chat"}]
+    kept = [r for r in rows if r["id"] != "q3"]
+    write_jsonl(tmp_path / "in.jsonl", kept)
+    job = run_job(config(pair, str(tmp_path / "in.jsonl"), str(tmp_path / "job")))
+    assert job["rows"] == len(kept)
+
+    user = tmp_path / "user.parquet"   # the user's table: their own column names, one JSON column per request
+    pq.write_table(pa.table({"qid": [r["id"] for r in rows], "request": [json.dumps(r) for r in rows]}), user)
+    # the actors take half a CPU each: the user's read and filter tasks need CPUs of this 2-CPU Ray too
+    processor = build_processor(ProcessorConfig.of(config(pair, "x", "y", actors__num_cpus=0.5)),
+                                preprocess=lambda r: json.loads(r["request"]),
+                                postprocess=lambda r: {k: r[k] for k in SAME} | {"qid": r["request"]["id"]})
+    ds = ray.data.read_parquet(str(user)).filter(lambda r: r["qid"] != "q3")
+    processor(ds).write_parquet(str(tmp_path / "user-out"))
+    mine = sorted(pq.read_table(tmp_path / "user-out").to_pylist(), key=lambda r: r["id"])
+    theirs = sorted(read_output(*_local(tmp_path / "job")).to_pylist(), key=lambda r: r["id"])
+    assert [r["qid"] for r in mine] == [r["id"] for r in mine] == sorted(r["id"] for r in kept)
+    assert [{k: r[k] for k in SAME} for r in mine] == [{k: r[k] for k in SAME} for r in theirs]
+    assert [r["error_kind"] for r in mine if r["error_kind"]] == ["invalid_request"]
+
+
+@pytest.mark.slow
+def test_two_engines_share_one_gpu_at_half_a_gpu_each(ray_local, pair, tmp_path):  # noqa: F811
+    """Ray counts the GPU (this CPU machine's Ray is started with one logical GPU): two actors at 0.5 run at once
+    on it, each engine planning its memory from half of it."""
+    cfg = config(pair, "x", "y", actors__num_gpus=0.5, actors__num_actors=2, actors__num_cpus=0.5,
+                 actors__batch_size=2, actors__max_concurrent_batches=1)
+    out = build_processor(ProcessorConfig.of(cfg))(ray.data.from_items(prompts(24), override_num_blocks=12)).take_all()
+    assert sorted(r["id"] for r in out) == sorted(r["id"] for r in prompts(24)) and not any(r["error"] for r in out)
+    assert len({r["worker_id"] for r in out}) == 2
+    assert JobConfig(**cfg.model_dump()).engine.for_ray_worker(0.5, 0.5).cache.memory_share == 0.5
+
+
+def _local(path):
+    import fsspec
+    return fsspec.filesystem("file"), str(path)

@@ -9,13 +9,14 @@ and writes one JSON line per section to ``--out`` as it goes (a cut run still re
 - ``probe``: decode-step times at batch 1 with each suspect removed in turn: the default engine, the same prompt
   again, cuDNN attention off, key lengths bucketed, fused layers (is a step slow because of a per-shape build?);
 - ``shapes``: distinct (batch, tokens, key length) shapes of the target over the run's decode steps;
-- ``step_times`` (per shape): for each mode {eager with the modules' layers, eager with fused layers, graphs} x
+- ``step_times`` (per shape): for each mode {eager with the modules' layers, eager with fused layers (SDPA, and
+  flex tree attention: each row reads its own slot only), graphs} x
   {plain, EAGLE depth 3 / 16-token verify} x batch: median, p90 and first step ms, draft and verify ms (CUDA
   events), tokens/s, achieved GB/s = (weights + K/V read) / step time;
 - ``launches``: kernels per decode step (torch.profiler over 3 steps), per mode;
 - ``host_reads``: reads back and blocking copies per decode step (``engine/host_reads.py``; the budget is 2);
 - ``memory``: peak memory per mode, and the graph pool's growth;
-- ``fidelity``: fp32 greedy equality at the 1B shape (EAGLE = plain, fused = modules, graphs = eager), and with
+- ``fidelity``: fp32 greedy equality at the 1B shape (EAGLE = plain, fused = modules, flex = modules), and with
   ``--embedded-gguf`` the embedded pair's EAGLE against transformers ``generate()``;
 - ``verdicts``: PASS / FAIL lines for the GPU step's targets (8B, bf16, batch 1: plain <= 5.0 ms on an H200,
   6.5 ms on an H100; EAGLE <= 8 / 10 ms; graphs >= 3x eager; plain at batch 64 >= 60% of the memory bandwidth).
@@ -100,7 +101,8 @@ def random_target(shape: str, device, dtype, logit_scale: float = 8.0):
     return hf
 
 
-def build_engine(hf, device, dtype, max_batch_size: int, max_model_len: int, fused="auto", tree=None):
+def build_engine(hf, device, dtype, max_batch_size: int, max_model_len: int, fused="auto", tree=None,
+                 tree_attention="sdpa"):
     """An engine over ``hf`` (its layers fused at most once: a fused model keeps its merged weights) with a random
     EAGLE-2 head."""
     from eagle_ray.config import EngineConfig, TreeConfig
@@ -110,7 +112,7 @@ def build_engine(hf, device, dtype, max_batch_size: int, max_model_len: int, fus
     import torch
     config = EngineConfig(dtype=str(dtype).replace("torch.", ""), device=str(device), max_batch_size=max_batch_size,
                           max_model_len=max_model_len, tree=TreeConfig(**(tree or EAGLE_TREE)), fused_layers=fused,
-                          cpu_linears="native")   # the GPU's layout; on a CPU the smoke run keeps ``hf`` as built
+                          cpu_linears="native", tree_attention=tree_attention)   # the GPU's layout; on a CPU the smoke run keeps ``hf`` as built
     target = TargetModel(hf, max_batch_size, max_model_len, **config.precision.model_dump())
     torch.manual_seed(1)
     head = DraftHead.for_target(hf.config)
@@ -235,7 +237,8 @@ def step_times(report: Report, hf, shape: str, device, dtype, a) -> dict:
 
     from eagle_ray.engine.host_reads import count_host_reads
     rows, launches, reads, memory, shapes_seen = [], [], [], [], set()
-    modes = ["eager-modules", "eager-fused"] + (["graphs"] if device.type == "cuda" and shape in a.graphs else [])
+    modes = ["eager-modules", "eager-fused", "eager-fused-flex"] + (["graphs"] if device.type == "cuda"
+                                                                    and shape in a.graphs else [])
     weights = weight_bytes(hf)
     deadline = time.perf_counter() + a.section_seconds
     for mode in modes:
@@ -243,7 +246,8 @@ def step_times(report: Report, hf, shape: str, device, dtype, a) -> dict:
             report.write("step_times_cut", shape=shape, mode=mode, reason="section time spent")
             break
         fused = mode != "eager-modules"
-        engine = build_engine(hf, device, dtype, max(a.batches), a.max_model_len, fused=fused)
+        engine = build_engine(hf, device, dtype, max(a.batches), a.max_model_len, fused=fused,
+                              tree_attention="flex" if mode.endswith("flex") else "sdpa")
         pool_before = torch.cuda.memory_reserved() if device.type == "cuda" else 0
         if mode == "graphs":
             from eagle_ray.model.compiled import compile_forwards
@@ -390,9 +394,13 @@ def fidelity(report: Report, device, a) -> None:
     del modules
     fused = build_engine(hf, device, torch.float32, 8, a.max_model_len, fused=True)
     fused_eagle = [o.token_ids for o in fused.generate(prompts, params)]
+    del fused
+    flex = build_engine(hf, device, torch.float32, 8, a.max_model_len, fused=True, tree_attention="flex")
+    flex_eagle = [o.token_ids for o in flex.generate(prompts, params)]
     report.write("fidelity", shape=shape, prompts=len(prompts), tokens=a.tokens,
                  eagle_equals_plain=sum(x == y for x, y in zip(eagle, plain)),
-                 fused_equals_modules=sum(x == y for x, y in zip(fused_eagle, plain)))
+                 fused_equals_modules=sum(x == y for x, y in zip(fused_eagle, plain)),
+                 flex_equals_modules=sum(x == y for x, y in zip(flex_eagle, plain)))
     if a.embedded_gguf:
         embedded_against_generate(report, device, a)
 
@@ -447,9 +455,10 @@ def verdicts(report: Report, device) -> None:
                          f"GB/s = {share:.0%} of {BANDWIDTH_GBS[gpu]} GB/s")
     fid = next((line for line in report.lines if line["section"] == "fidelity"), None)
     if fid:
-        ok = fid["eagle_equals_plain"] == fid["fused_equals_modules"] == fid["prompts"]
+        ok = fid["eagle_equals_plain"] == fid["fused_equals_modules"] == fid["flex_equals_modules"] == fid["prompts"]
         lines.append(f"{'PASS' if ok else 'FAIL'} fp32 greedy equality: EAGLE = plain {fid['eagle_equals_plain']}/"
-                     f"{fid['prompts']}, fused = modules {fid['fused_equals_modules']}/{fid['prompts']}")
+                     f"{fid['prompts']}, fused = modules {fid['fused_equals_modules']}/{fid['prompts']}, flex = "
+                     f"modules {fid['flex_equals_modules']}/{fid['prompts']}")
     report.write("verdicts", device=name, lines=lines)
 
 

@@ -348,7 +348,8 @@ def batch_size_runs(bs: int, prompts: list, a) -> list[dict]:
     """One engine of max batch ``bs``: every mode warmed, then timed ``a.repeats`` times (A B B A ...)."""
     from eagle_ray.engine.engine import EagleEngine
     engine = EagleEngine.from_config(EngineConfig(target=a.target, draft=a.draft, dtype=a.dtype, max_batch_size=bs,
-                                                  threads=a.threads, tree_policy=a.tree_policy, **precision_kwargs(a)))
+                                                  threads=a.threads, tree_policy=a.tree_policy,
+                                                  max_step_tokens=a.max_step_tokens, **precision_kwargs(a)))
     for speculative in (True, False) if a.plain else (True,):   # this size's shapes warmed before any timing
         engine.generate(prompts[:min(bs, 8)], SamplingParams(max_new_tokens=16 if a.repeats > 1 else 4),
                         speculative=speculative)
@@ -389,7 +390,8 @@ def cmd_batch(a) -> int:
     for r in runs:
         ids = r.pop("_ids")
         r["differs_from_batch1_spec"] = [i for i, x in enumerate(ids) if x != reference[i]]
-    result = {"dtype": a.dtype, **precision_kwargs(a), "workload": a.workload, "prompts": a.num_prompts,
+    result = {"dtype": a.dtype, **precision_kwargs(a), "max_step_tokens": a.max_step_tokens,
+              "workload": a.workload, "prompts": a.num_prompts,
               "max_new_tokens": a.max_new_tokens, "plain_first": a.plain_first, "repeats": a.repeats,
               "summary": batch_summary(runs), "runs": runs}
     write_result(a.out, result, a.command)
@@ -538,6 +540,7 @@ def add_batch(sub) -> None:
     b.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16])
     b.add_argument("--plain", action="store_true", help="also run plain batched decoding at each size")
     b.add_argument("--threads", type=int, default=2)
+    b.add_argument("--max-step-tokens", type=int, default=None, help="tokens a step may run (default: the device's)")
     b.add_argument("--target", default=None, help="target (default: the embedded SmolLM2-135M-Instruct)")
     b.add_argument("--draft", default=None, help="EAGLE head dir (default: the embedded head)")
     b.add_argument("--tree-policy", default="fixed", choices=["fixed", "auto"],

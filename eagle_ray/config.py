@@ -200,6 +200,10 @@ class PrecisionConfig(StrictModel):
     fused_layers: Switch = Field("auto", description="run each decoder layer in few kernels (q/k/v and gate/up "
                                  "merged, fused norms, residual adds in the output GEMMs; model/fused.py); auto: on "
                                  "CUDA, where a kernel launch costs more than a small one's work")
+    tree_attention: Literal["auto", "sdpa", "flex"] = Field(
+        "auto", description="attention of the fused layers: sdpa (each row's keys up to the batch's longest, one "
+        "mask) or flex (flex attention over the cache as it lies: each row reads only its own slot's keys; "
+        "model/tree_attention.py); auto: the device's default (model/numerics.py)")
 
 
 def aliases(name: str, field) -> list[str]:

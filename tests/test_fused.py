@@ -72,14 +72,17 @@ def test_biased_and_normed_projections_fuse_too(monkeypatch, model_type):
     assert sum(kernels_per_layer(monkeypatch, True, model_type).values()) <= 16 + 3 * (model_type == "qwen3")
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
-def test_fused_layers_give_the_targets_greedy_tokens_in_fp32(tmp_path, model_type):
+@pytest.mark.parametrize("model_type, tree_attention", [("llama", "sdpa"), ("qwen2", "sdpa"), ("qwen3", "sdpa"),
+                                                     ("llama", "flex")])
+def test_fused_layers_give_the_targets_greedy_tokens_in_fp32(tmp_path, model_type, tree_attention):
+    """Either attention of the fused layers: SDPA over the rows' keys, or flex over the cache as it lies."""
     path = save_target(tmp_path, model_type=model_type)
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     engine = EagleEngine.from_pretrained(str(path), "random", dtype="float32", max_batch_size=3, fused_layers=True,
-                                         cpu_linears="native", tree=TreeConfig(total_tokens=10, depth=3, top_k=3))
-    assert engine.target.fused is not None
+                                         cpu_linears="native", tree=TreeConfig(total_tokens=10, depth=3, top_k=3),
+                                         tree_attention=tree_attention)
+    assert engine.target.fused is not None and engine.target.numerics.tree_attention == tree_attention
     prompts = mixed_prompts(4, seed=2)
     for speculative in (True, False):
         outs = engine.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True), speculative=speculative)
@@ -94,3 +97,24 @@ def test_merged_weights_are_shared_with_the_modules_not_copied():
     assert layer.self_attn.k_proj.weight.data_ptr() == fused.qkv[fused.heads * fused.head_dim:].data_ptr()
     assert layer.mlp.up_proj.weight.untyped_storage().data_ptr() == fused.gate_up.untyped_storage().data_ptr()
     assert sum(p.numel() for p in hf.parameters()) == before
+
+
+def test_drafted_and_plain_rows_in_one_verify_pass_give_the_targets_greedy_tokens(tmp_path, monkeypatch):
+    """Where a step is bound by reading the weights (CUDA), sequences that draft and sequences that decode plainly
+    in the same step share one target pass, the plain roots padded to the trees' width."""
+    path = save_target(tmp_path)
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    engine = EagleEngine.from_pretrained(str(path), "random", dtype="float32", max_batch_size=4,
+                                         tree=TreeConfig(total_tokens=10, depth=3, top_k=3))
+    engine.runner.one_verify_pass = True
+    passes, verify = [], engine.runner.verify
+    monkeypatch.setattr(engine.runner, "verify", lambda seqs, tree, n_valid=None: passes.append(
+        (len(seqs), tree.tokens.shape[1], n_valid)) or verify(seqs, tree, n_valid))
+    prompts = mixed_prompts(4, seed=5)
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    seqs = [engine.add_request(p, params, speculative=i % 2 == 0) for i, p in enumerate(prompts)]
+    while engine.has_unfinished():
+        engine.step()
+    assert [engine.output(s).token_ids for s in seqs] == [reference_greedy(hf, p, 20) for p in prompts]
+    assert (4, 10, [10, 10, 1, 1]) in passes   # two drafted and two plain rows, one pass

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from eagle_ray.config import TreeConfig
-from eagle_ray.speculative.tree import Tree, ancestor_mask, grow_tree, root_to_leaf_paths, static_shape
+from eagle_ray.speculative.tree import Tree, ancestor_mask, grow_tree, root_to_leaf_paths, stack_trees, static_shape
 
 WORDS = "It is has a the to good be".split()
 PARENTS = [0, 0, 0, 1, 1, 2, 3, 5]  # is->It, has->It, a->is, the->is, to->has, good->a, be->to
@@ -229,3 +229,16 @@ def test_a_tree_is_named_total_depth_top_k():
         TreeConfig.from_spec("8x3")
     with pytest.raises(ValueError, match="top_k"):
         TreeConfig.from_spec("8/3/0")
+
+
+def test_stacked_trees_pad_the_narrower_with_nodes_that_see_only_themselves():
+    wide = Tree(torch.tensor([[5, 6, 7]]), torch.tensor([[0, 0, 1]]), torch.tensor([[0, 1, 2]]),
+                torch.ones(1, 3, dtype=torch.bool), torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 1, 1]]]).bool(),
+                torch.tensor([[0.0, -0.5, -1.0]]), max_depth=2)
+    root = Tree(torch.tensor([[9]]), torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long),
+                torch.ones(1, 1, dtype=torch.bool), torch.ones(1, 1, 1, dtype=torch.bool), torch.zeros(1, 1))
+    both = stack_trees(wide, root)
+    assert both.tokens.tolist() == [[5, 6, 7], [9, 0, 0]] and both.parents.tolist() == [[0, 0, 1], [0, 1, 2]]
+    assert both.valid.tolist() == [[True] * 3, [True, False, False]] and both.size.tolist() == [3, 1]
+    assert both.ancestors[1].int().tolist() == [[1, 0, 0], [0, 1, 0], [0, 0, 1]]
+    assert both.scores[1].tolist() == [0.0, float("-inf"), float("-inf")] and (both.max_depth, both.padded) == (2, True)

@@ -22,12 +22,13 @@ from eagle_ray.engine.sequence import Sequence
 from eagle_ray.engine.clock import Clock, resolve_times
 from eagle_ray.uploads import uploads_for
 from eagle_ray.model.draft_head import DraftHead
+from eagle_ray.model.numerics import defaults_for
 from eagle_ray.model.target import TargetModel
 from eagle_ray.speculative.accept import accept
 from eagle_ray.speculative.context_vocab import ContextTokens, context_rows
 from eagle_ray.speculative.lookup import TokenHistory, lookup_rows
 from eagle_ray.speculative.sampling import SamplingBatch, choose_tokens
-from eagle_ray.speculative.tree import Tree, drop_padding, fit_batch_budget, graft_chain, grow_tree
+from eagle_ray.speculative.tree import Tree, drop_padding, fit_batch_budget, graft_chain, grow_tree, stack_trees
 
 
 @dataclass
@@ -98,6 +99,9 @@ class ModelRunner:
         self.device = target.device
         self.extend_budget = extend_budget   # padded tokens per head pass (draft_extend without a plan's passes)
         self.profile = False
+        # drafted and plain rows verified in one pass (plain roots padded to the trees' width): one read of the
+        # weights where a step is bound by reading them, two narrower passes where compute is dearer
+        self.one_verify_pass = defaults_for(self.device).one_verify_pass
         self.clock, self.times = Clock(self.device), StepTimes()   # the running step's (see run)
         self.trace = None  # a TreeTrace recording verified trees (calibration, tuning); off by default
 
@@ -131,12 +135,16 @@ class ModelRunner:
             self.draft_extend(plan.feed, plan.passes)
             out.times.extend_s = clock() - t
             out.times.draft_s += out.times.extend_s
-        if ready:
-            out.results += self.decode_speculative(ready, tree_cfg, plan.verify_cap, context, chains)
-            out.decoded[True] = len(ready)
-        if plain:
-            out.results += self.decode_plain(plain)
-            out.decoded[False] = len(plain)
+        if ready and plain and self.one_verify_pass:   # one read of the weights for both
+            tree = self.draft_trees(ready, tree_cfg, plan.verify_cap, context, chains)
+            out.results += self.verify(ready + plain, stack_trees(tree, self.root_trees(plain)),
+                                       n_valid=[tree.tokens.shape[1]] * len(ready) + [1] * len(plain))
+        else:
+            if ready:
+                out.results += self.decode_speculative(ready, tree_cfg, plan.verify_cap, context, chains)
+            if plain:
+                out.results += self.decode_plain(plain)
+        out.decoded.update({mode: len(seqs) for mode, seqs in ((True, ready), (False, plain)) if seqs})
         out.times.tree_nodes = sum(r.tree_size for r in out.results if r.seq.speculative)
         out.times.total_s = clock() - t0
         uploads_for(self.device).clear()
@@ -312,8 +320,13 @@ class ModelRunner:
 
     def decode_speculative(self, seqs: list[Sequence], tree_cfg: TreeConfig, verify_cap: int | None,
                            context: np.ndarray | None = None, chains: np.ndarray | None = None) -> list[SeqResult]:
-        """Grow and verify the trees of sequences the head has caught up with (no pending pair left), drafting
-        over ``context`` (``context_ids``) too, with ``chains`` (``lookup_ids``) grafted on."""
+        """Grow and verify the trees of sequences the head has caught up with (no pending pair left)."""
+        return self.verify(seqs, self.draft_trees(seqs, tree_cfg, verify_cap, context, chains))
+
+    def draft_trees(self, seqs: list[Sequence], tree_cfg: TreeConfig, verify_cap: int | None,
+                    context: np.ndarray | None = None, chains: np.ndarray | None = None) -> Tree:
+        """The trees of sequences the head has caught up with, drafted over ``context`` (``context_ids``) too,
+        with ``chains`` (``lookup_ids``) grafted on and the batch's verify cap applied."""
         times, clock = self.times, self.clock
         t0 = clock()
         tree = self.grow_from(seqs, torch.stack([s.draft_hidden for s in seqs]), tree_cfg, context)
@@ -325,12 +338,14 @@ class ModelRunner:
         tree = drop_padding(tree)
         times.draft_s += clock() - t0
         times.verify_width = tree.tokens.shape[1]
-        return self.verify(seqs, tree)
+        return tree
 
     def decode_plain(self, seqs: list[Sequence]) -> list[SeqResult]:
         """Verify every sequence's root only (speculative sequences keep collecting the head's pairs)."""
-        roots = uploads_for(self.device).ints([s.root for s in seqs])
-        return self.verify(seqs, root_only_tree(roots))
+        return self.verify(seqs, self.root_trees(seqs))
+
+    def root_trees(self, seqs: list[Sequence]) -> Tree:
+        return root_only_tree(uploads_for(self.device).ints([s.root for s in seqs]))
 
     def grow_trees(self, seqs: list[Sequence], tree_cfg: TreeConfig) -> Tree:
         """Feed every pending pair, then grow every sequence's tree (what a speculative step does before it
@@ -338,9 +353,10 @@ class ModelRunner:
         self.draft_extend(seqs)
         return self.grow_from(seqs, torch.stack([s.draft_hidden for s in seqs]), tree_cfg, self.context_ids(seqs))
 
-    def verify(self, seqs: list[Sequence], tree: Tree) -> list[SeqResult]:
+    def verify(self, seqs: list[Sequence], tree: Tree, n_valid: list[int] | None = None) -> list[SeqResult]:
         """One target pass over every tree, acceptance, and the accepted path's K/V moved next to the prefix;
-        speculative sequences queue the accepted tokens' (feature, token) pairs for the head."""
+        speculative sequences queue the accepted tokens' (feature, token) pairs for the head. ``n_valid``: the
+        columns each row may write (a plain row stacked beside trees writes its root only)."""
         times, clock = self.times, self.clock
         target, device = self.target, self.device
         slots = [s.slot for s in seqs]
@@ -348,9 +364,9 @@ class ModelRunner:
         B, W = tree.tokens.shape
         t0 = clock()
         if collect:
-            hidden, feats = self.target_forward(tree.tokens, slots, tree.depth, tree.ancestors)
+            hidden, feats = self.target_forward(tree.tokens, slots, tree.depth, tree.ancestors, n_valid)
         else:
-            hidden = target.forward(tree.tokens, slots, tree.depth, tree.ancestors)
+            hidden = target.forward(tree.tokens, slots, tree.depth, tree.ancestors, n_valid=n_valid)
         logits = target.logits(hidden)
         times.verify_s += clock() - t0
         times.forward_s += clock() - t0

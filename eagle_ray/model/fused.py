@@ -101,8 +101,8 @@ def apply_rope(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
 
 def fused_decoder_layer(L: FusedLayer, hidden: torch.Tensor, rope: RopeTables, cache, layer_idx: int, meta,
                         attend) -> torch.Tensor:
-    """The layer on ``hidden [B, T, d]``; ``attend(q [B, H, T, D], keys, values)`` is the attention kernel over
-    the cached prefix (``attention.masked_sdpa`` with the forward's mask)."""
+    """The layer on ``hidden [B, T, d]``; ``attend(q [B, H, T, D], layer_idx)`` is the attention over the cached
+    prefix, this block's keys written (``TargetModel.attention_of``: SDPA with the forward's mask, or flex)."""
     B, T, d = hidden.shape
     H, Hkv, D = L.heads, L.kv_heads, L.head_dim
     flat = hidden.reshape(B * T, d)
@@ -113,8 +113,7 @@ def fused_decoder_layer(L: FusedLayer, hidden: torch.Tensor, rope: RopeTables, c
     qk = apply_rope(qk, rope)
     q, k = qk[:, :, :H], qk[:, :, H:]
     cache.write(layer_idx, meta.slot_index, meta.write_pos, k.transpose(1, 2), v.transpose(1, 2))
-    keys, values = cache.read(layer_idx, meta.slots, meta.kv_len)
-    out = attend(q.transpose(1, 2), keys, values).transpose(1, 2).reshape(B * T, H * D)
+    out = attend(q.transpose(1, 2), layer_idx).transpose(1, 2).reshape(B * T, H * D)
     flat = torch.addmm(flat, out, L.o.t())
     up = F.linear(rms_norm(flat, L.post_norm, L.eps), L.gate_up)
     gate, up = up.chunk(2, dim=-1)

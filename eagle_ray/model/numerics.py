@@ -27,6 +27,10 @@ class DeviceDefaults:
     sdpa_backends: tuple[str, ...] | None   # attention kernels SDPA may pick, in order (None: its own choice);
     #                               CUDA leaves out cuDNN, which builds a new graph for every new key length
     fused_layers: bool            # decoder layers in few kernels (model/fused.py): where a launch costs more than its work
+    tree_attention: str = "sdpa"  # the fused layers' attention: sdpa, or flex (model/tree_attention.py; not yet the
+    #                               default anywhere: bench/gpu_step.py measures it against sdpa)
+    one_verify_pass: bool = False  # drafted and plain rows verified in one pass: where reading the weights sets
+    #                               the step's cost, not the padded rows' compute (engine/model_runner.py)
 
 
 DEVICE_DEFAULTS = {
@@ -34,7 +38,7 @@ DEVICE_DEFAULTS = {
                           sdpa_backends=None, fused_layers=False),
     "cuda": DeviceDefaults(step_tokens=8192, auto_max_slots=256, exact_low_precision=False, cpu_layouts=False,
                            kv_bucket=256, sdpa_backends=("EFFICIENT_ATTENTION", "FLASH_ATTENTION", "MATH"),
-                           fused_layers=True),
+                           fused_layers=True, one_verify_pass=True),
 }
 
 
@@ -72,6 +76,7 @@ class Numerics:
     batch_invariant: bool       # row-invariant GEMM shapes and chunked attention (attention.pad_rows)
     cpu_linears: str            # the linears' layout: native | input_major | packed (see model/linears.py)
     fused_layers: bool = False  # merged projections and fused norms (model/fused.py)
+    tree_attention: str = "sdpa"  # the fused layers' attention kernel: sdpa | flex (model/tree_attention.py)
 
     @property
     def input_major_weights(self) -> bool:
@@ -80,12 +85,12 @@ class Numerics:
 
 
 def numerics_for(device: torch.device, dtype: torch.dtype, fp32_logits="auto", fp32_activations="auto",
-                 batch_invariant="auto", cpu_linears="auto", fused_layers="auto") -> Numerics:
+                 batch_invariant="auto", cpu_linears="auto", fused_layers="auto", tree_attention="auto") -> Numerics:
     """Resolve the precision switches (``True``, ``False`` or ``"auto"``) for a device and dtype.
 
     ``auto``: the device's ``exact_low_precision`` for a bf16/fp16 target (an fp32 target needs none of them).
     Batch-invariant kernels exist on CPU only and need fp32 activations. Fused layers need the modules' own
-    weights (native linears) and a residual stream in the model dtype.
+    weights (native linears) and a residual stream in the model dtype; flex tree attention runs in fused layers.
     """
     facts, cpu, low = defaults_for(device), device.type == "cpu", dtype != torch.float32
 
@@ -97,7 +102,8 @@ def numerics_for(device: torch.device, dtype: torch.dtype, fp32_logits="auto", f
     invariant = activations and cpu and pick(batch_invariant, True)
     linears = cpu_linears_for(device, dtype) if cpu_linears == "auto" or not cpu else cpu_linears
     fused = pick(fused_layers, facts.fused_layers) and linears == "native" and not activations
-    return Numerics(logits, activations, invariant, cpu_linears=linears, fused_layers=fused)
+    kernel = (facts.tree_attention if tree_attention == "auto" else tree_attention) if fused else "sdpa"
+    return Numerics(logits, activations, invariant, cpu_linears=linears, fused_layers=fused, tree_attention=kernel)
 
 
 def cpu_linears_for(device: torch.device, dtype: torch.dtype) -> str:

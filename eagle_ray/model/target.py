@@ -15,6 +15,7 @@ from eagle_ray.model.attention import decoder_layer, make_block_meta, masked_sdp
 from eagle_ray.model.fused import RopeTables, fuse_layer, fused_decoder_layer
 from eagle_ray.model.kv_cache import KVCache
 from eagle_ray.model.linears import lay_out_linears
+from eagle_ray.model.tree_attention import flex_tree_attention, tree_block_mask
 from eagle_ray.model.logits import RefinedLogits
 from eagle_ray.model.numerics import attention_kernels, defaults_for, numerics_for
 
@@ -41,7 +42,7 @@ def check_loading_info(path, info: dict) -> None:
 
 class TargetModel:
     def __init__(self, hf_model, max_slots: int, max_len: int, fp32_logits="auto", fp32_activations="auto",
-                 batch_invariant="auto", cpu_linears="auto", fused_layers="auto"):
+                 batch_invariant="auto", cpu_linears="auto", fused_layers="auto", tree_attention="auto"):
         """The precision switches are True, False or "auto" (resolved for the device by ``numerics_for``)."""
         cfg = hf_model.config
         check_model_type(cfg)
@@ -50,7 +51,7 @@ class TargetModel:
         param = next(hf_model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.numerics = numerics_for(self.device, self.dtype, fp32_logits, fp32_activations, batch_invariant,
-                                     cpu_linears, fused_layers)
+                                     cpu_linears, fused_layers, tree_attention)
         lay_out_linears(hf_model, self.numerics.cpu_linears, keep_dense=("lm_head",))  # see model/linears.py
         self.model = hf_model.model
         self.layers = list(self.model.layers)
@@ -140,7 +141,7 @@ class TargetModel:
         meta = with_attention_mask(meta, self.config.num_attention_heads, self.config.num_key_value_heads)
         if self.fused is not None:
             rope = RopeTables.of(cos, sin)
-            attend = lambda q, k, v: masked_sdpa(q, k, v, meta, attn.scaling)   # noqa: E731
+            attend = self.attention_of(meta, attn.scaling)
         captured = [hidden] * len(layers)
         for i, layer in enumerate(self.layers):
             for j, wanted in enumerate(layers):
@@ -153,6 +154,14 @@ class TargetModel:
         if capture:
             return self.model.norm(hidden), torch.cat(captured, dim=-1)
         return self.model.norm(hidden)
+
+    def attention_of(self, meta, scale: float):
+        """The fused layers' ``attend(q, layer)`` for this forward: flex tree attention over the cache as it lies
+        (its block mask built here, once), or SDPA over the rows' keys read with the forward's mask."""
+        if self.numerics.tree_attention == "flex":
+            block_mask = tree_block_mask(meta, self.cache)
+            return lambda q, i: flex_tree_attention(q, self.cache, i, meta, block_mask, scale)
+        return lambda q, i: masked_sdpa(q, *self.cache.read(i, meta.slots, meta.kv_len), meta, scale)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 
 from eagle_ray.config import TreeConfig
 
@@ -305,6 +306,30 @@ def _with_valid(tree: Tree, valid: torch.Tensor) -> Tree:
     return Tree(tree.tokens, torch.where(valid, tree.parents, idx), torch.where(valid, tree.depth, 0), valid,
                 torch.where(valid.unsqueeze(-1), tree.ancestors, eye), torch.where(valid, tree.scores, float("-inf")),
                 tree.max_depth, True)
+
+
+def stack_trees(first: Tree, second: Tree) -> Tree:
+    """Both batches' trees as one batch, the narrower padded to the wider with padding nodes (invalid, their own
+    parent, seeing only themselves): one verify pass, so one read of the weights, for drafted and plain rows."""
+    W = max(first.tokens.shape[1], second.tokens.shape[1])
+
+    def widened(t: Tree) -> Tree:
+        B, T = t.tokens.shape
+        if T == W:
+            return t
+        dev, pad = t.tokens.device, W - T
+        anc = torch.zeros(B, W, W, dtype=torch.bool, device=dev)
+        anc[:, :T, :T] = t.ancestors
+        anc[:, T:, T:] = torch.eye(pad, dtype=torch.bool, device=dev)
+        own = torch.arange(T, W, device=dev).expand(B, pad)
+        return Tree(F.pad(t.tokens, (0, pad)), torch.cat([t.parents, own], 1), F.pad(t.depth, (0, pad)),
+                    F.pad(t.valid, (0, pad)), anc, F.pad(t.scores, (0, pad), value=float("-inf")), t.max_depth, True)
+
+    a, b = widened(first), widened(second)
+    return Tree(*(torch.cat([x, y]) for x, y in ((a.tokens, b.tokens), (a.parents, b.parents), (a.depth, b.depth),
+                                                  (a.valid, b.valid), (a.ancestors, b.ancestors),
+                                                  (a.scores, b.scores))),
+                max(a.max_depth, b.max_depth), a.padded or b.padded)
 
 
 def drop_padding(tree: Tree) -> Tree:

@@ -139,6 +139,10 @@ class CacheConfig(StrictModel):
                                         "running sequence, prompt chunks (at least 16 tokens), then draft tree tokens "
                                         "in what is left; it bounds how long a step stalls the running streams "
                                         "(None: the device's default, model/numerics.py DEVICE_DEFAULTS)")
+    step_goal: Literal["latency", "throughput"] = Field(
+        "latency", description="the device's step budget when max_step_tokens is None: latency (short steps, so "
+        "prompts arriving stall running streams little: Serve) or throughput (wide steps, so trees and prompt chunks "
+        "share a step: the batch job and processors); model/numerics.py DEVICE_DEFAULTS")
     memory_share: float | None = Field(None, gt=0, le=1, description="the share of the device's memory this engine "
                                        "plans for with max_batch_size auto (None: all that is free); a Ray actor or "
                                        "replica with num_gpus 0.5 gets 0.5")
@@ -320,6 +324,20 @@ def tune_tree_unless_named(data):
             if not {"tree", "tree_policy", "trees_by_batch"} & (set(engine) | set(spec)):
                 data = {**data, "engine": {**engine, "tree_policy": "auto"}}
     return data
+
+
+def throughput_steps_unless_named(data):
+    """The job and processors have no stream to stall: their steps take the device's throughput budget unless the
+    config names a budget."""
+    engine = data.get("engine", {}) if isinstance(data, dict) else None
+    if not isinstance(engine, dict) or not isinstance(engine.get("cache", {}), dict):
+        return data   # not ours to read: the engine's own validation names what is wrong
+    cache = engine.get("cache", {})
+    if {"max_step_tokens", "step_goal"} & (set(engine) | set(cache)):
+        return data
+    if "cache" in engine:
+        return {**data, "engine": {**engine, "cache": {**cache, "step_goal": "throughput"}}}
+    return {**data, "engine": {**engine, "step_goal": "throughput"}}
 
 
 def need_a_head_to_speculate(self):

@@ -12,7 +12,8 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from eagle_ray.config import (EngineConfig, S3Options, SamplingParams, StrictModel, apply_overrides,
-                              need_a_head_to_speculate, one_gpu_per_engine, read_yaml_mapping, tune_tree_unless_named)
+                              need_a_head_to_speculate, one_gpu_per_engine, read_yaml_mapping,
+                              throughput_steps_unless_named, tune_tree_unless_named)
 
 
 class InputConfig(StrictModel):
@@ -71,6 +72,7 @@ class ProcessorConfig(StrictModel):
     engine: EngineConfig = Field(default_factory=EngineConfig)
 
     _default_tree = model_validator(mode="before")(tune_tree_unless_named)
+    _wide_steps = model_validator(mode="before")(throughput_steps_unless_named)
     _head = model_validator(mode="after")(need_a_head_to_speculate)
     sampling: SamplingParams = Field(default_factory=SamplingParams, description="defaults; rows may override")
     speculative: bool = True

@@ -55,7 +55,7 @@ class EagleEngine:
         check_prompt_room(target.max_len, self.policy.trees())
         self._ids = itertools.count()
         self.driving = threading.Lock()   # held by the one caller that steps the engine (generate, a RequestQueue)
-        budget = step_tokens(config.cache.max_step_tokens, target.device)
+        budget = step_tokens(config.cache.max_step_tokens, target.device, config.cache.step_goal)
         extend_budget = max(budget, 512)   # padded tokens a head pass takes
         self.runner = ModelRunner(target, draft, extend_budget, context_vocab=config.speculation.context_vocab)
         feeding = None

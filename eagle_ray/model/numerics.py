@@ -19,6 +19,8 @@ class DeviceDefaults:
     """What a kind of device sets where the config says ``auto`` (or leaves a field unset)."""
     step_tokens: int              # cache.max_step_tokens: tokens a step runs, so a stall of the running streams
     #                               while prompts arrive lasts about one pass of this many tokens
+    throughput_step_tokens: int   # ... where nothing streams (the batch job): wide enough that a step holds trees
+    #                               beside the prompt chunks of sequences that just started
     auto_max_slots: int           # max_batch_size "auto" stops here (beyond it a step costs more than it batches)
     exact_low_precision: bool     # bf16/fp16 targets: exact top logits, fp32 activations, batch-invariant kernels
     cpu_layouts: bool             # the target's linears in a CPU layout (model/linears.py), by dtype and bf16 support
@@ -34,9 +36,9 @@ class DeviceDefaults:
 
 
 DEVICE_DEFAULTS = {
-    "cpu": DeviceDefaults(step_tokens=48, auto_max_slots=32, exact_low_precision=True, cpu_layouts=True, kv_bucket=1,
+    "cpu": DeviceDefaults(step_tokens=48, throughput_step_tokens=256, auto_max_slots=32, exact_low_precision=True, cpu_layouts=True, kv_bucket=1,
                           sdpa_backends=None, fused_layers=False),
-    "cuda": DeviceDefaults(step_tokens=8192, auto_max_slots=256, exact_low_precision=False, cpu_layouts=False,
+    "cuda": DeviceDefaults(step_tokens=8192, throughput_step_tokens=8192, auto_max_slots=256, exact_low_precision=False, cpu_layouts=False,
                            kv_bucket=256, sdpa_backends=("EFFICIENT_ATTENTION", "FLASH_ATTENTION", "MATH"),
                            fused_layers=True, one_verify_pass=True),
 }
@@ -57,9 +59,13 @@ def attention_kernels(device):
     return sdpa_kernel([getattr(SDPBackend, b) for b in backends])
 
 
-def step_tokens(max_step_tokens: int | None, device) -> int:
-    """Tokens per step (verify and prompt chunks): the configured ``cache.max_step_tokens``, else the device's."""
-    return max_step_tokens if max_step_tokens is not None else defaults_for(device).step_tokens
+def step_tokens(max_step_tokens: int | None, device, goal: str = "latency") -> int:
+    """Tokens per step (verify and prompt chunks): the configured ``cache.max_step_tokens``, else the device's
+    budget for the goal (``cache.step_goal``: latency for Serve, throughput for the batch job)."""
+    if max_step_tokens is not None:
+        return max_step_tokens
+    facts = defaults_for(device)
+    return facts.throughput_step_tokens if goal == "throughput" else facts.step_tokens
 
 
 @dataclass(frozen=True)

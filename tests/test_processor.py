@@ -79,3 +79,13 @@ def test_two_engines_share_one_gpu_at_half_a_gpu_each(ray_local, pair, tmp_path)
 def _local(path):
     import fsspec
     return fsspec.filesystem("file"), str(path)
+
+
+@pytest.mark.slow
+def test_an_autoscaling_pool_answers_every_row(ray_local, pair, tmp_path):  # noqa: F811
+    """``num_actors: [1, 2]``: Ray Data starts one actor and may add a second while batches wait."""
+    cfg = config(pair, "x", "y", actors__num_actors=[1, 2], actors__num_cpus=0.5, actors__batch_size=2,
+                 actors__max_concurrent_batches=1)
+    out = build_processor(ProcessorConfig.of(cfg))(ray.data.from_items(prompts(12), override_num_blocks=6)).take_all()
+    assert sorted(r["id"] for r in out) == sorted(r["id"] for r in prompts(12)) and not any(r["error"] for r in out)
+    assert 1 <= len({r["worker_id"] for r in out}) <= 2

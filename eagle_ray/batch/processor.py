@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Callable
 
-from eagle_ray.batch.config import ProcessorConfig
+from eagle_ray.batch.config import ProcessorConfig  # noqa: F401 - also the public name, eagle_ray.ProcessorConfig
 from eagle_ray.batch.rows import INVALID_ROW, InputRow, parquet_row
 
 Row = dict

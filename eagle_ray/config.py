@@ -329,13 +329,13 @@ def tune_tree_unless_named(data):
 def throughput_steps_unless_named(data):
     """The job and processors have no stream to stall: their steps take the device's throughput budget unless the
     config names a budget."""
-    engine = data.get("engine", {}) if isinstance(data, dict) else None
-    if not isinstance(engine, dict) or not isinstance(engine.get("cache", {}), dict):
+    engine = (data.get("engine") or {}) if isinstance(data, dict) else None   # a YAML key left empty is None
+    if not isinstance(engine, dict) or not isinstance(engine.get("cache") or {}, dict):
         return data   # not ours to read: the engine's own validation names what is wrong
-    cache = engine.get("cache", {})
+    cache = engine.get("cache") or {}
     if {"max_step_tokens", "step_goal"} & (set(engine) | set(cache)):
         return data
-    if "cache" in engine:
+    if engine.get("cache") is not None:
         return {**data, "engine": {**engine, "cache": {**cache, "step_goal": "throughput"}}}
     return {**data, "engine": {**engine, "step_goal": "throughput"}}
 

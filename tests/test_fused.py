@@ -109,8 +109,8 @@ def test_drafted_and_plain_rows_in_one_verify_pass_give_the_targets_greedy_token
                                          tree=TreeConfig(total_tokens=10, depth=3, top_k=3))
     engine.runner.one_verify_pass = True
     passes, verify = [], engine.runner.verify
-    monkeypatch.setattr(engine.runner, "verify", lambda seqs, tree, n_valid=None: passes.append(
-        (len(seqs), tree.tokens.shape[1], n_valid)) or verify(seqs, tree, n_valid))
+    monkeypatch.setattr(engine.runner, "verify", lambda seqs, tree, n_valid=None, **kw: passes.append(
+        (len(seqs), tree.tokens.shape[1], n_valid)) or verify(seqs, tree, n_valid, **kw))
     prompts = mixed_prompts(4, seed=5)
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
     seqs = [engine.add_request(p, params, speculative=i % 2 == 0) for i, p in enumerate(prompts)]

@@ -43,6 +43,7 @@ def test_a_resume_reruns_the_ids_that_now_stand_for_another_request(tmp_path):
 
 def test_a_resume_with_other_settings_is_refused_naming_each(tmp_path):
     check_output_identity(FS, str(tmp_path), job(sampling={"max_new_tokens": 16}))
+    write_rows(tmp_path, {"row-0": '{"prompt": "a"}'})
     check_output_identity(FS, str(tmp_path), job(sampling={"max_new_tokens": 16}))   # the same: resumes
     with pytest.raises(ConfigError, match=r"other settings \(speculative: True there, False now; sampling: "):
         check_output_identity(FS, str(tmp_path), job(sampling={"max_new_tokens": 32}, speculative=False))
@@ -162,3 +163,29 @@ def test_the_job_takes_wide_steps_and_serve_short_ones_unless_the_config_names_a
     assert (named.engine.cache.step_goal, named.engine.cache.max_step_tokens) == ("latency", 64)
     assert [step_tokens(None, "cpu", goal) for goal in ("latency", "throughput")] == [48, 256]
     assert step_tokens(64, "cpu", "throughput") == 64
+
+
+def test_two_rows_with_one_id_in_a_processors_batch_are_both_answered(tiny_dir, tmp_path):
+    """A user's dataset may repeat an id (n samples of one question): each row is its own request."""
+    import asyncio
+
+    import pyarrow as pa
+    stage = multi_turn_stage(tiny_dir, tmp_path)
+    batch = pa.Table.from_pylist([{"id": "q", "row_index": None, "error": None, "error_kind": None,
+                                   "payload": json.dumps({"prompt": "w1 w2"})}] * 2)
+    try:
+        rows = asyncio.run(stage(batch)).to_pylist()
+    finally:
+        stage.queue.shutdown(drain=False, timeout=10)
+    assert [(r["id"], r["error"], r["output_tokens"]) for r in rows] == [("q", None, 8)] * 2
+
+
+def test_a_refused_resume_releases_the_output_and_a_run_that_wrote_nothing_binds_nothing(tmp_path):
+    (tmp_path / "in.jsonl").write_text('{"prompt": "a"}\n')
+    out = tmp_path / "out"
+    check_output_identity(FS, str(out.mkdir() or out), job(tmp_path / "in.jsonl", out, speculative=False))
+    check_output_identity(FS, str(out), job(tmp_path / "in.jsonl", out))   # no part written: other settings pass
+    write_rows(out, {"row-0": '{"prompt": "a"}'})
+    with pytest.raises(ConfigError, match="written with other settings"):
+        run_job(job(tmp_path / "in.jsonl", out, speculative=False))
+    assert not (out / "_lease.json").exists()   # refused, and the output is free again

@@ -118,7 +118,7 @@ def check_output_identity(fs, root: str, cfg: JobConfig) -> None:
     """Refuse to resume into an output written with another target, head, dtype, speculation or sampling
     defaults; record them for the first run."""
     path, mine = f"{root}/{JOB_FILE}", output_identity(cfg)
-    if fs.exists(path):
+    if fs.exists(path) and committed_parts(fs, root):   # a first run that wrote no row binds nothing
         theirs = json.loads(fs.cat_file(path))
         changed = [k for k in mine if theirs.get(k) != mine[k]]
         if changed:
@@ -183,7 +183,7 @@ class OutputLease:
         while not self._stop.wait(self.stale_s / 4):
             try:
                 self._write()
-            except OSError:   # a lost write is retried next time; the lease outlives a few
+            except Exception:  # noqa: BLE001 - any store's error: retried next time; the lease outlives a few
                 pass
 
     def release(self) -> None:
@@ -318,9 +318,13 @@ def run_job(cfg: JobConfig, print_fn=print) -> dict:
         writer = PartWriter(out_fs, out_root, cfg.output.rows_per_file, set())
         lease = OutputLease(out_fs, out_root.rstrip("/"), writer.run, cfg.lease_stale_s)
         lease.acquire()
-        check_output_identity(out_fs, out_root.rstrip("/"), cfg)
     except OSError as e:
         raise ConfigError(f"output.uri {cfg.output.uri} cannot be written: {type(e).__name__}: {e}") from None
+    try:
+        check_output_identity(out_fs, out_root.rstrip("/"), cfg)
+    except BaseException:
+        lease.release()
+        raise
     try:
         return run_leased(cfg, rows, out_fs, out_root, writer, print_fn)
     finally:

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import socket
+import uuid
 from datetime import datetime, timezone
 
 import pyarrow as pa
@@ -197,7 +198,9 @@ class GenerateStage:
             else:
                 prompt = req.prompt
             try:
-                seq = await self.queue.aprepare(prompt, req.params, f"{rid}/{i}", self.cfg.speculative)
+                # the row's id, and a suffix of its own: two rows may share an id in a processor's dataset
+                seq = await self.queue.aprepare(prompt, req.params, f"{rid}/{i}/{uuid.uuid4().hex[:8]}",
+                                                self.cfg.speculative)
                 self.check_room(req, len(seq.prompt_ids))
                 out = await self.queue.agenerate(seq)
             except EagleError as e:

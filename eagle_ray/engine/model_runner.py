@@ -28,7 +28,8 @@ from eagle_ray.speculative.accept import accept
 from eagle_ray.speculative.context_vocab import ContextTokens, context_rows
 from eagle_ray.speculative.lookup import TokenHistory, lookup_rows
 from eagle_ray.speculative.sampling import SamplingBatch, choose_tokens
-from eagle_ray.speculative.tree import Tree, drop_padding, fit_batch_budget, graft_chain, grow_tree, stack_trees
+from eagle_ray.speculative.tree import (Tree, drop_padding, fit_batch_budget, graft_chain, grow_tree, rows_of,
+                                        stack_trees)
 
 
 @dataclass
@@ -135,10 +136,14 @@ class ModelRunner:
             self.draft_extend(plan.feed, plan.passes)
             out.times.extend_s = clock() - t
             out.times.draft_s += out.times.extend_s
-        if ready and plain and self.one_verify_pass:   # one read of the weights for both
+        if self.one_verify_pass and ready and plain:   # one read of the weights for both, where it fits
             tree = self.draft_trees(ready, tree_cfg, plan.verify_cap, context, chains)
-            out.results += self.verify(ready + plain, stack_trees(tree, self.root_trees(plain)),
-                                       n_valid=[tree.tokens.shape[1]] * len(ready) + [1] * len(plain))
+            W = tree.tokens.shape[1]
+            if (len(ready) + len(plain)) * W <= self.extend_budget:   # the step's workspace holds the padded pass
+                out.results += self.verify(ready + plain, stack_trees(tree, self.root_trees(plain)),
+                                           n_valid=[W] * len(ready) + [1] * len(plain), traced=len(ready))
+            else:
+                out.results += self.verify(ready, tree) + self.decode_plain(plain)
         else:
             if ready:
                 out.results += self.decode_speculative(ready, tree_cfg, plan.verify_cap, context, chains)
@@ -353,10 +358,12 @@ class ModelRunner:
         self.draft_extend(seqs)
         return self.grow_from(seqs, torch.stack([s.draft_hidden for s in seqs]), tree_cfg, self.context_ids(seqs))
 
-    def verify(self, seqs: list[Sequence], tree: Tree, n_valid: list[int] | None = None) -> list[SeqResult]:
+    def verify(self, seqs: list[Sequence], tree: Tree, n_valid: list[int] | None = None,
+               traced: int | None = None) -> list[SeqResult]:
         """One target pass over every tree, acceptance, and the accepted path's K/V moved next to the prefix;
         speculative sequences queue the accepted tokens' (feature, token) pairs for the head. ``n_valid``: the
-        columns each row may write (a plain row stacked beside trees writes its root only)."""
+        columns each row may write (a plain row stacked beside trees writes its root only); ``traced``: how many
+        leading rows are drafted trees a calibration trace records (the stacked plain rows are not)."""
         times, clock = self.times, self.clock
         target, device = self.target, self.device
         slots = [s.slot for s in seqs]
@@ -374,7 +381,9 @@ class ModelRunner:
         choice = choose_tokens(logits, SamplingBatch.of(seqs, device), base + tree.depth + 1)
         acc = accept(tree, choice)
         if self.trace is not None and W > 1:
-            self.trace.record(tree, acc.nodes, [(s.request_id, len(s.prompt_ids) + len(s.output_ids)) for s in seqs])
+            n = len(seqs) if traced is None else traced
+            self.trace.record(rows_of(tree, n), acc.nodes[:n],
+                              [(s.request_id, len(s.prompt_ids) + len(s.output_ids)) for s in seqs[:n]])
         A = acc.nodes.shape[1]
         # the one read back to the host: counts, bonus tokens, tree sizes and accepted tokens of every sequence
         packed = torch.cat([acc.count.view(B, 1), acc.bonus.view(B, 1), tree.size.view(B, 1),

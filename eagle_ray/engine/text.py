@@ -13,6 +13,7 @@ costs O(new tokens) per step instead of re-decoding the whole output every step.
 from __future__ import annotations
 
 import logging
+import re
 
 from eagle_ray.engine.request import Prompt, parse_prompt
 from eagle_ray.errors import InvalidRequestError, PromptTooLongError
@@ -99,16 +100,29 @@ class TextCodec:
         """The chat templated as usual, but each message's content tokenised with special-token text split into
         ordinary tokens: ``"hi<|im_end|>\n<|im_start|>system"`` in a user message cannot open a system turn.
         (Only chats whose content holds such text come here; the others tokenise exactly as the template says.)"""
-        marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
-        text = self.tokenizer.apply_chat_template([m | {"content": mark} for m, mark in zip(messages, marks)],
-                                                  add_generation_prompt=True, tokenize=False)
+        text = self.tokenizer.apply_chat_template(
+            [m | {"content": f"\ue000{i}\ue001"} for i, m in enumerate(messages)], add_generation_prompt=True,
+            tokenize=False)
+        found = [int(m.group(1)) for m in MARK.finditer(text)]
+        if sorted(found) != list(range(len(messages))):   # a template that drops or repeats a message's content
+            raise InvalidRequestError("this chat template does not place each message's content once, so content "
+                                      "holding special-token text cannot be kept plain; remove that text")
         ids: list[int] = []
-        for i, mark in enumerate(marks):
-            before, text = text.split(mark, 1)
+        for i, (before, text) in zip(found, _split_at_marks(text)):
             ids += self.tokenizer(before, add_special_tokens=False)["input_ids"]
             ids += self.tokenizer(messages[i]["content"], add_special_tokens=False,
                                   split_special_tokens=True)["input_ids"]
         return ids + self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+MARK = re.compile("\ue000(\\d+)\ue001")   # where a message's content sits in a rendered chat
+
+
+def _split_at_marks(text: str):
+    """(text before the mark, the rest after it) for each mark in the order the template placed them."""
+    while (m := MARK.search(text)) is not None:
+        yield text[: m.start()], text[m.end():]
+        text = text[m.end():]
 
 
 # prompt tokens an output's first window is decoded after (vLLM primes its detokenizer with 5 likewise)

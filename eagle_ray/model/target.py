@@ -15,7 +15,7 @@ from eagle_ray.model.attention import decoder_layer, make_block_meta, masked_sdp
 from eagle_ray.model.fused import RopeTables, fuse_layer, fused_decoder_layer
 from eagle_ray.model.kv_cache import KVCache
 from eagle_ray.model.linears import lay_out_linears
-from eagle_ray.model.tree_attention import flex_tree_attention, tree_block_mask
+from eagle_ray.model.tree_attention import FLEX_MAX_BLOCK, flex_tree_attention, tree_block_mask
 from eagle_ray.model.logits import RefinedLogits
 from eagle_ray.model.numerics import attention_kernels, defaults_for, numerics_for
 
@@ -158,7 +158,7 @@ class TargetModel:
     def attention_of(self, meta, scale: float):
         """The fused layers' ``attend(q, layer)`` for this forward: flex tree attention over the cache as it lies
         (its block mask built here, once), or SDPA over the rows' keys read with the forward's mask."""
-        if self.numerics.tree_attention == "flex":
+        if self.numerics.tree_attention == "flex" and meta.key_mask.shape[2] <= FLEX_MAX_BLOCK:
             block_mask = tree_block_mask(meta, self.cache)
             return lambda q, i: flex_tree_attention(q, self.cache, i, meta, block_mask, scale)
         return lambda q, i: masked_sdpa(q, *self.cache.read(i, meta.slots, meta.kv_len), meta, scale)

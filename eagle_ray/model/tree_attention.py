@@ -18,6 +18,9 @@ from eagle_ray.model.attention import BlockMeta
 from eagle_ray.model.kv_cache import KVCache
 
 
+FLEX_MAX_BLOCK = 64   # tokens per row at most: decode steps; a prompt chunk's mask over every slot would be too big
+
+
 def tree_block_mask(meta: BlockMeta, cache: KVCache) -> BlockMask:
     """What each query of the forward may see, over every slot of the cache: row ``r``'s queries live in slot
     ``meta.slot_index[r]`` and see that slot's committed prefix plus their tree ancestors (``meta.key_mask``);
@@ -42,7 +45,7 @@ def fused_flex_attention():
     """flex_attention compiled once per process: eager, it is a reference implementation that builds every score."""
     global _compiled
     if _compiled is None:
-        _compiled = torch.compile(flex_attention, dynamic=False)
+        _compiled = torch.compile(flex_attention, dynamic=True)   # tree widths change step to step
     return _compiled
 
 

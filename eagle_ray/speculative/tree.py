@@ -308,6 +308,14 @@ def _with_valid(tree: Tree, valid: torch.Tensor) -> Tree:
                 tree.max_depth, True)
 
 
+def rows_of(tree: Tree, n: int) -> Tree:
+    """The first ``n`` sequences' trees."""
+    if n == tree.tokens.shape[0]:
+        return tree
+    return replace(tree, tokens=tree.tokens[:n], parents=tree.parents[:n], depth=tree.depth[:n],
+                   valid=tree.valid[:n], ancestors=tree.ancestors[:n], scores=tree.scores[:n])
+
+
 def stack_trees(first: Tree, second: Tree) -> Tree:
     """Both batches' trees as one batch, the narrower padded to the wider with padding nodes (invalid, their own
     parent, seeing only themselves): one verify pass, so one read of the weights, for drafted and plain rows."""

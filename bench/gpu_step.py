@@ -352,8 +352,9 @@ class _Kept:
         return self.inner.__exit__(*exc)
 
 
-def engine_shapes(engine, a) -> set:
-    """(batch, tokens, key length) of the target's decode forwards over a plain run of ``a.steps * 4`` tokens."""
+@contextlib.contextmanager
+def decode_shapes(engine):
+    """Collects (batch, tokens, key length) of the target's forwards while no prompt is prefilling."""
     seen, run_block = set(), engine.target.run_block
 
     def recording(tokens, depth, meta, capture=False):
@@ -363,9 +364,15 @@ def engine_shapes(engine, a) -> set:
 
     engine.target.run_block = recording
     try:
-        decode_steps(engine, prompts_of(engine, 1, 24), a.steps * 4, speculative=False)
+        yield seen
     finally:
         engine.target.run_block = run_block
+
+
+def engine_shapes(engine, a) -> set:
+    """(batch, tokens, key length) of the target's decode forwards over a plain run of ``a.steps * 4`` tokens."""
+    with decode_shapes(engine) as seen:
+        decode_steps(engine, prompts_of(engine, 1, 24), a.steps * 4, speculative=False)
     return seen
 
 

@@ -22,16 +22,9 @@ def target_shapes(tiny_dir, kv_bucket: int, speculative: bool, steps: int = 500,
     engine = EagleEngine.from_pretrained(str(tiny_dir), "random", dtype="float32", max_batch_size=1,
                                          max_model_len=1024, tree=TREE)
     engine.target.cache.kv_bucket = engine.draft.cache.kv_bucket = kv_bucket
-    shapes, run_block = set(), engine.target.run_block
-
-    def recording(tokens, depth, meta, capture=False):
-        if not engine.scheduler.prefilling:
-            shapes.add((tokens.shape[0], tokens.shape[1], meta.kv_len))
-        return run_block(tokens, depth, meta, capture)
-
-    engine.target.run_block = recording
-    engine.generate([list(range(3, 3 + prompt))], SamplingParams(max_new_tokens=steps, ignore_eos=True),
-                    speculative=speculative)
+    with load("bench/gpu_step.py").decode_shapes(engine) as shapes:
+        engine.generate([list(range(3, 3 + prompt))], SamplingParams(max_new_tokens=steps, ignore_eos=True),
+                        speculative=speculative)
     return shapes
 
 

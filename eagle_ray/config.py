@@ -124,8 +124,9 @@ class ModelConfig(StrictModel):
     device: str = "auto"
     threads: int | None = Field(None, ge=1, description="torch CPU threads (None = torch default)")
     compile: Literal["off", "inductor", "cuda-graphs"] = Field(
-        "off", description="run the target's and the head's forwards through torch.compile (inductor), or also "
-        "replay CUDA graphs (cuda-graphs, key lengths bucketed); off by default: see README, Models and devices")
+        "off", description="run the target's and the head's forwards through torch.compile (inductor), or replay "
+        "the target's decode passes as CUDA graphs captured by hand (cuda-graphs, CUDA only); off by default: see "
+        "README, Models and devices")
 
 
 class CacheConfig(StrictModel):

@@ -53,9 +53,13 @@ def test_the_gpu_step_script_runs_every_section_at_a_tiny_shape_on_the_cpu(tmp_p
     for wanted in ("sdpa_choice", "shapes", "step_times", "launches", "host_reads", "memory", "fidelity"):
         assert wanted in sections
     step = next(line for line in lines if line["section"] == "step_times")
-    modes = ("eager-modules", "eager-fused", "eager-fused-flex")
+    modes = ("eager-modules", "eager-fused", "eager-fused-flex", "graphs")   # graphs: the CPU's replay stand-in
     assert {(r["mode"], r["decode"], r["batch"]) for r in step["rows"]} == {
         (m, d, b) for m in modes for d in ("plain", "eagle") for b in (1, 4)}
     assert all(r["median_ms"] > 0 and r["tokens_per_s"] > 0 for r in step["rows"])
     fidelity = next(line for line in lines if line["section"] == "fidelity")
     assert fidelity["eagle_equals_plain"] == fidelity["flex_equals_modules"] == fidelity["prompts"] == 4
+    assert fidelity["graphs_equal_eager"] == 4 and fidelity["graph_replays"] > 0
+    memory = next(line for line in lines if line["section"] == "memory")
+    graphs = next(r for r in memory["rows"] if r["mode"] == "graphs")
+    assert graphs["graphs"] > 0 and graphs["eager_decode_passes"] == 0

@@ -196,13 +196,14 @@ class ModelRunner:
                            sampled_rows]
         upload.stage(arrays)
 
-    def target_forward(self, tokens, slots, depth, mask, n_valid=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def target_forward(self, tokens, slots, depth, mask, n_valid=None, graphed=True) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's final hidden states and the features its head reads (the same tensor for an EAGLE-2
-        head; the captured layer inputs of the same pass for an EAGLE-3 head)."""
+        head; the captured layer inputs of the same pass for an EAGLE-3 head). ``graphed``: see
+        ``TargetModel.forward`` (prompt chunks run eagerly)."""
         layers = getattr(self.draft, "feature_layers", None)
         if layers:
-            return self.target.forward(tokens, slots, depth, mask, n_valid=n_valid, capture=layers)
-        hidden = self.target.forward(tokens, slots, depth, mask, n_valid=n_valid)
+            return self.target.forward(tokens, slots, depth, mask, n_valid=n_valid, capture=layers, graphed=graphed)
+        hidden = self.target.forward(tokens, slots, depth, mask, n_valid=n_valid, graphed=graphed)
         return hidden, hidden
 
     # ---- prefill -------------------------------------------------------------------------------------------------
@@ -222,7 +223,7 @@ class ModelRunner:
         t0 = clock()
         hidden, feats = self.target_forward(upload.ints(prompt_block(chunks, W)), slots,
                                             torch.arange(W, device=device).expand(R, W), causal_block(n, W, device),
-                                            n_valid=n)
+                                            n_valid=n, graphed=False)
         first: list[int] = []
         if done:
             rows, last = upload.ints(done), upload.ints([n[r] - 1 for r in done])

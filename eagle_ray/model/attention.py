@@ -60,20 +60,22 @@ def with_attention_mask(meta: BlockMeta, heads: int, kv_heads: int) -> BlockMeta
 
 
 def make_block_meta(cache: KVCache, slots: list[int], block_mask: torch.Tensor, offset: int = 0,
-                    invariant: bool = False, n_valid: list[int] | None = None) -> BlockMeta:
+                    invariant: bool = False, n_valid: list[int] | None = None, kv_len: int | None = None) -> BlockMeta:
     """Meta for a block whose rows attend to their slot's committed prefix plus ``block_mask [B, T, N]``.
 
     The block's columns start at ``lengths[slot]``; the new ``T`` tokens are written at columns
     ``[lengths + offset, lengths + offset + T)``, i.e. the last ``T`` of the ``N`` block columns when
     ``offset = N - T`` (the draft's tree levels stack up that way). ``n_valid`` (B host ints; ragged blocks with
     ``T == N``) marks rows ``t >= n_valid[b]`` as padding: they write to the cache's scratch position and see only
-    column 0, so they neither overrun a slot nor reach another row's keys.
+    column 0, so they neither overrun a slot nor reach another row's keys. ``kv_len``: the key columns read, if
+    fixed by the caller (a captured graph's; at least what the block needs), else the need rounded to the bucket.
     """
     device = cache.k.device
     B, T, N = block_mask.shape
     lengths = cache.lengths[slots]                         # host [B]: shapes come from the host, no device read
-    kv_len = int((lengths + np.asarray(n_valid)).max()) if n_valid is not None else int(lengths.max()) + N
-    kv_len = min(-(-kv_len // cache.kv_bucket) * cache.kv_bucket, cache.max_len + 1)  # extra columns are masked
+    if kv_len is None:
+        kv_len = int((lengths + np.asarray(n_valid)).max()) if n_valid is not None else int(lengths.max()) + N
+        kv_len = min(-(-kv_len // cache.kv_bucket) * cache.kv_bucket, cache.max_len + 1)  # extra columns masked
     upload = uploads_for(device)
     lengths_d = upload.ints(lengths)
     cols = torch.arange(kv_len, device=device).view(1, -1) - lengths_d.view(-1, 1)  # [B, kv_len] block column

@@ -1,16 +1,15 @@
-"""Compiled forwards: the target's and the head's device parts (``run_block``) through ``torch.compile``.
+"""Compiled forwards: the target's and the head's device parts (``run_block``) through ``torch.compile``, or the
+target's decode passes as CUDA graphs captured by hand (``cuda-graphs``: model/graphs.py).
 
 ``run_block`` takes tensors and a :class:`BlockMeta` and neither reads the device nor changes Python state, so each
-traces into one graph (``fullgraph=True``: a graph break is an error, not a silent slow path). Block widths and the
-key length vary every step, so the graphs are compiled with dynamic shapes; ``cuda-graphs`` also rounds the key
-length up to :data:`KV_BUCKET` columns (masked) so that a recorded CUDA graph can be replayed across steps.
+traces into one graph (``fullgraph=True``: a graph break is an error, not a silent slow path), and replays from
+static buffers. Block widths and the key length vary every step, so Inductor compiles with dynamic shapes.
 """
 from __future__ import annotations
 
 import torch
 
 MODES = ("off", "inductor", "cuda-graphs")
-KV_BUCKET = 256
 
 
 def compile_forwards(target, draft, mode: str, backend: str = "inductor") -> None:
@@ -20,6 +19,10 @@ def compile_forwards(target, draft, mode: str, backend: str = "inductor") -> Non
         return
     if mode not in MODES:
         raise ValueError(f"compile mode must be one of {MODES}, got {mode!r}")
+    if mode == "cuda-graphs":
+        from eagle_ray.model.graphs import DecodeGraphs
+        target.graphs = DecodeGraphs(target, target.cache.num_slots)
+        return
     if target.numerics.cpu_linears == "packed":
         raise ValueError("compiled forwards need dense weights: Inductor cannot lower oneDNN-packed ones; use "
                          "cpu_linears: input_major (what cpu_linears: auto picks when model.compile is on)")
@@ -27,8 +30,6 @@ def compile_forwards(target, draft, mode: str, backend: str = "inductor") -> Non
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     torch.fx.experimental._config.use_duck_shape = False   # equal sizes by chance are not a rule
     options = {"fullgraph": True, "dynamic": True, "backend": backend}
-    if mode == "cuda-graphs":
-        options["mode"] = "reduce-overhead"
     for model in (target, draft):
         if model is None:
             continue
@@ -37,5 +38,3 @@ def compile_forwards(target, draft, mode: str, backend: str = "inductor") -> Non
         # wrongly: a ragged prefill into slots 2..3 read stale keys in layer 0 and gave other tokens (found by the
         # golden test at batch 4, where sequences join in the middle of the cache). Reads by slot index are exact.
         model.cache.slice_reads = False
-        if mode == "cuda-graphs":
-            model.cache.kv_bucket = KV_BUCKET

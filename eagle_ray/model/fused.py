@@ -4,13 +4,15 @@ transformers' layer modules launch about 44 kernels a layer in a verify pass (se
 norms of eight ops each, RoPE of ten, a mask copy, residual adds); at ~15 us a launch an 8B verify pass then takes
 several times the time its weights take to read. Here the same layer runs as:
 
-    rms_norm -> qkv GEMM -> RoPE on q and k together -> K/V write -> attention -> o GEMM + residual
+    rms_norm -> qkv GEMM -> RoPE (keys in place) -> one K/V scatter -> attention -> o GEMM + residual
     -> rms_norm -> gate_up GEMM -> silu * up -> down GEMM + residual
 
 q/k/v and gate/up are one GEMM each (their weights merged at load, the modules' weights becoming views of the merged
-ones, so memory does not grow), the norms are one fused kernel each, the residual adds ride in the output GEMMs
-(``addmm``), and RoPE's cos/sin tables (``RopeTables``) are made once per forward. ``tests/test_fused.py`` counts the
-operations of a layer and checks fp32 tokens against the modules' path.
+ones, so memory does not grow), the norms are one fused kernel each, RoPE and SwiGLU one operation each
+(``model/kernels.py``), the keys and values stored by one scatter (rotated in place, they lie side by side in the
+merged projection), the residual adds ride in the output GEMMs (``addmm``), and RoPE's cos/sin tables
+(``RopeTables``) are made once per forward. ``tests/test_fused.py`` counts the operations of a layer (at most 12)
+and checks fp32 tokens against the modules' path.
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from eagle_ray.model import kernels
 
 
 @dataclass
@@ -92,13 +96,6 @@ class RopeTables:
         return cls(cos.unsqueeze(2), (sin * sign).unsqueeze(2))
 
 
-def apply_rope(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
-    """RoPE of ``x [B, T, heads, D]`` (q and k heads side by side) in three kernels."""
-    B, T, H, D = x.shape
-    swapped = x.view(B, T, H, 2, D // 2).flip(3).view(B, T, H, D)
-    return torch.addcmul(x * rope.cos, swapped, rope.sin_signed)
-
-
 def fused_decoder_layer(L: FusedLayer, hidden: torch.Tensor, rope: RopeTables, cache, layer_idx: int, meta,
                         attend) -> torch.Tensor:
     """The layer on ``hidden [B, T, d]``; ``attend(q [B, H, T, D], layer_idx)`` is the attention over the cached
@@ -107,15 +104,12 @@ def fused_decoder_layer(L: FusedLayer, hidden: torch.Tensor, rope: RopeTables, c
     H, Hkv, D = L.heads, L.kv_heads, L.head_dim
     flat = hidden.reshape(B * T, d)
     qkv = F.linear(rms_norm(flat, L.input_norm, L.eps), L.qkv, L.qkv_bias).view(B, T, H + 2 * Hkv, D)
-    qk, v = qkv[:, :, : H + Hkv], qkv[:, :, H + Hkv:]
     if L.q_norm is not None:   # Qwen3: each head's q and k normed before RoPE
-        qk = torch.cat([rms_norm(qk[:, :, :H], L.q_norm, L.eps), rms_norm(qk[:, :, H:], L.k_norm, L.eps)], 2)
-    qk = apply_rope(qk, rope)
-    q, k = qk[:, :, :H], qk[:, :, H:]
-    cache.write(layer_idx, meta.slot_index, meta.write_pos, k.transpose(1, 2), v.transpose(1, 2))
-    out = attend(q.transpose(1, 2), layer_idx).transpose(1, 2).reshape(B * T, H * D)
+        qkv = torch.cat([rms_norm(qkv[:, :, :H], L.q_norm, L.eps), rms_norm(qkv[:, :, H:H + Hkv], L.k_norm, L.eps),
+                         qkv[:, :, H + Hkv:]], 2)
+    q = kernels.rotary(qkv, rope.cos, rope.sin_signed, H, Hkv)    # keys rotated in place
+    cache.write_kv(layer_idx, meta.slot_index, meta.write_pos, qkv[:, :, H:])
+    out = attend(q, layer_idx).transpose(1, 2).reshape(B * T, H * D)
     flat = torch.addmm(flat, out, L.o.t())
-    up = F.linear(rms_norm(flat, L.post_norm, L.eps), L.gate_up)
-    gate, up = up.chunk(2, dim=-1)
-    flat = torch.addmm(flat, F.silu(gate) * up, L.down.t())
+    flat = torch.addmm(flat, kernels.silu_mul(F.linear(rms_norm(flat, L.post_norm, L.eps), L.gate_up)), L.down.t())
     return flat.view(B, T, d)

@@ -18,8 +18,10 @@ class KVCache:
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str):
         shape = (num_layers, num_slots, num_kv_heads, max_len + 1, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # keys and values in one tensor, so that a block's K/V, side by side in a merged projection, are stored
+        # by one scatter (write_kv); ``k`` and ``v`` are views of its halves
+        self.kv = torch.zeros((2, *shape), dtype=dtype, device=device)
+        self.k, self.v = self.kv[0], self.kv[1]
         # committed positions per slot, on the host: shapes are decided there, and reading them never waits for
         # the device (each forward uploads its rows' lengths)
         self.lengths = np.zeros(num_slots, dtype=np.int64)
@@ -39,6 +41,12 @@ class KVCache:
         """Store ``k, v [B, H, T, D]`` at positions ``pos [B, T]`` of slots ``slot_index [B, 1]``."""
         self.k[layer][slot_index, :, pos] = k.transpose(1, 2)
         self.v[layer][slot_index, :, pos] = v.transpose(1, 2)
+
+    def write_kv(self, layer: int, slot_index: torch.Tensor, pos: torch.Tensor, kv: torch.Tensor):
+        """Store ``kv [B, T, 2 H, D]`` (keys' heads, then values') at positions ``pos [B, T]`` of slots
+        ``slot_index [B, 1]``, in one scatter."""
+        B, T, _, D = kv.shape
+        self.kv[:, layer][:, slot_index, :, pos] = kv.view(B, T, 2, -1, D)
 
     def read(self, layer: int, slots: torch.Tensor | slice, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[B, H, kv_len, D]`` of ``slots`` (a slice avoids a copy when slots are contiguous)."""

@@ -77,6 +77,7 @@ class TargetModel:
                              self.dtype, self.device)
         self.cache.kv_bucket = defaults_for(self.device).kv_bucket
         self.fused = [fuse_layer(layer) for layer in self.layers] if self.numerics.fused_layers else None
+        self.graphs = None   # DecodeGraphs (model/graphs.py) where compile is cuda-graphs
 
     @classmethod
     def load(cls, path: str | Path, dtype: torch.dtype, device, max_slots: int, max_len: int, config=None,
@@ -112,7 +113,7 @@ class TargetModel:
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, slots: list[int], depth: torch.Tensor,
                 block_mask: torch.Tensor, n_valid: list[int] | None = None,
-                capture: tuple[int, ...] | None = None):
+                capture: tuple[int, ...] | None = None, graphed: bool = True):
         """Run ``tokens [B, T]`` on top of each slot's committed prefix; returns post-norm hidden ``[B, T, d]``.
 
         Row ``t`` of slot ``b`` sits at position ``lengths[b] + depth[b, t]`` and attends to the prefix plus the
@@ -120,10 +121,18 @@ class TargetModel:
         commits them (prefill) or keeps the accepted ones (verify). ``n_valid``: see ``make_block_meta``.
         With ``capture`` (layer indices) it also returns the hidden states at the inputs of those layers,
         concatenated ``[B, T, len(capture) * d]`` (an EAGLE-3 head's features), from the same pass.
+        ``graphed``: a decode block may replay a captured graph (``self.graphs``); prompt chunks pass False. The
+        outputs are then views of the graph's memory: read them before the next forward.
         """
-        meta = make_block_meta(self.cache, slots, block_mask, invariant=self.batch_invariant, n_valid=n_valid)
         if capture:
             self.capture_layers = tuple(capture)  # an attribute, not an argument: traced as a constant
+        B, T = tokens.shape
+        if graphed and self.graphs is not None:
+            if self.graphs.fits(B, T, block_mask.shape[-1], 0):
+                return self.graphs.run(tokens.to(self.device), slots, depth.to(self.device), block_mask, n_valid,
+                                       bool(capture))
+            self.graphs.skipped += 1
+        meta = make_block_meta(self.cache, slots, block_mask, invariant=self.batch_invariant, n_valid=n_valid)
         with attention_kernels(self.device):
             return self.run_block(tokens.to(self.device).contiguous(), depth.to(self.device).contiguous(), meta,
                                   bool(capture))

@@ -1,0 +1,107 @@
+"""The target's decode passes through captured graphs (model/graphs.py), held on the CPU by the replay stand-in: the
+static buffers, the bucket padding and the output's lifetime work as a CUDA graph's, and the tokens are the
+target's own."""
+import pytest
+import torch
+from test_capture_safety import Uncapturable
+from test_engine import mixed_prompts, reference_greedy
+from tiny import make_target, save_target, tiny_engine
+
+from eagle_ray.config import SamplingParams, TreeConfig
+from eagle_ray.engine.engine import EagleEngine
+from eagle_ray.engine.host_reads import count_host_reads
+from eagle_ray.model.graphs import BATCH_BUCKETS, DecodeGraphs, bucket, kv_buckets
+from eagle_ray.model.target import TargetModel
+
+
+def with_graphs(engine) -> DecodeGraphs:
+    engine.target.graphs = DecodeGraphs(engine.target, engine.target.cache.num_slots, backend="replay")
+    return engine.target.graphs
+
+
+@pytest.mark.parametrize("speculative", [True, False], ids=["eagle", "plain"])
+def test_graphed_decoding_gives_the_targets_greedy_tokens(tiny_dir, tiny_hf, tiny_head, speculative):
+    engine = tiny_engine(tiny_dir, tiny_head, max_batch_size=3)
+    graphs = with_graphs(engine)
+    prompts = mixed_prompts(5, seed=3)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True), speculative=speculative)
+    assert [o.token_ids for o in outs] == [reference_greedy(tiny_hf, p, 24) for p in prompts]
+    assert graphs.replays >= 10
+    # batches 1..3 pad to buckets 1, 2, 4; plain blocks are one token wide, trees with lookup chains up to 24; one key-length bucket (256 columns)
+    assert {(b, w, kv) for b, w, kv, _ in graphs.graphs} <= {(b, w, 256) for b in (1, 2, 4) for w in (1, 8, 16, 24)}
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["modules", "fused"])
+def test_graphed_fused_and_eagle3_passes_give_the_targets_greedy_tokens(tmp_path, fused):
+    """Fused layers (what CUDA runs) and an EAGLE-3 head, whose features come out of the same graph."""
+    path = save_target(tmp_path, layers=7)
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    engine = EagleEngine.from_pretrained(str(path), "random-eagle3", dtype="float32", max_batch_size=4,
+                                         fused_layers=fused, cpu_linears="native",
+                                         tree=TreeConfig(total_tokens=10, depth=3, top_k=3))
+    graphs = with_graphs(engine)
+    prompts = mixed_prompts(4, seed=8)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=20, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [reference_greedy(hf, p, 20) for p in prompts]
+    assert any(capture for *_, capture in graphs.graphs)
+
+
+def target_with_graphs(slots=4, max_len=300):
+    target = TargetModel(make_target(layers=2), slots, max_len, fp32_logits=False, fp32_activations=False,
+                         batch_invariant=False, cpu_linears="native", fused_layers=True)
+    target.graphs = DecodeGraphs(target, slots, backend="replay")
+    return target
+
+
+def tree_block(B, T):
+    idx = torch.arange(T)
+    return (idx.view(-1, 1) >= idx.view(1, -1)).expand(B, T, T), idx.expand(B, T)
+
+
+def test_a_smaller_batch_in_a_graph_leaves_the_other_slots_alone():
+    """Rows past the batch are padding: whatever a wider batch left in the buffers, they write nowhere real."""
+    target = target_with_graphs()
+    target.cache.lengths[:] = [5, 9, 7, 11]
+    torch.manual_seed(0)
+    target.cache.k.normal_()
+    target.cache.v.normal_()
+    mask, depth = tree_block(4, 3)
+    target.forward(torch.randint(3, 60, (4, 3)), [0, 1, 2, 3], depth, mask)     # bucket 4, all rows real
+    before = target.cache.kv[:, :, 3, :, : target.cache.max_len].clone()
+    mask, depth = tree_block(3, 3)
+    target.forward(torch.randint(3, 60, (3, 3)), [0, 1, 2], depth, mask)        # the same graph, row 3 padding
+    assert torch.equal(target.cache.kv[:, :, 3, :, : target.cache.max_len], before)
+    assert len(target.graphs.graphs) == 1
+
+
+def test_graphed_outputs_equal_eager_and_the_replay_reads_nothing_back():
+    eager, graphed = target_with_graphs(), target_with_graphs()
+    eager.graphs = None
+    for t in (eager, graphed):
+        t.cache.lengths[:] = [5, 0, 7, 12]
+    tokens = torch.randint(3, 60, (3, 5))
+    mask, depth = tree_block(3, 5)
+    want = eager.forward(tokens, [3, 0, 2], depth, mask, n_valid=[5, 2, 4])
+    got = graphed.forward(tokens, [3, 0, 2], depth, mask, n_valid=[5, 2, 4])   # captured at (4, 8, 256)
+    for row, n in enumerate([5, 2, 4]):
+        torch.testing.assert_close(got[row, :n], want[row, :n], rtol=1e-5, atol=1e-5)
+    entry = next(iter(graphed.graphs.graphs.values()))
+    with torch.inference_mode(), count_host_reads() as reads, Uncapturable() as mode:
+        entry.graph.replay()
+    assert (reads.count, mode.seen) == (0, [])
+
+
+def test_buckets():
+    assert [bucket(n, BATCH_BUCKETS) for n in (1, 3, 5, 17, 33, 65, 257)] == [1, 4, 8, 24, 48, 96, None]
+    assert kv_buckets(2048) == [256, 512, 1024, 2048, 2049]
+    assert kv_buckets(100) == [101]
+
+
+def test_cuda_graphs_refuse_a_cpu_target_and_flex_attention():
+    target = TargetModel(make_target(layers=2), 2, 64, cpu_linears="native", fused_layers=True)
+    with pytest.raises(ValueError, match="needs a CUDA target"):
+        DecodeGraphs(target, 2)
+    target.numerics = target.numerics.__class__(**{**target.numerics.__dict__, "tree_attention": "flex"})
+    with pytest.raises(ValueError, match="tree_attention: sdpa"):
+        DecodeGraphs(target, 2, backend="replay")

@@ -10,8 +10,9 @@ and writes one JSON line per section to ``--out`` as it goes (a cut run still re
   again, cuDNN attention off, key lengths bucketed, fused layers (is a step slow because of a per-shape build?);
 - ``shapes``: distinct (batch, tokens, key length) shapes of the target over the run's decode steps;
 - ``step_times`` (per shape): for each mode {eager with the modules' layers, eager with fused layers (SDPA, and
-  flex tree attention: each row reads its own slot only), graphs (the fused target's decode passes as CUDA graphs
-  captured by hand, ``model/graphs.py``; on a CPU its replay stand-in)} x
+  flex tree attention: each row reads its own slot only), graphs (the fused target's decode passes and the head's
+  draft loop as CUDA graphs captured by hand, ``model/graphs.py``, ``engine/draft_graphs.py``; on a CPU their
+  replay stand-in)} x
   {plain, EAGLE depth 3 / 16-token verify} x batch: median, p90 and first step ms, draft and verify ms (CUDA
   events), tokens/s, achieved GB/s = (weights + K/V read) / step time;
 - ``launches``: kernels per decode step (torch.profiler over 3 steps), per mode;
@@ -253,8 +254,11 @@ def step_times(report: Report, hf, shape: str, device, dtype, a) -> dict:
         pool_before = torch.cuda.memory_reserved() if device.type == "cuda" else 0
         if mode == "graphs":   # captured by hand (model/graphs.py); on a CPU its replay stand-in (the smoke run)
             from eagle_ray.model.graphs import DecodeGraphs
-            engine.target.graphs = DecodeGraphs(engine.target, engine.target.cache.num_slots,
-                                                backend="cuda" if device.type == "cuda" else "replay")
+            from eagle_ray.engine.draft_graphs import DraftGraphs
+            backend = "cuda" if device.type == "cuda" else "replay"
+            engine.target.graphs = DecodeGraphs(engine.target, engine.target.cache.num_slots, backend=backend)
+            engine.runner.draft_graphs = DraftGraphs(engine.draft, engine.target.cache.num_slots,
+                                                     engine.runner.context_vocab, backend=backend)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         head = weight_bytes(engine.draft)
@@ -290,7 +294,9 @@ def step_times(report: Report, hf, shape: str, device, dtype, a) -> dict:
                        if device.type == "cuda" else None})
         if mode == "graphs":   # every decode pass replayed a graph: eager ones are the skips
             graphs = engine.target.graphs
-            memory[-1].update(graphs=len(graphs.graphs), replays=graphs.replays, eager_decode_passes=graphs.skipped)
+            memory[-1].update(graphs=len(graphs.graphs), replays=graphs.replays, eager_decode_passes=graphs.skipped,
+                              draft_graphs=len(engine.runner.draft_graphs.graphs),
+                              draft_replays=engine.runner.draft_graphs.replays)
         del engine
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -404,7 +410,10 @@ def fidelity(report: Report, device, a) -> None:
     del flex
     from eagle_ray.model.graphs import DecodeGraphs
     graphed = build_engine(hf, device, torch.float32, 8, a.max_model_len, fused=True)
-    graphed.target.graphs = DecodeGraphs(graphed.target, 8, backend="cuda" if device.type == "cuda" else "replay")
+    from eagle_ray.engine.draft_graphs import DraftGraphs
+    backend = "cuda" if device.type == "cuda" else "replay"
+    graphed.target.graphs = DecodeGraphs(graphed.target, 8, backend=backend)
+    graphed.runner.draft_graphs = DraftGraphs(graphed.draft, 8, graphed.runner.context_vocab, backend=backend)
     graphs_eagle = [o.token_ids for o in graphed.generate(prompts, params)]
     graphs_plain = [o.token_ids for o in graphed.generate(prompts, params, speculative=False)]
     report.write("fidelity", shape=shape, prompts=len(prompts), tokens=a.tokens,

@@ -62,4 +62,4 @@ def test_the_gpu_step_script_runs_every_section_at_a_tiny_shape_on_the_cpu(tmp_p
     assert fidelity["graphs_equal_eager"] == 4 and fidelity["graph_replays"] > 0
     memory = next(line for line in lines if line["section"] == "memory")
     graphs = next(r for r in memory["rows"] if r["mode"] == "graphs")
-    assert graphs["graphs"] > 0 and graphs["eager_decode_passes"] == 0
+    assert graphs["graphs"] > 0 and graphs["eager_decode_passes"] == 0 and graphs["draft_replays"] > 0

@@ -10,6 +10,7 @@ from tiny import make_target, save_target, tiny_engine
 from eagle_ray.config import SamplingParams, TreeConfig
 from eagle_ray.engine.engine import EagleEngine
 from eagle_ray.engine.host_reads import count_host_reads
+from eagle_ray.engine.draft_graphs import DraftGraphs
 from eagle_ray.model.graphs import BATCH_BUCKETS, DecodeGraphs, bucket, kv_buckets
 from eagle_ray.model.target import TargetModel
 
@@ -105,3 +106,47 @@ def test_cuda_graphs_refuse_a_cpu_target_and_flex_attention():
     target.numerics = target.numerics.__class__(**{**target.numerics.__dict__, "tree_attention": "flex"})
     with pytest.raises(ValueError, match="tree_attention: sdpa"):
         DecodeGraphs(target, 2, backend="replay")
+
+
+def with_draft_graphs(engine) -> DraftGraphs:
+    engine.runner.draft_graphs = DraftGraphs(engine.draft, engine.target.cache.num_slots,
+                                             engine.runner.context_vocab, backend="replay")
+    return engine.runner.draft_graphs
+
+
+@pytest.mark.parametrize("head", ["trained", "eagle3"])
+def test_a_graphed_draft_loop_and_verify_give_the_targets_greedy_tokens(tiny_dir, tiny_hf, tiny_head, tmp_path, head):
+    if head == "trained":
+        engine, hf = tiny_engine(tiny_dir, tiny_head, max_batch_size=3), tiny_hf
+    else:
+        path = save_target(tmp_path, layers=7)
+        from transformers import AutoModelForCausalLM
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        engine = EagleEngine.from_pretrained(str(path), "random-eagle3", dtype="float32", max_batch_size=3,
+                                             tree=TreeConfig(total_tokens=10, depth=3, top_k=3))
+    with_graphs(engine)
+    drafts = with_draft_graphs(engine)
+    prompts = mixed_prompts(5, seed=4)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [reference_greedy(hf, p, 24) for p in prompts]
+    assert drafts.replays >= 5 and {b for b, *_ in drafts.graphs} <= {1, 2, 4}
+
+
+def test_a_graphed_draft_loop_grows_the_eager_trees(tiny_dir, tiny_head):
+    """At a batch that is its own bucket (no padding rows), the captured loop grows exactly the eager trees."""
+    engine = tiny_engine(tiny_dir, tiny_head, max_batch_size=2)
+    seqs = [engine.add_request(p, SamplingParams(max_new_tokens=40, ignore_eos=True)) for p in mixed_prompts(2, 6)]
+    for _ in range(3):
+        engine.step()
+    runner, cfg = engine.runner, TreeConfig(total_tokens=12, depth=3, top_k=3)
+    with torch.inference_mode():
+        runner.draft_extend(seqs)   # the head takes every pending pair: both trees grow from here
+    ready = seqs
+    with torch.inference_mode():
+        eager = runner.grow_from(ready, torch.stack([s.draft_hidden for s in ready]), cfg, None)
+    with_draft_graphs(engine)
+    for _ in range(2):   # the capture, then a replay
+        with torch.inference_mode():
+            graphed = runner.grow_from(ready, torch.stack([s.draft_hidden for s in ready]), cfg, None)
+        for name in ("tokens", "parents", "depth", "valid", "ancestors", "scores"):
+            assert torch.equal(getattr(graphed, name), getattr(eager, name)), name

@@ -17,6 +17,7 @@ import torch
 
 from eagle_ray.config import EngineConfig, SamplingParams
 from eagle_ray.engine.builder import load_pair
+from eagle_ray.engine.draft_graphs import DraftGraphs
 from eagle_ray.engine.model_runner import ModelRunner, StepOutput
 from eagle_ray.engine.scheduler import Feeding, Scheduler, StepPlan
 from eagle_ray.engine.sequence import Sequence
@@ -76,6 +77,8 @@ class EagleEngine:
             check_draft_vocab(draft.draft_vocab_size, self.policy.trees())
             self._allocate_draft_cache(fresh=True)
         compile_forwards(target, draft, config.model.compile)
+        if config.model.compile == "cuda-graphs" and draft is not None:
+            self.runner.draft_graphs = DraftGraphs(draft, target.cache.num_slots, config.speculation.context_vocab)
 
     @property
     def config(self) -> EngineConfig:

@@ -105,6 +105,7 @@ class ModelRunner:
         self.one_verify_pass = defaults_for(self.device).one_verify_pass
         self.clock, self.times = Clock(self.device), StepTimes()   # the running step's (see run)
         self.trace = None  # a TreeTrace recording verified trees (calibration, tuning); off by default
+        self.draft_graphs = None   # DraftGraphs (engine/draft_graphs.py) where compile is cuda-graphs
 
     # ---- slots ---------------------------------------------------------------------------------------------------
     def reset_slot(self, slot: int) -> None:
@@ -322,6 +323,12 @@ class ModelRunner:
             return out
 
         roots = uploads_for(device).ints([s.root for s in seqs])
+        graphs = self.draft_graphs
+        if graphs is not None and graphs.draft is draft and graphs.fits(len(seqs), tree_cfg, context):
+            t0 = clock()
+            tree = graphs.grow(slots, root_hidden, roots, context, tree_cfg)
+            times.forward_s += clock() - t0
+            return tree
         return grow_tree(draft_fn, topk_fn, root_hidden, roots, tree_cfg)
 
     def decode_speculative(self, seqs: list[Sequence], tree_cfg: TreeConfig, verify_cap: int | None,

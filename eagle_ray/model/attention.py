@@ -78,22 +78,34 @@ def make_block_meta(cache: KVCache, slots: list[int], block_mask: torch.Tensor, 
         kv_len = min(-(-kv_len // cache.kv_bucket) * cache.kv_bucket, cache.max_len + 1)  # extra columns masked
     upload = uploads_for(device)
     lengths_d = upload.ints(lengths)
-    cols = torch.arange(kv_len, device=device).view(1, -1) - lengths_d.view(-1, 1)  # [B, kv_len] block column
+    n_valid_d = upload.ints(n_valid) if n_valid is not None else None
+    slot_index = upload.ints(slots).view(-1, 1)
+    meta = block_meta(lengths_d, slot_index, block_mask.to(device), offset, kv_len, cache.scratch, n_valid_d, invariant)
+    first = slots[0]
+    if cache.slice_reads and slots == list(range(first, first + B)):
+        meta.slots = slice(first, first + B)   # contiguous slots are read as a slice, without a gather
+    return meta
+
+
+def block_meta(lengths: torch.Tensor, slot_index: torch.Tensor, block_mask: torch.Tensor, offset: int, kv_len: int,
+               scratch: int, n_valid: torch.Tensor | None = None, invariant: bool = False) -> BlockMeta:
+    """The device part of :func:`make_block_meta`, from device tensors only (``lengths [B]``, ``slot_index [B, 1]``,
+    ``n_valid [B]``): a captured graph builds its blocks' meta with it from its static buffers."""
+    device = block_mask.device
+    B, T, N = block_mask.shape
+    cols = torch.arange(kv_len, device=device).view(1, -1) - lengths.view(-1, 1)  # [B, kv_len] block column
     in_block = (cols >= 0) & (cols < N)
-    gathered = block_mask.to(device).gather(2, cols.clamp(0, N - 1).unsqueeze(1).expand(B, T, kv_len))
+    gathered = block_mask.gather(2, cols.clamp(0, N - 1).unsqueeze(1).expand(B, T, kv_len))
     key_mask = (cols < 0).unsqueeze(1) | (gathered & in_block.unsqueeze(1))
     t = torch.arange(T, device=device).view(1, -1)
-    write_pos = lengths_d.view(-1, 1) + offset + t
+    write_pos = lengths.view(-1, 1) + offset + t
     if n_valid is not None:
-        pad = t >= upload.ints(n_valid).view(-1, 1)   # [B, T]
-        write_pos = torch.where(pad, cache.scratch, write_pos)
+        pad = t >= n_valid.view(-1, 1)   # [B, T]
+        write_pos = torch.where(pad, scratch, write_pos)
         first_col = torch.arange(kv_len, device=device) == 0
         key_mask = torch.where(pad.unsqueeze(-1), first_col, key_mask)
-    first = slots[0]
-    contiguous = cache.slice_reads and slots == list(range(first, first + B))
-    slot_index = upload.ints(slots).view(-1, 1)
-    return BlockMeta(slice(first, first + B) if contiguous else slot_index.view(-1), slot_index,
-                     write_pos.contiguous(), key_mask.unsqueeze(1).contiguous(), kv_len, lengths_d, invariant)
+    return BlockMeta(slot_index.view(-1), slot_index, write_pos.contiguous(), key_mask.unsqueeze(1).contiguous(),
+                     kv_len, lengths, invariant)
 
 
 def decoder_layer(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer_idx: int,

@@ -246,7 +246,8 @@ def smollm2_135m():
 
 
 def plan_for(target_config, engine, device_type: str = "cuda"):
-    """The plan of an engine config's cache and trees for a target shape with an EAGLE-2 head of that shape."""
+    """The plan of an engine config's cache and trees for a target shape with an EAGLE-2 head of that shape (rank
+    0's, where ``model.tensor_parallel`` splits the target)."""
     from eagle_ray.engine.sizing import tree_demand
     from eagle_ray.model.memory import plan_memory
     from eagle_ray.model.numerics import step_tokens
@@ -254,7 +255,8 @@ def plan_for(target_config, engine, device_type: str = "cuda"):
     dtype = "bfloat16" if engine.model.dtype == "auto" else engine.model.dtype
     return plan_memory(target_config, "eagle2", None, dtype, device_type, engine.cache.max_model_len, verify,
                        draft_room=room, top_k=rows, precision=engine.precision,
-                       step_tokens=step_tokens(engine.cache.max_step_tokens, device_type))
+                       step_tokens=step_tokens(engine.cache.max_step_tokens, device_type),
+                       tensor_parallel=engine.model.tensor_parallel)
 
 
 def gib(n: int) -> str:
@@ -269,8 +271,8 @@ def slots_on(plan, gpu: str) -> int:
     return min(plan.max_slots(gpu_usable_bytes(gpu)), defaults_for("cuda").auto_max_slots)
 
 
-def plan_cells(name: str, max_len: int, plan, slots: dict) -> list[str]:
-    return [name, str(max_len), f"{gib(plan.target_weights)} + {gib(plan.draft_weights)}", gib(plan.workspace),
+def plan_cells(name: str, tp: int, max_len: int, plan, slots: dict) -> list[str]:
+    return [name, str(tp), str(max_len), f"{gib(plan.target_weights)} + {gib(plan.draft_weights)}", gib(plan.workspace),
             f"{plan.per_slot / 2**20:.0f} MiB ({plan.kv_per_slot / 2**20:.0f} + {plan.draft_kv_per_slot / 2**20:.0f}"
             f" + {plan.logits_per_slot / 2**20:.0f} + {plan.pending_per_slot / 2**20:.0f})",
             *[gib(plan.total(b)) for b in BATCHES], *[str(n) if n else "no" for n in slots.values()]]
@@ -278,25 +280,27 @@ def plan_cells(name: str, max_len: int, plan, slots: dict) -> list[str]:
 
 def memory_table(targets: dict) -> tuple[str, list[dict]]:
     from eagle_ray.config import EngineConfig
-    head = ["target", "max_model_len", "weights (target + head)", "workspace",
+    head = ["target", "GPUs (tensor_parallel)", "max_model_len", "weights (target + head)", "workspace",
             "per slot (KV + draft KV + logits + pending head inputs)",
             *[f"total @ {b}" for b in BATCHES], *[f"slots on {g}" for g in GPUS]]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     rows = []
-    for name, cfg in targets.items():
-        for max_len in (4096, 2048):
-            plan = plan_for(cfg, EngineConfig(dtype="bfloat16", max_model_len=max_len, tree_policy="auto"))
-            slots = {g: slots_on(plan, gpu) for g, gpu in GPUS.items()}
-            lines.append("| " + " | ".join(plan_cells(name, max_len, plan, slots)) + " |")
-            rows.append({"target": name, "max_model_len": max_len, "plan": plan.as_dict(*BATCHES),
-                         "slots": {GPUS[g]: n for g, n in slots.items()}})
+    for name, (cfg, tps) in targets.items():
+        for tp in tps:
+            for max_len in (4096, 2048):
+                plan = plan_for(cfg, EngineConfig(dtype="bfloat16", max_model_len=max_len, tree_policy="auto",
+                                                  tensor_parallel=tp))
+                slots = {g: slots_on(plan, gpu) for g, gpu in GPUS.items()}
+                lines.append("| " + " | ".join(plan_cells(name, tp, max_len, plan, slots)) + " |")
+                rows.append({"target": name, "tensor_parallel": tp, "max_model_len": max_len,
+                             "plan": plan.as_dict(*BATCHES), "slots": {GPUS[g]: n for g, n in slots.items()}})
     return "\n".join(lines), rows
 
 
 def cmd_memory(a) -> int:
     from eagle_ray.model.memory import gpu_usable_bytes
-    targets = {"SmolLM2-135M": smollm2_135m(), "Llama-3.2-1B": LLAMA_3_2_1B, "Llama-3.1-8B": LLAMA_3_1_8B,
-               "Llama-3.1-70B": LLAMA_3_1_70B}
+    targets = {"SmolLM2-135M": (smollm2_135m(), (1,)), "Llama-3.2-1B": (LLAMA_3_2_1B, (1,)),
+               "Llama-3.1-8B": (LLAMA_3_1_8B, (1, 2)), "Llama-3.1-70B": (LLAMA_3_1_70B, (1, 2, 4, 8))}
     text, rows = memory_table(targets)
     print(text)
     write_result(a.out, {"device": "cuda", "dtype": "bfloat16", "head": "eagle2 (for_target)", "tree_policy": "auto",

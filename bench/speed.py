@@ -211,7 +211,7 @@ def _setting(text: str):
         return text
 
 
-def variant(option: str, value: str, base_tree: TreeConfig) -> tuple[dict, bool]:
+def variant(option: str, value: str, base_tree: TreeConfig, threads: int | None = None) -> tuple[dict, bool]:
     """(engine settings, speculative) of one ``--vary`` value."""
     if option == "tree":
         if value == "plain":
@@ -223,6 +223,9 @@ def variant(option: str, value: str, base_tree: TreeConfig) -> tuple[dict, bool]
         return {"tree": base_tree.model_copy(update={"lookup": int(value)})}, True
     if option == "draft":
         return {"draft": None if value == "embedded" else value}, True
+    if option == "tensor_parallel":   # the ranks share the machine's threads (set per engine as it runs: run_as)
+        ranks = int(value)
+        return {"tensor_parallel": ranks, "threads": max(1, (threads or torch.get_num_threads()) // ranks)}, True
     if option not in FLAT_FIELDS:
         raise ConfigError(f"--vary {option}: not an engine setting (tree, lookup, draft or one of "
                           f"{', '.join(sorted(FLAT_FIELDS))})")
@@ -241,11 +244,19 @@ def compare_engines(a) -> dict:
         base = {"target": a.target, "draft": a.draft, "dtype": a.dtype, "threads": a.threads,
                 "max_batch_size": a.batch_size, "tree": base_tree}
         for v in values:
-            settings, speculative = variant(option, v, base_tree)
+            settings, speculative = variant(option, v, base_tree, a.threads)
             configs[v] = (EngineConfig(**(base | settings)), speculative)
     except ValueError as e:   # pydantic's ValidationError is one
         raise ConfigError(f"--vary {option} {v}: {e}") from None
     return {v: (EagleEngine.from_config(c), speculative) for v, (c, speculative) in configs.items()}
+
+
+def run_as(engine):
+    """``engine``, with this process's torch threads set to its own (torch's thread count is per process; engines
+    compared in one run may each have another)."""
+    if engine.config.model.threads:
+        torch.set_num_threads(engine.config.model.threads)
+    return engine
 
 
 def compare_summary(engines: dict, outs: dict, walls: dict, batch: int) -> dict:
@@ -256,7 +267,8 @@ def compare_summary(engines: dict, outs: dict, walls: dict, batch: int) -> dict:
         out[n] = {"tokens_per_s": per_run / sum(walls[n]), "tokens": tokens, "speculative": speculative,
                   "tau": statistics.mean(o.stats.tau for o in outs[n]),
                   "tree": engine.config.speculation.tree.model_dump(), "trees": engine.policy.summary(),
-                  "dtype": str(engine.target.dtype)}
+                  "dtype": str(engine.target.dtype), "threads": engine.config.model.threads,
+                  "tensor_parallel": engine.config.model.tensor_parallel}
     return out
 
 
@@ -277,10 +289,10 @@ def cmd_compare(a) -> int:
     for e, speculative in engines.values():            # warm-up: first-call costs fall outside the timing
         e.generate(prompts[:1], SamplingParams(max_new_tokens=8), speculative=speculative)
     if a.batch_size == 1:
-        outs, walls = interleaved({n: (lambda i, e=e, s=s: e.generate([prompts[i]], params, speculative=s)[0])
+        outs, walls = interleaved({n: (lambda i, e=e, s=s: run_as(e).generate([prompts[i]], params, speculative=s)[0])
                                    for n, (e, s) in engines.items()}, len(prompts))
     else:
-        runs, walls = rounds({n: (lambda e=e, s=s: e.generate(prompts, params, speculative=s))
+        runs, walls = rounds({n: (lambda e=e, s=s: run_as(e).generate(prompts, params, speculative=s))
                               for n, (e, s) in engines.items()}, a.rounds)
         outs = {n: r[0] for n, r in runs.items()}
     first = a.vary[1]

@@ -127,6 +127,8 @@ class ModelConfig(StrictModel):
         "off", description="run the target's and the head's forwards through torch.compile (inductor), or replay "
         "the target's decode passes as CUDA graphs captured by hand (cuda-graphs, CUDA only); off by default: see "
         "README, Models and devices")
+    tensor_parallel: int = Field(1, ge=1, le=64, description="processes (GPUs) one engine's target is split over "
+                                 "(model/tensor_parallel.py); must divide its attention and KV heads")
 
 
 class CacheConfig(StrictModel):
@@ -262,8 +264,8 @@ class EngineConfig(StrictModel):
     def for_ray_worker(self, num_cpus: float, num_gpus: float) -> "EngineConfig":
         """A CPU actor/replica runs torch on the CPUs Ray reserved for it (unless ``threads`` says otherwise); one
         with a fraction of a GPU plans its memory from that fraction (unless ``memory_share`` says otherwise)."""
-        if self.model.threads is None and num_gpus == 0:
-            return self.replace(threads=max(1, int(num_cpus)))
+        if self.model.threads is None and num_gpus == 0:   # the ranks of a split target share the CPUs
+            return self.replace(threads=max(1, int(num_cpus) // self.model.tensor_parallel))
         if 0 < num_gpus < 1 and self.cache.memory_share is None:
             return self.replace(memory_share=num_gpus)
         return self
@@ -306,11 +308,21 @@ class S3Options(StrictModel):
 
 
 def one_gpu_per_engine(num_gpus: float, more: str) -> float:
-    """An engine runs on one device: a second GPU for the same actor or replica would sit idle."""
-    if num_gpus > 1:
-        raise ValueError(f"one engine uses one GPU (eagle-ray does not split a target across GPUs); use "
-                         f"num_gpus <= 1 and more {more} to use more GPUs")
+    """An engine runs on one GPU per rank of its target: a fraction of one, one, or (``model.tensor_parallel``
+    ranks) a whole number; :func:`gpus_for_ranks` checks the number against the ranks."""
+    if num_gpus > 1 and num_gpus != int(num_gpus):
+        raise ValueError(f"one engine uses one GPU per tensor-parallel rank: num_gpus {num_gpus} above 1 must be a "
+                         f"whole number (use num_gpus <= 1 and more {more} for more engines)")
     return num_gpus
+
+
+def gpus_for_ranks(num_gpus: float, engine: "EngineConfig", more: str) -> None:
+    """An actor or replica holds one GPU per rank of its engine's target (``model.tensor_parallel``): more would sit
+    idle, fewer cannot hold the ranks (CPU engines, ``num_gpus: 0``, run their ranks on the CPU)."""
+    ranks = engine.model.tensor_parallel
+    if (num_gpus > 1 or ranks > 1) and num_gpus and num_gpus != ranks:
+        raise ValueError(f"num_gpus {num_gpus:g} per engine does not match model.tensor_parallel {ranks}: an engine "
+                         f"uses one GPU per rank (use num_gpus {ranks}, or more {more} for more engines)")
 
 
 def tune_tree_unless_named(data):

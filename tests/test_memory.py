@@ -216,16 +216,33 @@ def test_a_target_larger_than_one_gpu_is_refused():
         fit_slots(plan, "auto", gpu_usable_bytes("H100-80GB"))
     assert plan.weights > gpu_usable_bytes("H100-80GB")  # 131.4 GiB target + 3.8 GiB head
     assert str(e.value) == (f"the target does not fit one GPU: weights alone need {plan.weights / GiB:.2f} GiB (plus "
-                            f"0.50 GiB workspace) but {gpu_usable_bytes('H100-80GB') / GiB:.2f} GiB is free. eagle-ray "
-                            "runs one engine per GPU and does not split a target across GPUs (no tensor or pipeline "
-                            "parallelism): use a smaller target or a GPU with more memory.")
+                            f"0.50 GiB workspace) but {gpu_usable_bytes('H100-80GB') / GiB:.2f} GiB is free. Split "
+                            "the target over more GPUs (model.tensor_parallel: each GPU then holds its share of the "
+                            "layers; docs/memory.md), or use a GPU with more memory.")
+
+
+@pytest.mark.parametrize("ranks, fits", [(1, False), (2, True), (4, True), (8, True)])
+def test_a_70b_target_split_over_ranks_fits_each_gpu(ranks, fits):
+    """Rank 0 holds its slices of the layers and KV heads, the replicated embedding and lm_head, and the head."""
+    t = memory_table()
+    one = plan_memory(t.LLAMA_3_1_70B, "eagle2", None, "bfloat16", "cuda", 2048, 48)
+    plan = plan_memory(t.LLAMA_3_1_70B, "eagle2", None, "bfloat16", "cuda", 2048, 48, tensor_parallel=ranks)
+    split = 80 * (2 * 8192 * 8192 + 2 * 1024 * 8192 + 3 * 28672 * 8192) * 2   # q, o, k, v, gate, up, down (bf16)
+    assert plan.target_weights == one.target_weights - split + split // ranks   # the rest on every rank
+    assert plan.kv_per_slot == one.kv_per_slot // ranks
+    assert (plan.fixed < gpu_usable_bytes("H100-80GB")) == fits
 
 
 @pytest.mark.parametrize("make, more", [
     (lambda: ServeConfig(num_gpus=2), "num_replicas"),
-    (lambda: JobConfig(input={"uri": "in"}, output={"uri": "out"}, actors={"num_gpus": 1.5}), "num_actors")])
-def test_more_than_one_gpu_per_engine_is_refused(make, more):
-    with pytest.raises(ConfigError, match=f"one engine uses one GPU .*more {more} to use more GPUs"):
+    (lambda: JobConfig(input={"uri": "in"}, output={"uri": "out"}, actors={"num_gpus": 2}), "num_actors"),
+    (lambda: JobConfig(input={"uri": "in"}, output={"uri": "out"}, actors={"num_gpus": 1},
+                       engine={"tensor_parallel": 2}), "num_actors")])
+def test_gpus_per_engine_other_than_its_ranks_are_refused(make, more):
+    with pytest.raises(ConfigError, match=f"does not match model.tensor_parallel .*more {more} for more engines"):
         make()
+    assert ServeConfig(num_gpus=2, engine={"tensor_parallel": 2}).num_gpus == 2
+    with pytest.raises(ConfigError, match="must be a whole number"):
+        JobConfig(input={"uri": "in"}, output={"uri": "out"}, actors={"num_gpus": 1.5})
     assert ServeConfig(num_gpus=1).num_gpus == 1 and JobConfig(input={"uri": "i"}, output={"uri": "o"},
                                                                  actors={"num_gpus": 0.5}).actors.num_gpus == 0.5

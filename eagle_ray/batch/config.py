@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from eagle_ray.config import (EngineConfig, S3Options, SamplingParams, StrictModel, apply_overrides,
+from eagle_ray.config import (EngineConfig, S3Options, SamplingParams, StrictModel, apply_overrides, gpus_for_ranks,
                               need_a_head_to_speculate, one_gpu_per_engine, read_yaml_mapping,
                               throughput_steps_unless_named, tune_tree_unless_named)
 
@@ -33,7 +33,8 @@ class ActorsConfig(StrictModel):
                                               "min and adds actors up to max while batches wait")
     num_cpus: float = Field(1.0, gt=0, description="CPUs per actor (also its torch thread count on CPU)")
     num_gpus: float = Field(0.0, ge=0, description="GPUs per actor: 0 = CPU actors; 0.5 or 0.25 put two or four "
-                            "engines of a small target on one GPU, each planning its memory from its share; at most 1")
+                            "engines of a small target on one GPU, each planning its memory from its share; a "
+                            "target split over N GPUs (engine.tensor_parallel N) takes N")
     batch_size: int = Field(16, ge=1, description="rows per Ray Data batch handed to an actor")
     max_concurrent_batches: int = Field(4, ge=1, description="batches in flight per actor, all feeding one "
                                         "continuously batched engine")
@@ -74,6 +75,12 @@ class ProcessorConfig(StrictModel):
     _default_tree = model_validator(mode="before")(tune_tree_unless_named)
     _wide_steps = model_validator(mode="before")(throughput_steps_unless_named)
     _head = model_validator(mode="after")(need_a_head_to_speculate)
+
+    @model_validator(mode="after")
+    def _gpus_for_ranks(self):
+        gpus_for_ranks(self.actors.num_gpus, self.engine, "num_actors")
+        return self
+
     sampling: SamplingParams = Field(default_factory=SamplingParams, description="defaults; rows may override")
     speculative: bool = True
     actors: ActorsConfig = Field(default_factory=ActorsConfig)

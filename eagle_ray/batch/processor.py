@@ -69,19 +69,23 @@ class Processor:
 
     def generate(self, items):
         """The dataset of work items (``InputRow.as_item()``) through the actor pool, then postprocess."""
-        import ray
-
         from eagle_ray.batch.stage import GenerateStage
-        a = self.config.actors
-        lo, hi = a.pool
-        out = items.map_batches(
-            GenerateStage, fn_constructor_kwargs={"config_json": self.config.model_dump_json()},
-            batch_size=a.batch_size, batch_format="pyarrow", num_cpus=a.num_cpus, num_gpus=a.num_gpus or None,
-            max_restarts=a.max_restarts, max_task_retries=a.max_restarts,
-            compute=ray.data.ActorPoolStrategy(min_size=lo, max_size=hi,
-                                               max_tasks_in_flight_per_actor=a.max_concurrent_batches,
-                                               max_concurrent_calls_per_actor=a.max_concurrent_batches))
+        out = items.map_batches(GenerateStage, fn_constructor_kwargs={"config_json": self.config.model_dump_json()},
+                                **pool_options(self.config.actors))
         return out.map(partial(finish_row, postprocess=self.postprocess)) if self.postprocess else out
+
+
+def pool_options(a) -> dict:
+    """What Ray Data reserves and runs for the actor pool (``ActorsConfig``): each actor's CPUs and GPUs (one per
+    rank of a target split over GPUs: Ray hands the actor that many distinct devices on one node, and its engine
+    starts its other ranks on them), the pool's size, and batches in flight per actor."""
+    import ray
+    lo, hi = a.pool
+    return dict(batch_size=a.batch_size, batch_format="pyarrow", num_cpus=a.num_cpus, num_gpus=a.num_gpus or None,
+                max_restarts=a.max_restarts, max_task_retries=a.max_restarts,
+                compute=ray.data.ActorPoolStrategy(min_size=lo, max_size=hi,
+                                                   max_tasks_in_flight_per_actor=a.max_concurrent_batches,
+                                                   max_concurrent_calls_per_actor=a.max_concurrent_batches))
 
 
 def build_processor(config, preprocess: Callable[[Row], Row] | None = None,

@@ -67,9 +67,34 @@ def load_pair(config: EngineConfig, storage_options: dict | None = None) -> Load
         config = config.replace(cpu_linears="input_major")   # Inductor lowers dense weights, not packed ones
     # plan the memory before allocating any: max_batch_size "auto" becomes an int, one that does not fit fails
     config = size_engine(config, ckpts.target_config, ckpts.head, device, dtype)
-    target = TargetModel.load(ckpts.target_dir, dtype, device, config.cache.max_batch_size,
-                              config.cache.max_model_len, config=ckpts.target_config, **config.precision.model_dump())
+    if m.tensor_parallel > 1:
+        target = load_sharded_target(config, ckpts, dtype, device)
+    else:
+        target = TargetModel.load(ckpts.target_dir, dtype, device, config.cache.max_batch_size,
+                                  config.cache.max_model_len, config=ckpts.target_config,
+                                  **config.precision.model_dump())
     return LoadedPair(target, load_draft(m.draft, ckpts, target, dtype, device), ckpts.tokenizer, config, ckpts)
+
+
+def load_sharded_target(config: EngineConfig, ckpts: Checkpoints, dtype: torch.dtype, device) -> TargetModel:
+    """Rank 0's shard of a target split over ``model.tensor_parallel`` processes, the other ranks started and
+    following (model/tensor_parallel.py)."""
+    from eagle_ray.errors import ConfigError
+    from eagle_ray.model import tensor_parallel as tp
+
+    m = config.model
+    if m.compile == "cuda-graphs":
+        raise ConfigError("compile: cuda-graphs does not yet capture a target split over ranks (tensor_parallel > 1)")
+    tp.check_shardable(ckpts.target_config, m.tensor_parallel)
+    spec = tp.Spec(str(ckpts.target_dir), ckpts.target_config, str(dtype).removeprefix("torch."), str(device),
+                   config.cache.max_batch_size, config.cache.max_model_len, config.precision.model_dump(), m.threads)
+    group, hf = tp.start(spec, m.tensor_parallel, TargetModel)
+    try:
+        return TargetModel(hf, config.cache.max_batch_size, config.cache.max_model_len, tp=group,
+                           **config.precision.model_dump())
+    except Exception:
+        group.close()
+        raise
 
 
 def load_draft(draft: str | None, ckpts: Checkpoints, target: TargetModel, dtype: torch.dtype, device):

@@ -119,9 +119,13 @@ class EagleEngine:
         (A device that faulted cannot be restarted this way: that needs a new process.)"""
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             self._finalize(seq)
+        if getattr(self.target, "tp", None) is not None:   # a split target: its other ranks start again
+            self.target.rebind(self.target.tp.restarted())
         self.target.cache.lengths[:] = 0
         self.scheduler = Scheduler(self.config.cache.max_batch_size, self._step_budget, self.policy, self._feeding)
+        graphs = self.runner.draft_graphs
         self.runner = ModelRunner(self.target, self.draft, self.runner.extend_budget, self.runner.context_vocab)
+        self.runner.draft_graphs = graphs
         if self.draft is not None:
             self._allocate_draft_cache(fresh=True)
 
@@ -155,6 +159,12 @@ class EagleEngine:
                 self.draft.cache.k[..., : cache.max_len, :] = cache.k[..., : cache.max_len, :]
                 self.draft.cache.v[..., : cache.max_len, :] = cache.v[..., : cache.max_len, :]
                 self.draft.cache.lengths[:] = cache.lengths
+
+    def close(self) -> None:
+        """Stop what the engine started outside its process: a split target's other ranks."""
+        tp = getattr(self.target, "tp", None)
+        if tp is not None and tp.rank == 0:
+            tp.close()
 
     # ---- requests -------------------------------------------------------------------------------------------------
     def prompt_room(self) -> int:

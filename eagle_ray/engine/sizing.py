@@ -57,7 +57,8 @@ def plan_engine(config: EngineConfig, target_config, head: HeadCheckpoint | None
     return plan_memory(target_config, kind, head_config, dtype, device.type, config.cache.max_model_len, verify,
                        draft_room=room, top_k=rows, precision=config.precision,
                        draft_vocab=draft_vocab_for(kind, head, config.speculation.draft_vocab_size),
-                       step_tokens=step_tokens(config.cache.max_step_tokens, device, config.cache.step_goal))
+                       step_tokens=step_tokens(config.cache.max_step_tokens, device, config.cache.step_goal),
+                       tensor_parallel=config.model.tensor_parallel)
 
 
 def size_engine(config: EngineConfig, target_config, head: HeadCheckpoint | None, device: torch.device,

@@ -42,6 +42,7 @@ class FusedLayer:
     kv_heads: int
     head_dim: int
     scaling: float
+    tp: object = None                 # tensor parallelism: this rank's group (o and down products are partial sums)
 
 
 def merge(modules: list[nn.Linear], bias: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -58,8 +59,9 @@ def merge(modules: list[nn.Linear], bias: bool = False) -> tuple[torch.Tensor, t
     return weight, b
 
 
-def fuse_layer(layer) -> FusedLayer:
-    """The merged form of a transformers decoder layer (Llama, Mistral, Qwen2, Qwen3 modules)."""
+def fuse_layer(layer, tp=None) -> FusedLayer:
+    """The merged form of a transformers decoder layer (Llama, Mistral, Qwen2, Qwen3 modules); with ``tp``, of one
+    rank's shard of it."""
     attn, mlp = layer.self_attn, layer.mlp
     qkv, qkv_bias = merge([attn.q_proj, attn.k_proj, attn.v_proj], bias=attn.q_proj.bias is not None)
     gate_up, _ = merge([mlp.gate_proj, mlp.up_proj])
@@ -70,7 +72,7 @@ def fuse_layer(layer) -> FusedLayer:
                       attn.o_proj.weight, gate_up, mlp.down_proj.weight,
                       None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
                       attn.q_proj.weight.shape[0] // head_dim, attn.k_proj.weight.shape[0] // head_dim, head_dim,
-                      attn.scaling)
+                      attn.scaling, tp)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -110,6 +112,14 @@ def fused_decoder_layer(L: FusedLayer, hidden: torch.Tensor, rope: RopeTables, c
     q = kernels.rotary(qkv, rope.cos, rope.sin_signed, H, Hkv)    # keys rotated in place
     cache.write_kv(layer_idx, meta.slot_index, meta.write_pos, qkv[:, :, H:])
     out = attend(q, layer_idx).transpose(1, 2).reshape(B * T, H * D)
-    flat = torch.addmm(flat, out, L.o.t())
-    flat = torch.addmm(flat, kernels.silu_mul(F.linear(rms_norm(flat, L.post_norm, L.eps), L.gate_up)), L.down.t())
+    flat = output(L, flat, out, L.o)
+    flat = output(L, flat, kernels.silu_mul(F.linear(rms_norm(flat, L.post_norm, L.eps), L.gate_up)), L.down)
     return flat.view(B, T, d)
+
+
+def output(L: FusedLayer, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``residual + x @ weight.T`` in one GEMM; split over ranks, each adds its partial product and rank 0 the
+    residual, summed by one all-reduce."""
+    if L.tp is None:
+        return torch.addmm(residual, x, weight.t())
+    return L.tp.all_reduce(torch.addmm(residual, x, weight.t()) if L.tp.rank == 0 else torch.mm(x, weight.t()))

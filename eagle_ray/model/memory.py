@@ -123,14 +123,16 @@ class MemoryPlan:
 def plan_memory(target_config, head_kind: str | None, head_config: dict | None, dtype: torch.dtype | str,
                 device_type: str, max_model_len: int, tree_budget: int, *, draft_room: int | None = None,
                 top_k: int = 1, precision=None, draft_vocab: int | None = None,
-                step_tokens: int = 0) -> MemoryPlan:
+                step_tokens: int = 0, tensor_parallel: int = 1) -> MemoryPlan:
     """What an engine with this target, head and cache shape needs.
 
     ``head_kind``: ``eagle2``, ``eagle3`` or None (no head); ``head_config``: the head checkpoint's config.json
     (None: the head ``for_target`` would build). ``tree_budget``: verify tokens per sequence (root included);
     ``draft_room``: tree tokens stacked on a slot's draft cache (default ``tree_budget``); ``top_k``: draft rows a
     sequence scores per level; ``draft_vocab``: rows of a token-mapped EAGLE-2 draft vocabulary (None: the full
-    vocabulary); ``step_tokens``: tokens one step may run (the cache config's step budget).
+    vocabulary); ``step_tokens``: tokens one step may run (the cache config's step budget). ``tensor_parallel``:
+    the target split over that many ranks: the plan is rank 0's (its slices of the layers and of the KV heads, the
+    replicated embedding and lm_head, and the head, logits and workspace that only rank 0 holds).
     """
     dt = _dtype(dtype)
     size = dt.itemsize
@@ -166,9 +168,9 @@ def plan_memory(target_config, head_kind: str | None, head_config: dict | None, 
     workspace = WORKSPACE_FIXED + step_tokens * _activation_bytes_per_token(cfg, kv_width, size)
     return MemoryPlan(
         device_type=device_type, dtype=str(dt).removeprefix("torch."), max_len=max_len,
-        target_weights=target_weight_bytes(cfg, dt), draft_weights=draft_weights, lm_head_copies=lm_copies,
-        workspace=workspace,
-        kv_per_slot=cfg.num_hidden_layers * 2 * (max_len + 1) * kv_width * size,
+        target_weights=target_weight_bytes(cfg, dt, tensor_parallel), draft_weights=draft_weights,
+        lm_head_copies=lm_copies, workspace=workspace,
+        kv_per_slot=cfg.num_hidden_layers * 2 * (max_len + 1) * kv_width * size // tensor_parallel,
         draft_kv_per_slot=draft_kv,
         logits_per_slot=tree_budget * vocab * 4 * LOGITS_COPIES + draft_scoring, pending_per_slot=pending)
 
@@ -184,12 +186,18 @@ def max_pending_pairs(pair_bytes: int, max_len: int) -> int:
     return max(1, min(max_len, PENDING_BYTES_PER_SLOT // pair_bytes))
 
 
-def target_weight_bytes(target_config, dtype: torch.dtype | str) -> int:
-    """Parameter and buffer bytes of the target built from its config on the meta device."""
+def target_weight_bytes(target_config, dtype: torch.dtype | str, tensor_parallel: int = 1) -> int:
+    """Parameter and buffer bytes of the target built from its config on the meta device (one rank's, split over
+    ``tensor_parallel`` ranks: see ``model/tensor_parallel.py``)."""
     from transformers import AutoModelForCausalLM
+
+    from eagle_ray.model.tensor_parallel import split_dim
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(target_config, dtype=_dtype(dtype))
-    return module_bytes(model)
+    if tensor_parallel == 1:
+        return module_bytes(model)
+    split = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if split_dim(name) is not None)
+    return module_bytes(model) - split + split // tensor_parallel
 
 
 def module_bytes(module: torch.nn.Module) -> int:
@@ -267,8 +275,8 @@ def fit_slots(plan: MemoryPlan, max_batch_size: int | str, free_bytes: int) -> i
     slots that fit (at most the device's ``auto_max_slots``, ``numerics.DEVICE_DEFAULTS``); else :class:`InsufficientMemoryError` naming both numbers."""
     where = "one GPU" if plan.device_type == "cuda" else f"this {plan.device_type} device"
     if plan.fixed > free_bytes:
-        split = (" eagle-ray runs one engine per GPU and does not split a target across GPUs (no tensor or "
-                 "pipeline parallelism): use a smaller target or a GPU with more memory."
+        split = (" Split the target over more GPUs (model.tensor_parallel: each GPU then holds its share of the "
+                 "layers; docs/memory.md), or use a GPU with more memory."
                  if plan.device_type == "cuda" else " Use a smaller target or free some memory.")
         raise InsufficientMemoryError(
             f"the target does not fit {where}: weights alone need {_gib(plan.weights)} (plus {_gib(plan.workspace)} "

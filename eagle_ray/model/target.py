@@ -42,11 +42,13 @@ def check_loading_info(path, info: dict) -> None:
 
 class TargetModel:
     def __init__(self, hf_model, max_slots: int, max_len: int, fp32_logits="auto", fp32_activations="auto",
-                 batch_invariant="auto", cpu_linears="auto", fused_layers="auto", tree_attention="auto"):
-        """The precision switches are True, False or "auto" (resolved for the device by ``numerics_for``)."""
+                 batch_invariant="auto", cpu_linears="auto", fused_layers="auto", tree_attention="auto", tp=None):
+        """The precision switches are True, False or "auto" (resolved for the device by ``numerics_for``). ``tp``:
+        this rank's ``tensor_parallel.Group`` where ``hf_model`` is one shard of a target split over ranks."""
         cfg = hf_model.config
         check_model_type(cfg)
         self.hf = hf_model.eval()
+        self.tp = tp   # its shard's o and down projections sum over the ranks (tensor_parallel.load_shard)
         self.config = cfg
         param = next(hf_model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -73,11 +75,23 @@ class TargetModel:
         # invariant_attention): bf16 verify and plain decoding then differ only on last-bit near-ties.
         self.batch_invariant = self.numerics.batch_invariant
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.cache = KVCache(len(self.layers), max_slots, cfg.num_key_value_heads, self.max_len, head_dim,
+        world = 1 if tp is None else tp.world
+        self.cache = KVCache(len(self.layers), max_slots, cfg.num_key_value_heads // world, self.max_len, head_dim,
                              self.dtype, self.device)
+        if tp is not None and tp.rank == 0:
+            self.cache.mirror = tp.send   # the other ranks move their K/V as rank 0 does
         self.cache.kv_bucket = defaults_for(self.device).kv_bucket
-        self.fused = [fuse_layer(layer) for layer in self.layers] if self.numerics.fused_layers else None
+        self.fused = [fuse_layer(layer, tp) for layer in self.layers] if self.numerics.fused_layers else None
         self.graphs = None   # DecodeGraphs (model/graphs.py) where compile is cuda-graphs
+
+    def rebind(self, tp) -> None:
+        """Run on group ``tp`` from now on (rank 0, after the other ranks restarted: ``Group.restarted``)."""
+        self.tp = tp
+        for layer in self.layers:
+            layer.self_attn.o_proj.group = layer.mlp.down_proj.group = tp
+        for fused in self.fused or ():
+            fused.tp = tp
+        self.cache.mirror = tp.send
 
     @classmethod
     def load(cls, path: str | Path, dtype: torch.dtype, device, max_slots: int, max_len: int, config=None,
@@ -127,6 +141,9 @@ class TargetModel:
         if capture:
             self.capture_layers = tuple(capture)  # an attribute, not an argument: traced as a constant
         B, T = tokens.shape
+        if self.tp is not None and self.tp.rank == 0:   # the other ranks run the same forward on their shards
+            self.tp.send("forward", tokens, slots, self.cache.lengths[slots].copy(), depth, block_mask, n_valid,
+                         capture, graphed)
         if graphed and self.graphs is not None:
             if self.graphs.fits(B, T, block_mask.shape[-1], 0):
                 return self.graphs.run(tokens.to(self.device), slots, depth.to(self.device), block_mask, n_valid,

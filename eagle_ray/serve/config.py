@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator, model_validator
 
-from eagle_ray.config import (EngineConfig, S3Options, StrictModel, need_a_head_to_speculate, one_gpu_per_engine,
-                              read_yaml_mapping, tune_tree_unless_named)
+from eagle_ray.config import (EngineConfig, S3Options, StrictModel, gpus_for_ranks, need_a_head_to_speculate,
+                              one_gpu_per_engine, read_yaml_mapping, tune_tree_unless_named)
 
 
 class ServeConfig(StrictModel):
@@ -20,7 +20,8 @@ class ServeConfig(StrictModel):
     route_prefix: str = "/"
     num_replicas: int = Field(1, ge=1)
     num_cpus: float = Field(1.0, gt=0, description="CPUs per replica (its torch threads on CPU)")
-    num_gpus: float = Field(0.0, ge=0, description="GPUs per replica (at most 1)")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per replica: at most 1, or N for a target split over N "
+                            "GPUs (engine.tensor_parallel N)")
     api_key_env: str | None = Field(None, description="if set, requests need `Authorization: Bearer <value of "
                                     "this environment variable>`")
     max_tokens_cap: int = Field(2048, ge=1, description="largest max_tokens a request may ask for")
@@ -39,6 +40,11 @@ class ServeConfig(StrictModel):
     @classmethod
     def _one_gpu(cls, v):
         return one_gpu_per_engine(v, "num_replicas")
+
+    @model_validator(mode="after")
+    def _gpus_for_ranks(self):
+        gpus_for_ranks(self.num_gpus, self.engine, "num_replicas")
+        return self
 
     @model_validator(mode="after")
     def _default_within_cap(self):

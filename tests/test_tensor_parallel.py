@@ -180,3 +180,23 @@ def test_two_actors_of_a_two_rank_target_get_two_gpus_each_all_distinct():
     ids = [set(gpus.split(",")) for gpus, _ in pairs]
     assert all(len(i) == 2 for i in ids) and not ids[0] & ids[1]
     assert all(set(visible.split(",")) == set(gpus.split(",")) for gpus, visible in pairs)   # what CUDA sees
+
+
+@pytest.mark.slow
+def test_a_rank_that_hangs_fails_the_engine_after_the_collective_timeout(target_dir):
+    import os
+    import signal
+    two = engine(target_dir, 2)
+    proc = two.target.tp.procs[0]
+    try:
+        two.add_request([5, 6, 7], SamplingParams(max_new_tokens=200, ignore_eos=True))
+        two.step()
+        os.kill(proc.pid, signal.SIGSTOP)   # alive, but never answers
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match="all-reduce failed on rank 0"):
+            for _ in range(100):
+                two.step()
+        assert time.monotonic() - start < 45
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        two.close()

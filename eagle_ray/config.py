@@ -213,6 +213,29 @@ class PrecisionConfig(StrictModel):
         "model/tree_attention.py); auto: the device's default (model/numerics.py)")
 
 
+class AdaptationConfig(StrictModel):
+    """Online adaptation (train/online.py): a copy of the head fine-tuned on the (feature, token) pairs the
+    engine's own verify passes compute, swapped in only when it scores better on held-back sequences. Output is
+    unchanged either way: verification decides every token."""
+    enabled: bool = Field(False, description="off by default: it pays on long jobs in one domain the head was not "
+                          "trained on (docs/benchmarks.md)")
+    buffer_tokens: int = Field(65536, ge=256, description="(feature, token) pairs kept to train on, newest first; "
+                               "with the held-back pairs, what bounds the adaptation's memory")
+    time_share: float = Field(0.1, gt=0, le=1, description="the most of the engine's time training and scoring "
+                              "may take, in slices between steps")
+    min_gain: float = Field(0.01, ge=-1, le=1, description="a candidate replaces the live head only if its top-1 "
+                            "draft accuracy on held-back sequences beats the live head's by this much")
+    round_steps: int = Field(32, ge=1, description="training steps of a candidate before it is scored")
+    batch_tokens: int = Field(1024, ge=16, description="pairs per training step")
+    lr: float = Field(5e-5, gt=0, description="the candidate's AdamW learning rate")
+    hold_back: int = Field(8, ge=2, description="every hold_back-th finished sequence is held back for scoring, "
+                           "never trained on")
+    save: bool = Field(False, description="the job writes its adapted head next to its outputs (head/<actor>/, "
+                       "with a model card), after every swap")
+    save_dir: str | None = Field(None, description="where adapted heads go (a directory or s3:// prefix); the job "
+                                 "sets it to <output>/head when save is on")
+
+
 def aliases(name: str, field) -> list[str]:
     """A field's name and its older spellings (``max_verify_tokens`` for ``verify_cap``)."""
     return list(field.validation_alias.choices) if isinstance(field.validation_alias, AliasChoices) else [name]
@@ -234,6 +257,7 @@ class EngineConfig(StrictModel):
     cache: CacheConfig = Field(default_factory=CacheConfig)
     speculation: SpeculationConfig = Field(default_factory=SpeculationConfig)
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    adaptation: AdaptationConfig = Field(default_factory=AdaptationConfig)
 
     @model_validator(mode="before")
     @classmethod

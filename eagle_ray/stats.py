@@ -21,6 +21,7 @@ class RequestStats:
     other_s: float = 0.0
     ttft_s: float = 0.0
     total_s: float = 0.0
+    head_version: int = 0                                        # the head it finished with (online adaptation)
 
     @property
     def tau(self) -> float:
@@ -53,6 +54,7 @@ class RequestStats:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         if not self.ttft_s:
             self.ttft_s = other.ttft_s
+        self.head_version = max(self.head_version, other.head_version)
         for name in ("accept_hist", "accepted_per_depth"):
             a, b = getattr(self, name), getattr(other, name)
             setattr(self, name, [x + y for x, y in zip(a + [0] * (len(b) - len(a)), b + [0] * (len(a) - len(b)))])

@@ -110,6 +110,13 @@ class JobConfig(ProcessorConfig):
                                  "quarter of this; a second run refuses while it is fresh, takes it over once stale")
 
     @model_validator(mode="after")
+    def _adapted_heads_beside_outputs(self):
+        a = self.engine.adaptation
+        if a.save and a.save_dir is None:
+            self.engine.adaptation.save_dir = self.output.uri.rstrip("/") + "/head"
+        return self
+
+    @model_validator(mode="after")
     def _output_outside_input(self):
         """Output files under the input would be read back as input rows by the next run."""
         inp, out = (u.rstrip("/") if "://" in u else os.path.abspath(u) for u in (self.input.uri, self.output.uri))

@@ -415,6 +415,13 @@ def summarize(table: pa.Table, writer: PartWriter, wall: float, run_started: dat
                      "tokens_per_s": a["tokens"] / max((a["last"] - a["first"]).total_seconds(), 1e-9)}
                  for w, a in actors.items()}
     gen_span = None
+    over_time = []   # tau of this run's rows in tenths, in the order they finished (online adaptation raises it)
+    done = sorted((r for r in this_run if r["tau"]), key=lambda r: r["finished_at"])
+    block = max(1, -(-len(done) // 10))
+    for i in range(0, len(done), block):
+        part = done[i:i + block]
+        over_time.append({"rows": len(part), "tau": round(statistics.mean(r["tau"] for r in part), 4),
+                          "head_versions": sorted({r.get("head_version") or 0 for r in part})})
     if this_run:
         gen_span = (max(r["finished_at"] for r in this_run) - min(r["started_at"] for r in this_run)).total_seconds()
     return {
@@ -425,7 +432,7 @@ def summarize(table: pa.Table, writer: PartWriter, wall: float, run_started: dat
         "generated_tokens_per_s": gen / wall if wall > 0 else None,
         "generation_span_s": gen_span,
         "generation_tokens_per_s": gen / gen_span if gen_span else None,
-        "per_actor": per_actor,
+        "per_actor": per_actor, "tau_over_time": over_time,
     }
 
 
@@ -449,4 +456,6 @@ def format_summary(s: dict) -> str:
              "per actor:"]
     for w, a in s["per_actor"].items():
         lines.append(f"  {w:<40} rows {a['rows']:>6}  tokens {a['tokens']:>8}  {a['tokens_per_s']:.1f} tok/s")
+    if s.get("tau_over_time"):
+        lines.append("tau over time    " + " ".join(f"{b['tau']:.2f}" for b in s["tau_over_time"]))
     return "\n".join(lines)

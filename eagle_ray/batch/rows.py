@@ -364,7 +364,7 @@ STAT_FIELDS = [
     ("accept_hist", pa.list_(pa.int64())), ("accepted_per_depth", pa.list_(pa.int64())),
     ("mean_tree_size", pa.float64()), ("prefill_s", pa.float64()), ("draft_s", pa.float64()),
     ("verify_s", pa.float64()), ("other_s", pa.float64()), ("ttft_s", pa.float64()), ("total_s", pa.float64()),
-    ("tokens_per_s", pa.float64()),
+    ("tokens_per_s", pa.float64()), ("head_version", pa.int64()),
 ]
 
 # Every column has an explicit type, so a batch of error rows (all-null outputs) writes the same schema.

@@ -100,6 +100,12 @@ class GenerateStage:
                 self.worker_id = f"{self.worker_id}:{ray.get_runtime_context().get_actor_id()[:8]}"
         except Exception:  # noqa: BLE001 - outside an actor (tests, direct use)
             pass
+        from eagle_ray.train.online import adapt
+        adapter, where = adapt(self.engine), engine_cfg.adaptation.save_dir
+        if adapter is not None and engine_cfg.adaptation.save and where:
+            folder = "".join(c if c.isalnum() or c in "-_." else "-" for c in self.worker_id)
+            adapter.on_swap = lambda a: a.save(f"{where.rstrip('/')}/{folder}", self.cfg.s3.storage_options(),
+                                               self.draft_name)
 
     async def __call__(self, batch: pa.Table) -> pa.Table:
         items = batch.to_pylist()

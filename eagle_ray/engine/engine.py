@@ -77,6 +77,7 @@ class EagleEngine:
             check_draft_vocab(draft.draft_vocab_size, self.policy.trees())
             self._allocate_draft_cache(fresh=True)
         compile_forwards(target, draft, config.model.compile)
+        self.adapter = None   # online adaptation, where attached (train/online.py adapt): add, after_step, state
         if config.model.compile == "cuda-graphs" and draft is not None:
             self.runner.draft_graphs = DraftGraphs(draft, target.cache.num_slots, config.speculation.context_vocab)
 
@@ -203,6 +204,8 @@ class EagleEngine:
         if seq.finished or seq.slot >= 0 or any(s is seq for s in self.scheduler.waiting):
             raise InvalidRequestError(f"request {seq.request_id!r} was already added; make a new sequence to run "
                                       "it again")
+        if self.adapter is not None and seq.speculative:
+            seq.pending.kept = []   # every pair it gives the head, to train on once it finishes
         self.scheduler.add(seq)
         return seq
 
@@ -249,6 +252,7 @@ class EagleEngine:
     def step(self) -> list[Sequence]:
         """Admit waiting requests, run this step's prompt chunks and one draft-verify step of every running
         sequence, retire finished ones. Returns the sequences that emitted tokens or finished (for streaming)."""
+        t0 = time.perf_counter()
         for src, dst in self.scheduler.defragment():  # keep running slots contiguous: KV reads stay slices
             self.runner.move_slot(src, dst)
         plan = self.scheduler.schedule(self.target.max_len)
@@ -256,6 +260,8 @@ class EagleEngine:
         touched = self._postprocess(plan, out)
         for seq in self.scheduler.retire_finished():
             self._finalize(seq)
+        if self.adapter is not None:   # a training slice within its share of the engine's time
+            self.adapter.after_step(time.perf_counter() - t0)
         return touched
 
     def _postprocess(self, plan: StepPlan, out: StepOutput | None) -> list[Sequence]:
@@ -306,6 +312,10 @@ class EagleEngine:
     def _finalize(self, seq: Sequence) -> None:
         seq.stats.total_s = time.perf_counter() - seq.start_time if seq.start_time else 0.0
         seq.stats.new_tokens = len(seq.output_ids)
+        if self.adapter is not None:
+            seq.stats.head_version = self.adapter.state.version
+            if seq.finish_reason not in (None, "abort"):
+                self.adapter.add(seq)
         seq.pending.clear()     # frees the feature tensors
         seq.draft_hidden = None
 

@@ -23,6 +23,7 @@ class PendingPairs:
     def __init__(self):
         self.tokens: list[int] = []
         self.chunks: list[torch.Tensor] = []
+        self.kept: list[tuple[list[int], torch.Tensor]] | None = None   # every pair ever added (online adaptation)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -31,6 +32,8 @@ class PendingPairs:
         if tokens:
             self.tokens += tokens
             self.chunks.append(features.clone())
+            if self.kept is not None:
+                self.kept.append((list(tokens), self.chunks[-1]))
 
     def take(self, n: int) -> tuple[list[int], torch.Tensor]:
         """Remove and return the first ``n`` pairs (tokens, features ``[n, d]``)."""

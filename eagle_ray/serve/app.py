@@ -24,6 +24,7 @@ from eagle_ray.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from eagle_ray.serve.metrics import ServeMetrics
 from eagle_ray.serve.openai_api import (ApiError, ParsedRequest, authorized, eagle_stats, error_body, finish_reason,
                                         new_id, now, parse_body)
+from eagle_ray.train.online import adapt
 
 api = FastAPI(title="eagle-ray", docs_url=None, redoc_url=None)
 
@@ -79,6 +80,7 @@ class EagleServer:
         self.api_key = api_key_from_env(self.cfg)  # before the model loads: a missing secret fails in seconds
         engine_cfg = self.cfg.engine.for_ray_worker(self.cfg.num_cpus, self.cfg.num_gpus)
         self.engine = EagleEngine.from_config(engine_cfg, self.cfg.s3.storage_options())
+        adapt(self.engine)   # online adaptation, where the config turns it on
         self.engine.codec.split_special_tokens = self.cfg.split_special_tokens
         self.queue = RequestQueue(self.engine, StallBound(self.cfg.stall_floor_s, self.cfg.stall_factor))
         self.metrics = ServeMetrics(self.cfg.model_name)
@@ -207,6 +209,7 @@ class EagleServer:
         c["free_slots"] = len(self.engine.scheduler.free)
         c["pending"] = self.queue.num_pending
         c["tree"] = self.engine.policy.summary()
+        c["adaptation"] = self.engine.adapter.summary() if self.engine.adapter is not None else None
         return c
 
     @api.get("/v1/models")

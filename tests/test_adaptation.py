@@ -1,0 +1,123 @@
+"""Online adaptation (train/online.py): the head trains on the engine's own pairs while the engine runs; the
+output never changes, a candidate that scores worse never replaces the live head, and the buffers stay bounded."""
+import torch
+from test_engine import mixed_prompts, reference_greedy
+from tiny import tiny_engine
+
+from eagle_ray.config import AdaptationConfig, SamplingParams
+
+
+def own(head):
+    """A copy of the shared test head: adaptation changes the live head's weights in place."""
+    import copy
+    return copy.deepcopy(head)
+
+
+def adapting(engine, **cfg):
+    from eagle_ray.train.online import Adapter
+    engine.adapter = Adapter(engine.draft, engine.target.lm_head_weight, AdaptationConfig(enabled=True, **cfg))
+    return engine.adapter
+
+
+def run(engine, prompts, params):
+    seqs = [engine.add_request(p, params) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    return seqs
+
+
+def swaps_every_round(adapter) -> None:
+    """A gate that lets every candidate through (the swapping path, whatever the candidates are worth)."""
+    adapter.hits = lambda head, real=adapter.hits: torch.zeros_like(real(head)) | (head is adapter.candidate)
+
+
+def test_swapping_heads_every_round_leaves_every_token_the_targets(tiny_dir, tiny_hf, tiny_head, monkeypatch):
+    """Every candidate replaces the live head, several times over the run."""
+    monkeypatch.setattr("eagle_ray.train.online.MIN_SCORED", 0)
+    engine = tiny_engine(tiny_dir, own(tiny_head), max_batch_size=4)
+    adapter = adapting(engine, time_share=1.0, round_steps=2, batch_tokens=64, hold_back=2, lr=1e-3)
+    swaps_every_round(adapter)
+    prompts = mixed_prompts(24, seed=13)
+    seqs = run(engine, prompts, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    assert [list(s.output_ids) for s in seqs] == [reference_greedy(tiny_hf, p, 24) for p in prompts]
+    assert adapter.state.version >= 5 and len(adapter.state.swaps) == adapter.state.version
+    versions = {s.stats.head_version for s in seqs}   # each request says which head it finished with
+    assert len(versions) >= 3 and max(versions) <= adapter.state.version
+    assert adapter.state.train_steps >= 10
+
+
+def test_seeded_sampling_through_swaps_is_the_same_as_without(tiny_dir, tiny_head, monkeypatch):
+    monkeypatch.setattr("eagle_ray.train.online.MIN_SCORED", 0)
+    prompts = mixed_prompts(12, seed=21)
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True, temperature=0.8, seed=5)
+    plain = tiny_engine(tiny_dir, own(tiny_head), max_batch_size=4)
+    want = [list(s.output_ids) for s in run(plain, prompts, params)]
+    engine = tiny_engine(tiny_dir, own(tiny_head), max_batch_size=4)
+    adapter = adapting(engine, time_share=1.0, round_steps=2, batch_tokens=64, hold_back=2, lr=1e-3)
+    swaps_every_round(adapter)
+    assert [list(s.output_ids) for s in run(engine, prompts, params)] == want
+    assert adapter.state.version >= 2
+
+
+def test_a_broken_candidate_never_replaces_the_live_head(tiny_dir, tiny_head):
+    """A candidate whose input projection is noise after every training step scores worse each round and is
+    discarded; the live head's weights stay as loaded. (Training on shuffled tokens or random features is not
+    bad enough on a 64-token random target: even noise teaches which tokens its lm_head favours.)"""
+    engine = tiny_engine(tiny_dir, own(tiny_head), max_batch_size=4)
+    adapter = adapting(engine, time_share=1.0, round_steps=4, batch_tokens=128, hold_back=2)
+    step, g = adapter.train_step, torch.Generator().manual_seed(0)
+
+    def breaks_it():
+        step()
+        with torch.no_grad():
+            adapter.candidate.fc.weight.copy_(torch.randn(adapter.candidate.fc.weight.shape, generator=g))
+    adapter.train_step = breaks_it
+    before = [p.detach().clone() for p in engine.draft.parameters()]
+    run(engine, mixed_prompts(32, seed=3), SamplingParams(max_new_tokens=24, ignore_eos=True))
+    assert adapter.state.rounds >= 3 and adapter.state.version == 0 and adapter.state.rejected == adapter.state.rounds
+    assert all(torch.equal(a, b) for a, b in zip(before, engine.draft.parameters()))
+
+
+def test_the_buffers_stay_within_the_configured_pairs(tiny_dir, tiny_head):
+    engine = tiny_engine(tiny_dir, own(tiny_head), max_batch_size=4)
+    adapter = adapting(engine, buffer_tokens=256, time_share=0.01)
+    longest = 0
+    for _ in range(3):
+        run(engine, mixed_prompts(16, seed=4), SamplingParams(max_new_tokens=32, ignore_eos=True))
+        longest = max(len(c["input_ids"]) for c in list(adapter.train_set) + list(adapter.held_back))
+        assert adapter.train_pairs <= 256 + longest and adapter.held_pairs <= 64 + longest
+        assert adapter.train_pairs == sum(len(c["input_ids"]) for c in adapter.train_set)
+    assert adapter.state.pairs_seen > 3 * 256
+
+
+def test_a_job_actor_writes_its_adapted_head_with_a_model_card_and_rows_say_their_head(tiny_dir, tmp_path,
+                                                                                      monkeypatch):
+    import asyncio
+    import json
+
+    from test_batch_faults import batch_of
+
+    from eagle_ray.batch.config import JobConfig
+    from eagle_ray.batch.stage import GenerateStage
+    from eagle_ray.model.draft_head import DraftHead
+    monkeypatch.setattr("eagle_ray.train.online.MIN_SCORED", 0)
+    cfg = JobConfig(engine={"target": str(tiny_dir), "draft": "random", "dtype": "float32", "max_batch_size": 4,
+                            "max_model_len": 128, "adaptation": {"enabled": True, "save": True, "time_share": 1.0,
+                                                                 "round_steps": 2, "batch_tokens": 64,
+                                                                 "hold_back": 2}},
+                    sampling={"max_new_tokens": 16, "ignore_eos": True},
+                    input={"uri": str(tmp_path / "in.jsonl")}, output={"uri": str(tmp_path / "out")})
+    assert cfg.engine.adaptation.save_dir == str(tmp_path / "out") + "/head"
+    stage = GenerateStage(cfg.model_dump_json())
+    swaps_every_round(stage.engine.adapter)
+    try:
+        rows = asyncio.run(stage(batch_of(24))).to_pylist()
+    finally:
+        stage.queue.shutdown(drain=False, timeout=10)
+    version = stage.engine.adapter.state.version
+    assert version >= 2 and {r["head_version"] for r in rows} <= set(range(version + 1))
+    (saved,) = (tmp_path / "out" / "head").iterdir()
+    card = json.loads((saved / "model_card.json").read_text())
+    assert card["version"] == version and card["swaps"][-1]["version"] == version and card["pairs_seen"] > 0
+    head = DraftHead.load(saved)
+    assert torch.equal(head.fc.weight, stage.engine.draft.fc.weight)

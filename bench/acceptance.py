@@ -29,7 +29,16 @@
         python bench/acceptance.py top1 --answers datasets/selfdistill/sharegpt-turn2-fp32 --first 122 \\
             --heads embedded NEW --out bench/results/<hardware>/heldout_top1.json
 
-Both write JSON naming the hardware, torch version, threads and command line (``harness.py``).
+``adaptation``
+    Online adaptation on a domain the head was not trained for: the batch job over ``--num-prompts`` requests to
+    explain SymPy functions (``workloads.py sympy_code``), once with ``engine.adaptation`` off and once on, one
+    actor each, the same rows. Rows are ordered by when they finished; tau of the first and last ``--window`` rows
+    of each run, and each job's wall time.
+
+        python bench/acceptance.py adaptation --num-prompts 1000 --max-new-tokens 64 \
+            --out bench/results/<hardware>/adaptation_sympy_1000.json
+
+All write JSON naming the hardware, torch version, threads and command line (``harness.py``).
 """
 from __future__ import annotations
 
@@ -171,6 +180,67 @@ def cmd_top1(a) -> int:
 
 
 # ---- the command line ---------------------------------------------------------------------------------------------
+def adaptation_run(prompts_path: Path, out_dir: Path, adapt: bool, a) -> dict:
+    import time
+
+    from eagle_ray.batch.config import JobConfig
+    from eagle_ray.batch.job import run_job
+    cfg = JobConfig(engine={"max_batch_size": a.max_batch_size, "max_model_len": 1024, "threads": a.threads,
+                            "adaptation": {"enabled": adapt, "time_share": a.time_share, "lr": a.lr,
+                                           "round_steps": a.round_steps}},
+                    sampling={"max_new_tokens": a.max_new_tokens},
+                    input={"uri": str(prompts_path)}, output={"uri": str(out_dir)}, resume=False,
+                    actors={"num_actors": 1, "num_cpus": a.threads, "batch_size": 8, "max_concurrent_batches": 4})
+    t0 = time.perf_counter()
+    summary = run_job(cfg, print_fn=lambda *_: None)
+    wall = time.perf_counter() - t0
+    from eagle_ray.batch.job import filesystem, read_output
+    fs, root = filesystem(str(out_dir), cfg)
+    rows = read_output(fs, root).to_pylist()
+    rows = sorted((r for r in rows if not r["error"] and r["verify_steps"]), key=lambda r: r["finished_at"])
+    w = a.window
+
+    def tau(part):
+        return sum(r["step_tokens"] if "step_tokens" in r else r["tau"] * r["verify_steps"] for r in part) / \
+            max(sum(r["verify_steps"] for r in part), 1)
+    return {"adaptation": adapt, "wall_s": round(wall, 1), "rows": len(rows),
+            "tau_first": round(tau(rows[:w]), 4), "tau_last": round(tau(rows[-w:]), 4),
+            "first_ids": [r["id"] for r in rows[:w]], "last_ids": [r["id"] for r in rows[-w:]],
+            "tau_by_id": {r["id"]: r["tau"] for r in rows}, "head_versions": sorted({r["head_version"] for r in rows}),
+            "tau_over_time": summary.get("tau_over_time"), "tokens": sum(r["output_tokens"] for r in rows)}
+
+
+def cmd_adaptation(a) -> int:
+    import json
+    import tempfile
+
+    from workloads import sympy_code_prompts
+    work = Path(a.work_dir or tempfile.mkdtemp(prefix="adaptation-"))
+    work.mkdir(parents=True, exist_ok=True)
+    prompts_path = work / "prompts.jsonl"
+    with open(prompts_path, "w") as f:
+        for i, p in enumerate(sympy_code_prompts(a.num_prompts)):
+            f.write(json.dumps({"id": f"q{i:05d}", "prompt": p}) + "\n")
+    runs = {mode: adaptation_run(prompts_path, work / f"out-{mode}", mode == "on", a) for mode in a.order}
+    on, off = runs.get("on"), runs.get("off")
+    result = {"workload": "sympy_code", "prompts": a.num_prompts, "max_new_tokens": a.max_new_tokens,
+              "window": a.window, "settings": {"time_share": a.time_share, "lr": a.lr, "round_steps": a.round_steps,
+                                               "max_batch_size": a.max_batch_size},
+              "runs": {m: {k: v for k, v in r.items() if k not in ("tau_by_id", "first_ids", "last_ids")}
+                       for m, r in runs.items()}}
+    if on and off:   # the same rows, adaptation off: what the last window's gain owes to adaptation
+        same = [off["tau_by_id"][i] for i in on["last_ids"] if i in off["tau_by_id"]]
+        result["off_tau_on_the_last_rows_of_on"] = round(sum(same) / max(len(same), 1), 4)
+        result["last_rows_gain_vs_off"] = round(on["tau_last"] / max(result["off_tau_on_the_last_rows_of_on"], 1e-9)
+                                                - 1, 4)
+        result["wall_on_vs_off"] = round(on["wall_s"] / off["wall_s"], 4)
+    write_result(a.out, result, a.command)
+    print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
+    for m, r in result["runs"].items():
+        print(m, {k: r[k] for k in ("wall_s", "tau_first", "tau_last", "head_versions")})
+    return 0
+
+
 def add_tau(sub) -> None:
     p = subcommand(sub, "tau", cmd_tau, "tau of several heads x trees x lookups on the same task prompts",
                    out_required=True)
@@ -204,8 +274,23 @@ def add_top1(sub) -> None:
     p.set_defaults(parser=p)
 
 
+def add_adaptation(sub) -> None:
+    p = subcommand(sub, "adaptation", cmd_adaptation, "the job with online adaptation off and on, one domain",
+                   out_required=True)
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-batch-size", type=int, default=16)
+    p.add_argument("--window", type=int, default=200, help="rows at each end compared")
+    p.add_argument("--time-share", type=float, default=0.1)
+    p.add_argument("--lr", type=float, default=5e-5)
+    p.add_argument("--round-steps", type=int, default=32)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--order", nargs="+", default=["off", "on"], choices=["off", "on"])
+    p.add_argument("--work-dir", default=None, help="where prompts and outputs go (default: a new temp dir)")
+
+
 def main(argv=None) -> int:
-    return run_entry(__doc__, SCRIPT, (add_tau, add_top1), argv)
+    return run_entry(__doc__, SCRIPT, (add_tau, add_top1, add_adaptation), argv)
 
 
 if __name__ == "__main__":

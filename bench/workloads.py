@@ -19,7 +19,7 @@ from pathlib import Path
 from eagle_ray.prompts import (EAGLE_TASKS, benchmark_path, demo_prompts_path, first_turn_prompt,
                                read_jsonl)
 
-NAMES = ("demo", "alternating", "mixed", *EAGLE_TASKS)
+NAMES = ("demo", "alternating", "mixed", "sympy_code", *EAGLE_TASKS)
 
 
 def task_records(spec: str) -> tuple[str, list[dict]]:
@@ -76,6 +76,32 @@ def mixed_length_prompts(tokenizer, n: int, lo: int = 10, hi: int = 1900, seed: 
     return out
 
 
+def sympy_code_prompts(n: int, seed: int = 0, max_lines: int = 24) -> list[str]:
+    """``n`` requests to explain a function of SymPy (the PyPI package's own source, docstrings removed): one
+    domain, one style, far from chat; the functions are drawn in a fixed shuffled order."""
+    import ast
+
+    import sympy
+    root = Path(sympy.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if "tests" in path.parts:
+            continue
+        source = path.read_text(errors="replace")
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and 6 <= node.end_lineno - node.lineno <= max_lines:
+                if ast.get_docstring(node):
+                    node.body = node.body[1:] or [ast.Pass()]
+                found.append(ast.unparse(node))
+    random.Random(seed).shuffle(found)
+    return [f"Explain briefly what this Python function from SymPy does:\n\n```python\n{code}\n```"
+            for code in found[:n]]
+
+
 def embedded_tokenizer():
     from transformers import AutoTokenizer
 
@@ -91,4 +117,6 @@ def prompts(name: str, n: int | None = None, tokenizer=None) -> list:
         return alternating_prompts(n or 64)
     if name == "mixed":
         return mixed_length_prompts(tokenizer or embedded_tokenizer(), n or 48)
+    if name == "sympy_code":
+        return sympy_code_prompts(n or 1000)
     return task_prompts(name, n)

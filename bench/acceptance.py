@@ -207,6 +207,7 @@ def adaptation_run(prompts_path: Path, out_dir: Path, adapt: bool, a) -> dict:
             "tau_first": round(tau(rows[:w]), 4), "tau_last": round(tau(rows[-w:]), 4),
             "first_ids": [r["id"] for r in rows[:w]], "last_ids": [r["id"] for r in rows[-w:]],
             "tau_by_id": {r["id"]: r["tau"] for r in rows}, "head_versions": sorted({r["head_version"] for r in rows}),
+            "outputs": {r["id"]: r["output_token_ids"] for r in rows},
             "tau_over_time": summary.get("tau_over_time"), "tokens": sum(r["output_tokens"] for r in rows)}
 
 
@@ -226,7 +227,7 @@ def cmd_adaptation(a) -> int:
     result = {"workload": "sympy_code", "prompts": a.num_prompts, "max_new_tokens": a.max_new_tokens,
               "window": a.window, "settings": {"time_share": a.time_share, "lr": a.lr, "round_steps": a.round_steps,
                                                "max_batch_size": a.max_batch_size},
-              "runs": {m: {k: v for k, v in r.items() if k not in ("tau_by_id", "first_ids", "last_ids")}
+              "runs": {m: {k: v for k, v in r.items() if k not in ("tau_by_id", "first_ids", "last_ids", "outputs")}
                        for m, r in runs.items()}}
     if on and off:   # the same rows, adaptation off: what the last window's gain owes to adaptation
         same = [off["tau_by_id"][i] for i in on["last_ids"] if i in off["tau_by_id"]]
@@ -234,6 +235,7 @@ def cmd_adaptation(a) -> int:
         result["last_rows_gain_vs_off"] = round(on["tau_last"] / max(result["off_tau_on_the_last_rows_of_on"], 1e-9)
                                                 - 1, 4)
         result["wall_on_vs_off"] = round(on["wall_s"] / off["wall_s"], 4)
+        result["outputs_identical"] = sum(on["outputs"][i] == off["outputs"].get(i) for i in on["outputs"])
     write_result(a.out, result, a.command)
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
     for m, r in result["runs"].items():

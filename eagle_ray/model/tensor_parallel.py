@@ -160,7 +160,10 @@ class Group:
         return "; ".join(dead) + " " if dead else ""
 
     def send(self, *call) -> None:
-        """Rank 0: ``call`` to every other rank (they run it on their shards)."""
+        """Rank 0: ``call`` to every other rank (they run it on their shards). Its tensors travel as host copies:
+        a CUDA tensor through a pipe would be shared by IPC and freed under the receiver (a GPU run pays one device
+        read per call; sending them over the group is the next step)."""
+        call = tuple(a.cpu() if torch.is_tensor(a) and a.device.type != "cpu" else a for a in call)
         for r, (proc, pipe) in enumerate(zip(self.procs, self.pipes), 1):
             if not proc.is_alive():
                 raise EngineDeadError(f"tensor-parallel rank {r} (pid {proc.pid}) exited with code {proc.exitcode}")

@@ -186,6 +186,7 @@ def adaptation_run(prompts_path: Path, out_dir: Path, adapt: bool, a) -> dict:
     from eagle_ray.batch.config import JobConfig
     from eagle_ray.batch.job import run_job
     cfg = JobConfig(engine={"max_batch_size": a.max_batch_size, "max_model_len": 1024, "threads": a.threads,
+                            "dtype": a.dtype,
                             "adaptation": {"enabled": adapt, "time_share": a.time_share, "lr": a.lr,
                                            "round_steps": a.round_steps}},
                     sampling={"max_new_tokens": a.max_new_tokens},
@@ -226,7 +227,7 @@ def cmd_adaptation(a) -> int:
     on, off = runs.get("on"), runs.get("off")
     result = {"workload": "sympy_code", "prompts": a.num_prompts, "max_new_tokens": a.max_new_tokens,
               "window": a.window, "settings": {"time_share": a.time_share, "lr": a.lr, "round_steps": a.round_steps,
-                                               "max_batch_size": a.max_batch_size},
+                                               "max_batch_size": a.max_batch_size, "dtype": a.dtype},
               "runs": {m: {k: v for k, v in r.items() if k not in ("tau_by_id", "first_ids", "last_ids", "outputs")}
                        for m, r in runs.items()}}
     if on and off:   # the same rows, adaptation off: what the last window's gain owes to adaptation
@@ -287,6 +288,7 @@ def add_adaptation(sub) -> None:
     p.add_argument("--lr", type=float, default=5e-5)
     p.add_argument("--round-steps", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", default="auto", help="float32: outputs must match token for token")
     p.add_argument("--order", nargs="+", default=["off", "on"], choices=["off", "on"])
     p.add_argument("--work-dir", default=None, help="where prompts and outputs go (default: a new temp dir)")
 

@@ -46,6 +46,7 @@ Every subcommand writes JSON naming the hardware, torch version, threads and com
 """
 from __future__ import annotations
 
+import argparse
 import json
 import resource
 import statistics
@@ -322,17 +323,14 @@ def batch_modes(engine, bs: int, a) -> list[tuple[str, bool]]:
 
 
 def set_mode(engine, mode: str, trees: dict | None, caps: dict | None) -> None:
-    """The engine's tuned trees as ``mode`` runs them: without the verify cap, or every lookup chain at N."""
-    from eagle_ray.engine.chooser import SpeculationChooser
+    """The engine's tuned trees as ``mode`` runs them: without the verify cap, or every lookup chain at N; the
+    measured choice starts from its priors in every run, as in a new engine."""
     engine.config = engine.config.replace(verify_cap_by_batch=None if mode == "spec_uncapped" else caps)
-    if not trees:
-        return
-    n = int(mode.removeprefix("spec_lookup")) if mode.startswith("spec_lookup") else None
-    engine.set_trees(trees_by_batch={b: t if n is None or t.total_tokens == 1 else t.model_copy(update={"lookup": n})
-                                     for b, t in trees.items()})
-    policy = engine.policy
-    if policy.chooser is not None and policy.tuning is not None:   # each mode starts where the engine does
-        policy.chooser = SpeculationChooser.for_trees(policy.tuning.trees_by_batch())
+    if trees:
+        n = int(mode.removeprefix("spec_lookup")) if mode.startswith("spec_lookup") else None
+        engine.set_trees(trees_by_batch={b: t if n is None or t.total_tokens == 1 else
+                                         t.model_copy(update={"lookup": n}) for b, t in trees.items()})
+    engine.policy.restart_chooser()
 
 
 def batch_row(engine, bs: int, mode: str, speculative: bool, rep: int, outs, wall: float) -> dict:
@@ -343,13 +341,24 @@ def batch_row(engine, bs: int, mode: str, speculative: bool, rep: int, outs, wal
            "trees": engine.policy.summary() if speculative else None,
            "tau": sum(o.stats.step_tokens for o in outs) / max(sum(o.stats.verify_steps for o in outs), 1),
            "mean_verify_batch": c["decode_sequences"] / max(c["decode_passes"], 1),
+           "drafted_pass_share": c["drafted_passes"] / max(c["decode_passes"], 1),
            "mean_verify_width": c["verify_tokens"] / max(c["decode_sequences"], 1),
            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
            "kv_cache_mib": engine.target.cache.nbytes() / 2**20, "_ids": ids}
+    seconds, tokens, steps, contexts = engine.steady_steps.get((speculative, bs), (0.0, 0, 0, 0.0))
+    steady = row["full_batch_steady"] = {"steps_s": seconds, "tokens": tokens, "steps": steps,
+                                         "share_of_wall": seconds / wall,
+                                         "tok_s": tokens / seconds if seconds else None,
+                                         "mean_context": contexts / steps if steps else None}
     tuning = engine.policy.tuning
     if tuning is not None:
-        choice = tuning.batches[max(b for b in tuning.batches if b <= bs)]
-        row["predicted_tok_s"] = {"spec": choice.expected_tok_s, "plain": choice.plain_tok_s}.get(mode)
+        key = max(b for b in tuning.batches if b <= bs)
+        choice = tuning.batches[key]
+        row["predicted_tok_s"] = predicted = {"spec": choice.expected_tok_s, "plain": choice.plain_tok_s}.get(mode)
+        row["predicted_over_wall"] = predicted / row["tok_s"] if predicted else None
+        if predicted and steady["tok_s"] and key == bs:   # the cost table at the steady steps' own context
+            at = tuning.predicted_tok_s(bs, steady["mean_context"])["choice" if mode == "spec" else "plain"]
+            steady["predicted_tok_s"], steady["predicted_over_measured"] = at, at / steady["tok_s"]
         row["verify_cap"] = engine.policy.verify_cap(bs) if speculative else None
         if mode == "spec":
             row["best_cap"], row["best_cap_predicted_tok_s"] = choice.best_cap, choice.best_cap_tok_s
@@ -361,6 +370,7 @@ def batch_size_runs(bs: int, prompts: list, a) -> list[dict]:
     from eagle_ray.engine.engine import EagleEngine
     engine = EagleEngine.from_config(EngineConfig(target=a.target, draft=a.draft, dtype=a.dtype, max_batch_size=bs,
                                                   threads=a.threads, tree_policy=a.tree_policy,
+                                                  measured_choice=a.measured_choice,
                                                   max_step_tokens=a.max_step_tokens, **precision_kwargs(a)))
     for speculative in (True, False) if a.plain else (True,):   # this size's shapes warmed before any timing
         engine.generate(prompts[:min(bs, 8)], SamplingParams(max_new_tokens=16 if a.repeats > 1 else 4),
@@ -373,6 +383,7 @@ def batch_size_runs(bs: int, prompts: list, a) -> list[dict]:
         set_mode(engine, mode, trees, caps)
         for k in engine.counters:
             engine.counters[k] = 0
+        engine.steady_steps.clear()
         outs, wall = timed(engine.generate, prompts, params, speculative=speculative)
         rows.append(batch_row(engine, bs, mode, speculative, rep, outs, wall))
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "_ids"}), flush=True)
@@ -389,6 +400,16 @@ def batch_summary(runs: list[dict]) -> list[dict]:
         row = {"max_batch": bs, "median_tok_s": med}
         if "plain" in med and "spec" in med:
             row["spec_over_plain"] = med["spec"] / med["plain"]
+        predicted = {m: next(r.get("predicted_tok_s") for r in mine if r["mode"] == m) for m in med}
+        if all(predicted.values()):   # the tuner's prediction against the whole run
+            row["predicted_tok_s"] = predicted
+            row["predicted_over_wall"] = {m: predicted[m] / med[m] for m in med}
+        steady = {m: [r["full_batch_steady"] for r in mine if r["mode"] == m] for m in med}
+        if all(s.get("predicted_tok_s") for ss in steady.values() for s in ss):   # and against its steady steps
+            row["steady"] = {m: {k: statistics.median(s[k] for s in ss) for k in ("tok_s", "predicted_tok_s",
+                                                                               "predicted_over_measured",
+                                                                               "mean_context", "share_of_wall")}
+                             for m, ss in steady.items()}
         out.append(row)
     return out
 
@@ -407,6 +428,8 @@ def cmd_batch(a) -> int:
               "max_new_tokens": a.max_new_tokens, "plain_first": a.plain_first, "repeats": a.repeats,
               "summary": batch_summary(runs), "runs": runs}
     write_result(a.out, result, a.command)
+    for row in result["summary"]:
+        print(json.dumps(row), flush=True)
     if a.out and a.plot:
         plot_batch(runs, Path(a.out).with_suffix(".png"))
     return 0
@@ -563,6 +586,8 @@ def add_batch(sub) -> None:
     b.add_argument("--compare-lookup", type=int, nargs="*", default=[],
                    help="also run the tuner's trees with their prompt lookup set to each of these")
     b.add_argument("--plain-first", action="store_true", help="run plain before EAGLE at each size")
+    b.add_argument("--measured-choice", action=argparse.BooleanOptionalAction, default=None,
+                   help="time both modes per batch size and run the faster (default: with --tree-policy auto)")
     b.add_argument("--repeats", type=int, default=1, help="timed runs of each mode per size, A B B A ...")
 
 

@@ -206,6 +206,7 @@ def test_the_batch_sweep_times_every_mode_per_size_and_outputs_agree_across_size
     assert sorted((r["max_batch"], r["mode"]) for r in got["runs"]) == sorted((b, m) for b in (1, 2) for m in modes
                                                                               for _ in range(2))
     assert all(r["differs_from_batch1_spec"] == [] for r in got["runs"])
+    assert all(r["full_batch_steady"]["tokens"] <= r["tokens"] for r in got["runs"])
     assert [r["max_batch"] for r in got["summary"]] == [1, 2] and all(r["spec_over_plain"] > 0 for r in got["summary"])
     assert got["hardware"]["threads"] >= 1
 

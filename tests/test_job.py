@@ -225,11 +225,17 @@ def test_a_killed_actor_loses_no_row(ray_local, pair, tmp_path):
     assert sorted(ids) == sorted(f"q{i}" for i in range(80))
 
 
-def test_a_killed_driver_resumes_exactly_once(ray_local, pair, tmp_path):
+ADAPTING = {"enabled": True, "save": True, "time_share": 1.0, "round_steps": 2, "batch_tokens": 64, "hold_back": 2}
+
+
+@pytest.mark.parametrize("adaptation", [None, ADAPTING], ids=["frozen_head", "adapting_head"])
+def test_a_killed_driver_resumes_exactly_once(ray_local, pair, tmp_path, adaptation):
     write_jsonl(tmp_path / "in.jsonl", prompts(80))
     out = tmp_path / "out"
-    cfg = config(pair, str(tmp_path / "in.jsonl"), str(out), sampling__max_new_tokens=24, output__rows_per_file=10)
+    cfg = config(pair, str(tmp_path / "in.jsonl"), str(out), sampling__max_new_tokens=24, output__rows_per_file=10,
+                 **({"engine__adaptation": adaptation} if adaptation else {}))
     (tmp_path / "job.yaml").write_text(json.dumps(json.loads(cfg.model_dump_json())))
+    base_head = {f.name: f.read_bytes() for f in Path(pair[1]).iterdir()}
     env = dict(os.environ, RAY_ADDRESS=ray_local.get_runtime_context().gcs_address)
     proc = subprocess.Popen([sys.executable, str(ROOT / "jobs" / "batch.py"), "--config", str(tmp_path / "job.yaml")],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -241,9 +247,12 @@ def test_a_killed_driver_resumes_exactly_once(ray_local, pair, tmp_path):
     first = read_output(_local(), str(out)).num_rows
     assert 0 < first < 80, first
     run_job(cfg, print_fn=lambda *_: None)
-    ids = read_output(_local(), str(out)).column("id").to_pylist()
-    assert sorted(ids) == sorted(f"q{i}" for i in range(80))
+    table = read_output(_local(), str(out))
+    assert sorted(table.column("id").to_pylist()) == sorted(f"q{i}" for i in range(80))
     assert not list(out.glob(".tmp-*")) or all(pq.read_table(p) for p in committed_parts(_local(), str(out)))
+    assert {f.name: f.read_bytes() for f in Path(pair[1]).iterdir()} == base_head   # the head on disk is never changed
+    if adaptation:   # every row says which head version it ran with
+        assert None not in table.column("head_version").to_pylist()
 
 
 def test_rows_that_failed_on_an_engine_failure_are_run_again_on_resume(ray_local, pair, tmp_path):

@@ -147,7 +147,7 @@ def test_a_multi_turn_row_that_outgrows_the_context_keeps_its_answered_turns(tin
     assert turns["error_kind"] == "prompt_too_long" and turns["error"].startswith("turn 2 of 2: ")
     assert "(turns 1-1 were answered: turn_outputs)" in turns["error"] and len(turns["turn_outputs"]) == 1
     assert turns["output"] is None and turns["turn_outputs"][0]
-    assert asks["error_kind"] == "prompt_too_long" and "the row asks for 100000" in asks["error"]
+    assert asks["error_kind"] == "prompt_too_long" and "max_tokens=100000 asks for more" in asks["error"]
     assert fits["error"] is None and fits["output_tokens"] == 8
 
 

@@ -32,22 +32,23 @@ def test_greedy_output_is_the_same_with_speculation_on_off_or_switching(tiny_dir
             assert any(len(o.stats.accept_hist) > 2 for o in outs)  # speculative steps still accept deep paths
 
 
-def count_head_passes(engine) -> list[int]:
-    """Tokens of every head forward (extend passes and draft levels), appended as they run."""
+def count_head_passes(engine, monkeypatch) -> list[int]:
+    """Tokens of every head forward (extend passes and draft levels), appended as they run (until the test ends:
+    the head is shared, and a copy of it must not call this one)."""
     passes, forward = [], engine.draft.forward
 
     def spy(tokens, *args, **kw):
         passes.append(tokens.numel())
         return forward(tokens, *args, **kw)
-    engine.draft.forward = spy
+    monkeypatch.setattr(engine.draft, "forward", spy)
     return passes
 
 
-def test_plain_steps_never_run_the_head(tiny_dir, tiny_head):
+def test_plain_steps_never_run_the_head(tiny_dir, tiny_head, monkeypatch):
     """The head's pairs wait for a step that drafts: a request that runs plain to its end costs no head pass."""
     engine = tiny_engine(tiny_dir, tiny_head, TREE, max_batch_size=4)
     engine.policy.step_tree = lambda batch: PLAIN
-    passes = count_head_passes(engine)
+    passes = count_head_passes(engine, monkeypatch)
     seqs = [engine.add_request(p, SamplingParams(max_new_tokens=60, ignore_eos=True)) for p in mixed_prompts(4)]
     most = 0
     while engine.has_unfinished():
@@ -75,7 +76,7 @@ def test_pending_pairs_stay_under_their_memory_bound(tiny_dir, tiny_hf, tiny_hea
     assert [s.output_ids for s in seqs] == [reference_greedy(tiny_hf, p, 80) for p in prompts]
 
 
-def test_a_return_to_speculation_catches_up_in_bounded_passes(tiny_dir, tiny_head):
+def test_a_return_to_speculation_catches_up_in_bounded_passes(tiny_dir, tiny_head, monkeypatch):
     """After a plain stretch the head takes at most ``MAX_EXTEND_PASSES`` passes of ``extend_budget`` tokens a
     step; sequences it has not caught up with verify their root only, the others draft at once."""
     from eagle_ray.engine.scheduler import MAX_EXTEND_PASSES
@@ -88,7 +89,7 @@ def test_a_return_to_speculation_catches_up_in_bounded_passes(tiny_dir, tiny_hea
         engine.step()
     assert all(len(s.pending) > 24 for s in seqs)
     drafting[0] = True
-    passes = count_head_passes(engine)
+    passes = count_head_passes(engine, monkeypatch)
     widths = []
     while any(len(s.pending) > 8 for s in seqs):
         before = len(passes)

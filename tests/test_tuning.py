@@ -134,3 +134,18 @@ def test_autotune_picks_trees_that_stay_lossless_and_caches_them(tiny_dir, tiny_
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     assert [o.token_ids for o in engine.generate(prompts, params)] == \
         [o.token_ids for o in engine.generate(prompts, params, speculative=False)]
+
+
+def test_the_cost_table_predicts_at_the_context_a_run_decodes_at():
+    """Passes are timed at a short and a long context and the choice made at their mean; a run's steady steps are
+    compared with the table read at their own mean context (linear between the two, along the ends beyond)."""
+    from eagle_ray.engine.tuning import BatchChoice, TuningResult
+    at = {"128": {"1": 0.010, "4": 0.020}, "384": {"1": 0.030, "4": 0.040}}
+    verify = {"1": 0.020 + 0.005, "4": 0.030 + 0.005}          # the mean pass plus 5 ms of host per step
+    tree = TreeConfig(total_tokens=4, depth=2, top_k=2)
+    result = TuningResult("cpu", "float32", 1, {8: BatchChoice(tree.model_dump(), 2.0, 0.001 + 0.035, 8 * 2 / 0.036,
+                                                               8 / 0.025)},
+                          10, 2.0, 1.0, {"verify": {"8": verify}, "verify_at": {"8": at}, "host": {"8": 0.005}})
+    assert result.predicted_tok_s(8, 256) == pytest.approx({"choice": 8 * 2 / 0.036, "plain": 8 / 0.025})
+    assert result.predicted_tok_s(8, 128) == pytest.approx({"choice": 8 * 2 / 0.026, "plain": 8 / 0.015})
+    assert result.predicted_tok_s(8, 512) == pytest.approx({"choice": 8 * 2 / 0.056, "plain": 8 / 0.045})

@@ -26,7 +26,7 @@ import pyarrow as pa
 from eagle_ray.batch.config import ProcessorConfig
 from eagle_ray.batch.rows import ENGINE_FAILED, INTERNAL_ERROR, empty_row, error_kind, to_table
 from eagle_ray.engine.request import RowRequest, parse_row
-from eagle_ray.errors import EagleError, EngineStalledError, PromptTooLongError
+from eagle_ray.errors import EagleError, EngineStalledError
 from eagle_ray.stats import RequestStats
 
 log = logging.getLogger(__name__)
@@ -184,15 +184,6 @@ class GenerateStage:
         row["finished_at"] = now()
         return row
 
-    def check_room(self, req: RowRequest, prompt_tokens: int) -> None:
-        """A row that asks for more new tokens than fit after its prompt is refused, as Serve refuses it
-        (``context_length_exceeded``): cutting it at the context's end would be silent."""
-        fits = self.engine.max_new_tokens_for(prompt_tokens)
-        if req.asked_tokens is not None and req.asked_tokens > fits:
-            raise PromptTooLongError(f"the prompt has {prompt_tokens} tokens, so at most {fits} more fit in the "
-                                     f"context of {self.engine.target.max_len} tokens; the row asks for "
-                                     f"{req.asked_tokens}: lower max_tokens or shorten the prompt")
-
     async def run(self, req: RowRequest, row: dict, rid: str) -> None:
         turns = req.turns or [None]
         messages: list[dict] = []
@@ -207,7 +198,7 @@ class GenerateStage:
                 # the row's id, and a suffix of its own: two rows may share an id in a processor's dataset
                 seq = await self.queue.aprepare(prompt, req.params, f"{rid}/{i}/{uuid.uuid4().hex[:8]}",
                                                 self.cfg.speculative)
-                self.check_room(req, len(seq.prompt_ids))
+                self.engine.check_room(len(seq.prompt_ids), req.asked_tokens)   # a row's max_tokens
                 out = await self.queue.agenerate(seq)
             except EagleError as e:
                 if req.kind != "turns":

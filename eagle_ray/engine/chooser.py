@@ -3,13 +3,15 @@
 The tuner predicts each batch size's best tree, plain decoding included, from decode-only passes timed at one
 context length (``tuning.py``). A running job differs from that: prompt chunks share its steps, contexts grow, its
 prompts accept more or less than the calibration ones. So the tuner's choice is only where each batch size starts.
-From then on every *steady* decode step (no prompt chunk, no head catch-up; see ``StepOutput.steady``) is a sample
-of its mode's tokens per second. Speculation also pays the head's catch-up passes outside steady steps (every prompt
-and every plainly verified token is fed to the head before a sequence drafts; plain steps feed nothing), so its
-measured catch-up seconds per emitted token are added to its steady seconds per token. Each batch size runs the mode
-measured faster, speculation only where it beats plain by ``MIN_GAIN``. Every ``explore_every`` steady steps the
-other mode gets a window of steps, so a choice follows the job; when the window confirms the choice, the next one
-waits twice as long. Both modes give the target's own output: the choice changes speed, never tokens.
+From then on the decode rows of every step that ran one mode (``StepOutput.sampled``: every speculating sequence
+drafted, or none did) are a sample of that mode's tokens per second: their seconds, less the step's prompt chunks and
+the head's feeding. Prompt chunks join most steps of a job of short answers, so samples come from those steps too.
+Speculation also pays the head's feeding (every prompt and every emitted token is fed to the head before a sequence
+drafts; plain steps feed nothing), so its measured feeding seconds per emitted token are added to its sampled seconds
+per token. Each batch size runs the mode measured faster, speculation only where it beats plain by ``MIN_GAIN``. The
+other mode gets its first window as soon as the starting mode has filled one (a wrong prior must not last a short
+job), then every ``explore_every`` sampled steps, so a choice follows the job; when a window confirms the choice,
+the next one waits twice as long. Both modes give the target's own output: the choice changes speed, never tokens.
 """
 from __future__ import annotations
 
@@ -24,27 +26,28 @@ MIN_GAIN = 1.05  # speculation must be (predicted or measured) this much faster 
 
 @dataclass
 class Bucket:
-    """One batch-size bucket's choice and its recent samples: ``(seconds, tokens)`` of steady steps per mode, and
-    ``(catch-up seconds, tokens)`` of every step that ran while speculation was the mode."""
+    """One batch-size bucket's choice and its recent samples: ``(seconds, tokens)`` of sampled steps per mode, and
+    ``(feeding seconds, tokens)`` of every step that ran while speculation was the mode."""
     speculate: bool
     window: int
     explore_every: int
     samples: dict = field(default_factory=dict)
     catch_up: collections.deque = field(init=False)
-    since_explore: int = 0      # steady steps since the last exploration ended
-    exploring: int = 0          # steady steps of the other mode still to take
-    explore_steps: int = 0      # steps (steady or not) the running exploration has taken
+    since_explore: int = 0      # sampled steps since the last exploration ended
+    exploring: int = 0          # sampled steps of the other mode still to take
+    explore_steps: int = 0      # steps (sampled or not) the running exploration has taken
     explorations: int = 0
     switches: int = 0
     base_every: int = field(init=False)
 
     def __post_init__(self):
         self.base_every = self.explore_every
+        self.since_explore = self.explore_every - self.window   # the first comparison after one window
         self.samples = {m: collections.deque(maxlen=self.window) for m in (True, False)}
         self.catch_up = collections.deque(maxlen=8 * self.window)
 
     def rate(self, speculate: bool) -> float | None:
-        """Tokens per second over the mode's recent steady steps (None: no sample yet); speculation's with its
+        """Tokens per second over the mode's recent sampled steps (None: no sample yet); speculation's with its
         catch-up seconds per token added."""
         s = list(self.samples[speculate])    # one atomic copy: Serve's /stats reads it from another thread
         seconds, tokens = sum(t for t, _ in s), sum(n for _, n in s)
@@ -82,22 +85,23 @@ class SpeculationChooser:
         """Whether a step with ``batch`` speculative sequences drafts trees."""
         return self.bucket(batch).mode()
 
-    def record(self, batch: int, speculated: bool, seconds: float, tokens: int, steady: bool,
+    def record(self, batch: int, speculated: bool, seconds: float, tokens: int, sampled: bool,
                catch_up_s: float = 0.0) -> None:
-        """One decode step's outcome: ``speculated`` is whether it drafted; ``catch_up_s`` the seconds the head took
-        pending pairs (in a steady step they are part of ``seconds``)."""
+        """One step's decode rows: ``speculated`` is whether they drafted, ``seconds`` their time without prompt
+        chunks and head feeding, ``sampled`` whether they ran one mode; ``catch_up_s`` the seconds the head took
+        pending pairs (never part of ``seconds``)."""
         b = self.bucket(batch)
         if b.mode():
-            b.catch_up.append((0.0 if steady else catch_up_s, tokens))
+            b.catch_up.append((catch_up_s, tokens))
         if b.exploring:
             b.explore_steps += 1
-            if steady and speculated == b.mode():
+            if sampled and speculated == b.mode():
                 b.samples[speculated].append((seconds, tokens))
                 b.exploring -= 1
             if not b.exploring or b.explore_steps >= 4 * b.window:   # catching up can keep a window from filling
                 self._decide(b)
             return
-        if not steady or speculated != b.speculate:
+        if not sampled or speculated != b.speculate:
             return
         b.samples[speculated].append((seconds, tokens))
         b.since_explore += 1

@@ -7,6 +7,8 @@ steps the engine.
 """
 from __future__ import annotations
 
+import collections
+
 import itertools
 import threading
 import time
@@ -24,7 +26,7 @@ from eagle_ray.engine.sequence import Sequence
 from eagle_ray.engine.text import Detokenizer, StopStrings, TextCodec
 from eagle_ray.engine.tree_policy import TreePolicy, check_draft_vocab, check_prompt_room, draft_room, prompt_room
 from eagle_ray.engine.tuning import autotune
-from eagle_ray.errors import InvalidRequestError
+from eagle_ray.errors import InvalidRequestError, PromptTooLongError
 from eagle_ray.model.compiled import compile_forwards
 from eagle_ray.model.draft_head import DraftHead
 from eagle_ray.model.memory import max_pending_pairs, pending_pair_bytes
@@ -66,8 +68,12 @@ class EagleEngine:
         self.scheduler = Scheduler(config.cache.max_batch_size, budget, self.policy, feeding)
         self._feeding, self._step_budget = feeding, budget
         # lifetime counters: decode passes, sequences they carried (mean verify batch = sequences / passes)
-        self.counters = {"decode_passes": 0, "decode_sequences": 0, "verify_tokens": 0, "tree_nodes": 0,
-                         "prefill_passes": 0, "prefill_sequences": 0, "decode_step_s": 0.0, "decode_forward_s": 0.0}
+        self.counters = {"decode_passes": 0, "drafted_passes": 0, "decode_sequences": 0, "verify_tokens": 0,
+                         "tree_nodes": 0, "prefill_passes": 0, "prefill_sequences": 0, "decode_step_s": 0.0,
+                         "decode_forward_s": 0.0}
+        # (seconds, tokens, steps, summed mean context) of whole steady steps (decode only, one mode, the head fed
+        # no more than the step's own tokens) by (drafted, sequences): what the tuner's cost table predicts, as run
+        self.steady_steps: dict[tuple[bool, int], list] = collections.defaultdict(lambda: [0.0, 0, 0, 0.0])
         eos = tokenizer.eos_token_id
         gen_eos = getattr(getattr(target.hf, "generation_config", None), "eos_token_id", None)
         self.eos_ids = frozenset(x for x in ([eos] + (gen_eos if isinstance(gen_eos, list) else [gen_eos]))
@@ -177,6 +183,16 @@ class EagleEngine:
         ``length`` (the last token is returned, never cached, so one more than the context's free positions)."""
         return self.target.max_len + 1 - prompt_len
 
+    def check_room(self, prompt_len: int, asked: int | None, asked_as: str = "max_tokens") -> None:
+        """A request asking more new tokens than fit after its prompt is refused with ``PromptTooLongError`` (Serve's
+        400 ``context_length_exceeded``, the job's ``prompt_too_long`` row), as OpenAI and vLLM refuse it: cutting it
+        at the context's end would be silent. ``asked_as`` names the request's field in the message."""
+        fits = self.max_new_tokens_for(prompt_len)
+        if asked is not None and asked > fits:
+            raise PromptTooLongError(f"the prompt has {prompt_len} tokens, so at most {fits} more fit in the context "
+                                     f"of {self.target.max_len} tokens; {asked_as}={asked} asks for more: lower it "
+                                     "or shorten the prompt")
+
     def encode(self, prompt) -> list[int]:
         """A raw string, a chat message list (templated with a generation prompt) or a list of token ids."""
         return self.codec.encode(prompt, self.prompt_room())
@@ -257,18 +273,25 @@ class EagleEngine:
             self.runner.move_slot(src, dst)
         plan = self.scheduler.schedule(self.target.max_len)
         out = None if plan.empty else self.runner.run(plan)
-        touched = self._postprocess(plan, out)
+        touched, kept = self._postprocess(plan, out)
         for seq in self.scheduler.retire_finished():
             self._finalize(seq)
+        if out is not None and out.steady and len(out.decoded) == 1:
+            tally = self.steady_steps[next(iter(out.decoded.items()))]
+            tally[0] += time.perf_counter() - t0
+            tally[1] += kept
+            tally[2] += 1
+            tally[3] += sum(len(s.prompt_ids) + len(s.output_ids) for s in plan.decode) / len(plan.decode)
         if self.adapter is not None:   # a training slice within its share of the engine's time
             self.adapter.after_step(time.perf_counter() - t0)
         return touched
 
-    def _postprocess(self, plan: StepPlan, out: StepOutput | None) -> list[Sequence]:
-        """Sequences take their tokens (stop tokens, length, stop strings) and their share of the step's time."""
+    def _postprocess(self, plan: StepPlan, out: StepOutput | None) -> tuple[list[Sequence], int]:
+        """Sequences take their tokens (stop tokens, length, stop strings) and their share of the step's time.
+        Returns the sequences touched and the tokens they kept."""
         touched = {id(s): s for s in self.scheduler.running if s.finished}  # finished by schedule() (length)
         if out is None:
-            return list(touched.values())
+            return list(touched.values()), 0
         t = out.times
         now = time.perf_counter()
         for c in plan.prefill:
@@ -281,13 +304,14 @@ class EagleEngine:
                 seq.stats.ttft_s = now - seq.start_time
         chooser = self.policy.chooser
         if chooser is not None and plan.speculating:
-            chooser.record(plan.speculating, True in out.decoded, t.total_s,
-                           sum(len(r.tokens) for r in out.results if r.tree_size), out.steady, t.extend_s)
+            chooser.record(plan.speculating, True in out.decoded, t.total_s - t.prefill_s - t.extend_s,
+                           sum(len(r.tokens) for r in out.results if r.tree_size), out.sampled, t.extend_s)
         if plan.prefill:
             self.counters["prefill_passes"] += 1
             self.counters["prefill_sequences"] += sum(c.completes for c in plan.prefill)
         for speculative, n in out.decoded.items():
             self.counters["decode_passes"] += 1
+            self.counters["drafted_passes"] += speculative
             self.counters["decode_sequences"] += n
             self.counters["verify_tokens"] += n * (t.verify_width if speculative else 1)
         self.counters["tree_nodes"] += t.tree_nodes
@@ -295,11 +319,13 @@ class EagleEngine:
             self.counters["decode_step_s"] += t.total_s
             self.counters["decode_forward_s"] += t.forward_s
         other = t.total_s - t.prefill_s - t.draft_s - t.verify_s
+        kept_total = 0
         for r in out.results:
             seq = r.seq
             if seq.finished:
                 continue
             kept = seq.append(r.tokens)
+            kept_total += kept
             if r.tree_size:
                 seq.stats.record_step(r.accepted, r.tree_size, kept)
                 seq.stats.draft_s += t.draft_s
@@ -307,7 +333,7 @@ class EagleEngine:
                 seq.stats.other_s += other
             seq.update_text()
             touched[id(seq)] = seq
-        return list(touched.values())
+        return list(touched.values()), kept_total
 
     def _finalize(self, seq: Sequence) -> None:
         seq.stats.total_s = time.perf_counter() - seq.start_time if seq.start_time else 0.0

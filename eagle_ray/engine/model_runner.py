@@ -45,7 +45,7 @@ class SeqResult:
 class StepTimes:
     prefill_s: float = 0.0
     draft_s: float = 0.0
-    extend_s: float = 0.0         # of draft_s: the head taking pending pairs (part of a steady step; else catch-up)
+    extend_s: float = 0.0         # of draft_s: the head taking pending pairs (speculation's catch-up)
     verify_s: float = 0.0
     total_s: float = 0.0
     forward_s: float = 0.0        # inside model forwards: target verify + logits, head passes + scoring
@@ -58,8 +58,8 @@ class StepOutput:
     results: list[SeqResult] = field(default_factory=list)
     times: StepTimes = field(default_factory=StepTimes)
     decoded: dict[bool, int] = field(default_factory=dict)   # sequences per decode pass, by drafted or not
-    steady: bool = False     # decode only, and the head fed no more than a step's own tokens: a fair sample of
-    #                          the step's mode for SpeculationChooser (catch-up after a switch is not)
+    sampled: bool = False    # StepPlan.sampled: the decode rows ran one mode (a sample for SpeculationChooser)
+    steady: bool = False     # StepPlan.steady: a whole decode-only step of one mode
 
 
 def causal_block(lengths: list[int], width: int, device) -> torch.Tensor:
@@ -123,7 +123,7 @@ class ModelRunner:
     def run(self, plan: StepPlan) -> StepOutput:
         """One step, as ``plan`` says (``scheduler.plan_decode``)."""
         clock = self.clock = Clock(self.device, self.profile)
-        out = StepOutput(steady=plan.steady)
+        out = StepOutput(sampled=plan.sampled, steady=plan.steady)
         self.times = out.times
         t0 = clock()
         if plan.prefill:

@@ -51,8 +51,10 @@ class StepPlan:
     tree: TreeConfig | None = None       # the drafted sequences' tree
     verify_cap: int | None = None        # the most tree nodes their verify pass takes (None: no cap)
     speculating: int = 0                 # sequences that may speculate: what picked the tree (and records it)
-    steady: bool = False     # decode only, and the head fed no more than a step's own tokens: a fair sample of
-    #                          the step's mode for the measured choice (catch-up after a switch is not)
+    sampled: bool = False    # its decode rows ran one mode (every speculating sequence drafted, or none did): their
+    #                          time, less prompt chunks and head feeding, samples that mode for the measured choice
+    steady: bool = False     # decode only, sampled, and the head fed no more than the step's own tokens: a whole
+    #                          step of one mode, as the tuner's costs predict it
 
     @property
     def empty(self) -> bool:
@@ -137,9 +139,9 @@ def plan_decode(plan: StepPlan, policy: TreePolicy, feeding: Feeding | None, roo
     plan.plain = [s for s in plan.decode if id(s) not in drafted]
     plan.feed, plan.passes = feed, passes
     plan.tree, plan.verify_cap = tree, cap
-    plan.steady = not plan.prefill and (
-        all(pending[id(s)] <= max_emitted(tree) for s in spec) and len(plan.drafted) == n if drafting
-        else not passes)
+    plan.sampled = bool(plan.decode) and (len(plan.drafted) == n if drafting else True)
+    plan.steady = not plan.prefill and plan.sampled and (
+        all(pending[id(s)] <= max_emitted(tree) for s in spec) if drafting else not passes)
     return plan
 
 

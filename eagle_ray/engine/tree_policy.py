@@ -72,6 +72,14 @@ class TreePolicy:
         if drafting and self.measured and spec.tree_policy != "auto":   # tuning starts it from its own choices
             self.chooser = SpeculationChooser.for_trees(spec.trees_by_batch or {1: spec.tree})
 
+    def restart_chooser(self) -> None:
+        """The measured choice forgets what it measured and starts again from its priors: the tuner's choices, or
+        the configured trees (a benchmark's every run starts where a new engine would)."""
+        if self.chooser is not None:
+            priors = self.tuning.trees_by_batch() if self.tuning is not None else \
+                (self.spec.trees_by_batch or {1: self.spec.tree})
+            self.chooser = SpeculationChooser.for_trees(priors)
+
     @property
     def measured(self) -> bool:
         """Whether steps time both modes and run the faster (``measured_choice``; default: with tuning)."""

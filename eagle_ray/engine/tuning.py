@@ -3,8 +3,10 @@
 A tree's speed is ``tau(tree) / step_time(tree, batch)``. EAGLE-2's reference times one thing (the verify cost of
 its token budget, ``total_token=-1``); here both sides are estimated per batch size:
 
-- cost: on this device, the time of a target verify pass of ``B x n`` tokens for every ``n`` of the grid, and of
-  growing a draft tree of ``(depth, top_k)`` for ``B`` sequences (the rerank to ``total_tokens`` is free);
+- cost: on this device, the time of a target verify pass of ``B x n`` tokens for every ``n`` of the grid (the mean
+  over a short and a long context, :data:`CONTEXTS`), of growing a draft tree of ``(depth, top_k)`` for ``B``
+  sequences (the rerank to ``total_tokens`` is free), and the host's share of a whole engine step at ``B`` (a few
+  real plain steps less their target pass: scheduling, sampling, appending tokens and text);
 - acceptance: one traced run with a large tree (``TRACE_TREE``) on bundled prompts; every smaller shape's tau is
   read off those trees (:meth:`TreeTrace.simulated_tau`);
 - prompt lookups (``TreeConfig.lookup``): each candidate is also tried with the configured chain grafted on. The
@@ -18,6 +20,7 @@ measured on their own), so a job or a Serve replica pays for the measurement onc
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
@@ -36,7 +39,10 @@ GRID_TOTAL = (2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48)
 GRID_DEPTH = (0, 1, 2, 3, 4, 5)
 GRID_TOPK = (1, 2, 3, 4, 6, 8)
 TRACE_TREE = TreeConfig(total_tokens=48, depth=5, top_k=8, lookup=0)   # the head's trees alone
-CONTEXT = 256  # prefix length the costs are measured at (a typical prompt plus some answer)
+CONTEXTS = (128, 384)  # prefix lengths a verify pass is timed at, its cost the mean: a decode's context grows from its
+                      # prompt to prompt + answer, and a pass's cost need not grow smoothly with it (on a CPU it can
+                      # jump where a batch's keys outgrow a cache)
+CONTEXT = 256         # the head's trees are timed at one (its one layer's attention is a small share of a step)
 
 
 @dataclass
@@ -62,7 +68,9 @@ class TuningResult:
     trace_steps: int
     trace_tau: float
     seconds: float
-    costs: dict = field(default_factory=dict)   # {"verify": {B: {n: s}}, "draft": {B: {"depth,top_k": s}}}
+    # {"verify": {B: {n: s}}: a step's target pass, mean over CONTEXTS, plus the host's share; "verify_at":
+    #  {B: {context: {n: s}}}: the passes alone; "host": {B: s}; "draft": {B: {"depth,top_k": s}}} (str keys)
+    costs: dict = field(default_factory=dict)
 
     def trees_by_batch(self) -> dict[int, TreeConfig]:
         return {b: TreeConfig(**c.tree) for b, c in self.batches.items()}
@@ -80,6 +88,20 @@ class TuningResult:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def predicted_tok_s(self, batch: int, context: float) -> dict[str, float]:
+        """Tokens/s of full ``batch``-sequence decode steps at a ``context``-token prefix: of the chosen mode
+        (``"choice"``) and of plain decoding, each step's target pass interpolated between the measured contexts
+        (the choice itself is made at their mean). What steady steps of a run with that mean context should show."""
+        c = self.batches[batch]
+        at = {int(x): {int(n): t for n, t in by_n.items()} for x, by_n in self.costs["verify_at"][str(batch)].items()}
+        mean = {int(n): t for n, t in self.costs["verify"][str(batch)].items()}
+
+        def shift(width: int) -> float:   # the pass at ``context`` less the pass at the mean context
+            here = pass_seconds({x: pass_seconds(by_n, width) for x, by_n in at.items()}, context)
+            return here - statistics.fmean(pass_seconds(by_n, width) for by_n in at.values())
+        plain = batch / (pass_seconds(mean, 1) + shift(1))
+        return {"choice": batch * c.expected_tau / (c.step_s + shift(c.tree["total_tokens"])), "plain": plain}
+
     def covering(self, batch_sizes: list[int]) -> "TuningResult | None":
         """This result restricted to ``batch_sizes``, or None if it lacks one of them."""
         if not set(batch_sizes) <= set(self.batches):
@@ -95,8 +117,9 @@ class TuningResult:
         return cls(**d)
 
 
-def _median_time(fn, device: torch.device, repeats: int) -> float:
-    fn()  # warm-up
+def _median_time(fn, device: torch.device, repeats: int, warm_up: bool = True) -> float:
+    if warm_up:
+        fn()
     times = []
     for _ in range(repeats):
         if device.type == "cuda":
@@ -110,8 +133,20 @@ def _median_time(fn, device: torch.device, repeats: int) -> float:
 
 
 @torch.inference_mode()
-def verify_seconds(engine, batch: int, width: int, context: int = CONTEXT, repeats: int | None = None) -> float:
-    """One target pass of ``batch x width`` tree tokens over a ``context``-token prefix, logits included."""
+def verify_seconds(engine, batch: int, width: int, context: int | None = None, repeats: int | None = None) -> float:
+    """One target pass of ``batch x width`` tree tokens over a ``context``-token prefix, logits included; without
+    ``context``, the mean over :data:`CONTEXTS`."""
+    if context is None:
+        return statistics.fmean(verify_seconds_at(engine, batch, width, repeats).values())
+    return _verify_seconds(engine, batch, width, context, repeats)
+
+
+def verify_seconds_at(engine, batch: int, width: int, repeats: int | None = None) -> dict[int, float]:
+    """:func:`verify_seconds` at each of :data:`CONTEXTS` (one warm-up)."""
+    return {c: _verify_seconds(engine, batch, width, c, repeats, warm_up=i == 0) for i, c in enumerate(CONTEXTS)}
+
+
+def _verify_seconds(engine, batch: int, width: int, context: int, repeats: int | None, warm_up: bool = True) -> float:
     from eagle_ray.engine.model_runner import causal_block
     target, dev = engine.target, engine.device
     slots = list(range(batch))
@@ -123,7 +158,7 @@ def verify_seconds(engine, batch: int, width: int, context: int = CONTEXT, repea
     mask = causal_block([width] * batch, width, dev)
     repeats = repeats or (3 if batch * width <= 64 else 1)  # big passes vary little and cost much
     try:
-        return _median_time(lambda: target.logits(target.forward(tokens, slots, depth, mask)), dev, repeats)
+        return _median_time(lambda: target.logits(target.forward(tokens, slots, depth, mask)), dev, repeats, warm_up)
     finally:
         target.cache.lengths[:] = saved
 
@@ -149,6 +184,24 @@ def draft_seconds(engine, batch: int, depth: int, top_k: int, context: int = CON
         return _median_time(run, dev, repeats)
     finally:
         draft.cache.lengths[:] = saved
+
+
+@torch.inference_mode()
+def host_seconds(engine, batch: int, context: int = CONTEXTS[0], steps: int = 6) -> float:
+    """The host's share of a whole engine step at ``batch`` sequences: a few real plain decode steps (their steady
+    steps, ``EagleEngine.steady_steps``) less a bare target pass of the same shape."""
+    context = max(1, min(context, engine.prompt_room(), engine.target.max_len - steps - 2))
+    vocab = engine.target.vocab_size
+    prompts = [[(101 + 7 * i + 13 * j) % vocab for j in range(context)] for i in range(batch)]
+    saved, engine.steady_steps = engine.steady_steps, collections.defaultdict(lambda: [0.0, 0, 0, 0.0])
+    try:
+        engine.generate(prompts, SamplingParams(max_new_tokens=steps + 1, ignore_eos=True), speculative=False)
+        seconds, tokens, *_ = engine.steady_steps.get((False, batch), (0.0, 0))
+    finally:
+        engine.steady_steps = saved
+    if not tokens:
+        return 0.0
+    return max(0.0, seconds / (tokens / batch) - _verify_seconds(engine, batch, 1, context + steps // 2, 3))
 
 
 def trace_prompts(n: int) -> list:
@@ -290,7 +343,7 @@ def cache_key(engine) -> str:
     blob = json.dumps([fingerprint(engine.target_dir), fingerprint(getattr(engine, "draft_dir", None)),
                        str(engine.target.dtype), name, torch.get_num_threads(), engine.target.numerics.cpu_linears,
                        engine.config.speculation.draft_vocab_size, engine.runner.context_vocab,
-                       engine.config.speculation.tree.lookup, engine.config.speculation.tree.lookup_ngram, 7],
+                       engine.config.speculation.tree.lookup, engine.config.speculation.tree.lookup_ngram, 9],
                       sort_keys=True)
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
 
@@ -320,7 +373,10 @@ def autotune(engine, batch_sizes: list[int] | None = None, num_prompts: int = 4,
     trace = collect_trace(engine, prompts or trace_prompts(num_prompts), max_new_tokens)
     say(f"traced {len(trace)} trees (tau {trace.simulated_tau(*_shape(TRACE_TREE)):.2f})")
     widths = sorted({t for t, _, _ in candidate_trees()} | {1})
-    verify = {b: {n: verify_seconds(engine, b, n) for n in widths} for b in batch_sizes}
+    verify_at = {b: {n: verify_seconds_at(engine, b, n) for n in widths} for b in batch_sizes}
+    host = {b: host_seconds(engine, b) for b in batch_sizes}
+    verify = {b: {n: statistics.fmean(by_ctx.values()) + host[b] for n, by_ctx in by_n.items()}
+              for b, by_n in verify_at.items()}
     say(f"verify costs: {verify}")
     draft = {b: {f"{d},{k}": draft_seconds(engine, b, d, k) for d in GRID_DEPTH for k in GRID_TOPK}
              for b in batch_sizes}
@@ -328,7 +384,10 @@ def autotune(engine, batch_sizes: list[int] | None = None, num_prompts: int = 4,
     choices, _ = choose_trees(trace, verify, draft, configured.lookup, configured.lookup_ngram)
     result = TuningResult(str(engine.device), str(engine.target.dtype).replace("torch.", ""), torch.get_num_threads(),
                           choices, len(trace), trace.simulated_tau(*_shape(TRACE_TREE)), time.perf_counter() - t0,
-                          json.loads(json.dumps({"verify": verify, "draft": draft})))  # str keys, as cached
+                          json.loads(json.dumps({"verify": verify, "draft": draft, "host": host,   # str keys,
+                                                 "verify_at": {b: {c: {n: by_ctx[c] for n, by_ctx in by_n.items()}
+                                                                   for c in CONTEXTS}
+                                                               for b, by_n in verify_at.items()}})))   # as cached
     if use_cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")

@@ -125,12 +125,10 @@ class EagleServer:
             seq = await self.queue.aprepare(req.prompt, req.params, rid, self.cfg.speculative)
         except EagleError as e:
             return _engine_error(e)
-        limit, fits = req.body.limit(), self.engine.max_new_tokens_for(len(seq.prompt_ids))
-        if limit is not None and limit > fits:   # as OpenAI and vLLM answer: cutting it short would be silent
-            field = req.body.limit_field()
-            return _err(400, f"the prompt has {len(seq.prompt_ids)} tokens, so at most {fits} more fit in this "
-                        f"server's context of {self.engine.target.max_len} tokens; {field}={limit} asks for "
-                        "more: lower it or shorten the prompt", param=field, code="context_length_exceeded")
+        try:
+            self.engine.check_room(len(seq.prompt_ids), req.body.limit(), req.body.limit_field())
+        except PromptTooLongError as e:
+            return _err(400, str(e), param=req.body.limit_field(), code="context_length_exceeded")
         if req.stream:
             return StreamingResponse(self._sse(req.body, seq, rid, kind), media_type="text/event-stream")
         try:

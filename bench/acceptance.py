@@ -185,10 +185,13 @@ def adaptation_run(prompts_path: Path, out_dir: Path, adapt: bool, a) -> dict:
 
     from eagle_ray.batch.config import JobConfig
     from eagle_ray.batch.job import run_job
-    cfg = JobConfig(engine={"max_batch_size": a.max_batch_size, "max_model_len": 1024, "threads": a.threads,
-                            "dtype": a.dtype,
-                            "adaptation": {"enabled": adapt, "time_share": a.time_share, "lr": a.lr,
-                                           "round_steps": a.round_steps}},
+    engine = {"max_batch_size": a.max_batch_size, "max_model_len": 1024, "threads": a.threads, "dtype": a.dtype,
+              "adaptation": {"enabled": adapt, "time_share": a.time_share, "lr": a.lr, "round_steps": a.round_steps}}
+    if a.draft:
+        engine["draft"] = a.draft
+    if a.tree:   # a fixed tree: every step drafts, whatever the head is worth
+        engine["tree"] = tree_of(a.tree).model_dump()
+    cfg = JobConfig(engine=engine,
                     sampling={"max_new_tokens": a.max_new_tokens},
                     input={"uri": str(prompts_path)}, output={"uri": str(out_dir)}, resume=False,
                     actors={"num_actors": 1, "num_cpus": a.threads, "batch_size": 8, "max_concurrent_batches": 4})
@@ -227,7 +230,8 @@ def cmd_adaptation(a) -> int:
     on, off = runs.get("on"), runs.get("off")
     result = {"workload": "sympy_code", "prompts": a.num_prompts, "max_new_tokens": a.max_new_tokens,
               "window": a.window, "settings": {"time_share": a.time_share, "lr": a.lr, "round_steps": a.round_steps,
-                                               "max_batch_size": a.max_batch_size, "dtype": a.dtype},
+                                               "max_batch_size": a.max_batch_size, "dtype": a.dtype,
+                                               "draft": a.draft or "embedded", "tree": a.tree or "auto"},
               "runs": {m: {k: v for k, v in r.items() if k not in ("tau_by_id", "first_ids", "last_ids", "outputs")}
                        for m, r in runs.items()}}
     if on and off:   # the same rows, adaptation off: what the last window's gain owes to adaptation
@@ -290,6 +294,9 @@ def add_adaptation(sub) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="auto", help="float32: outputs must match token for token")
     p.add_argument("--order", nargs="+", default=["off", "on"], choices=["off", "on"])
+    p.add_argument("--draft", default=None, help="head dir, or random / random-eagle3 (default: the embedded head)")
+    p.add_argument("--tree", type=tree_name, default=None,
+                   help="a fixed tree (a name or total/depth/top_k; default: the tuner's trees, measured choice)")
     p.add_argument("--work-dir", default=None, help="where prompts and outputs go (default: a new temp dir)")
 
 

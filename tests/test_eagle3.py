@@ -182,3 +182,31 @@ def test_a_head_started_from_the_target_scores_the_target_state_as_the_target_do
         assert torch.equal(head.norm(state), hf.model.norm(state))
         target = hf.lm_head(hf.model.norm(state))[..., [2, 3, 7, 11, 50]]
         torch.testing.assert_close(head.lm_head(head.norm(state)), target, rtol=0, atol=1e-5)  # 5-row product rounds
+
+
+def adapting_eagle3(deep, tmp_path, monkeypatch, **cfg):
+    """An engine on the deep target whose untrained EAGLE-3 head adapts online (every candidate scored from the
+    first held-back position on)."""
+    from eagle_ray.config import AdaptationConfig
+    from eagle_ray.train.online import Adapter
+    monkeypatch.setattr("eagle_ray.train.online.MIN_SCORED", 0)
+    path, hf = deep
+    fresh_eagle3(hf).save(tmp_path / "head")
+    engine = engine_for(path, tmp_path / "head", "dynamic", 4)
+    engine.adapter = Adapter(engine.draft, engine.target.lm_head_weight,
+                             AdaptationConfig(enabled=True, time_share=1.0, hold_back=2, **cfg))
+    return engine, engine.adapter
+
+
+def test_an_eagle3_head_adapts_online_on_its_own_output_and_output_stays_the_targets(deep, tmp_path, monkeypatch):
+    """Its pairs carry the fused states and the emitted tokens: the candidate learns the tokens (the target's greedy
+    choices), wins on held-back sequences, and is swapped in; every token is still the target's."""
+    engine, adapter = adapting_eagle3(deep, tmp_path, monkeypatch, round_steps=8, batch_tokens=256, lr=3e-3)
+    prompts = mixed_prompts(48, seed=17)
+    before = [p.detach().clone() for p in engine.draft.parameters()]
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=30, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [reference_greedy(deep[1], p, 30) for p in prompts]
+    assert adapter.state.version >= 1 and all(s.candidate_top1 > s.live_top1 for s in adapter.state.swaps)
+    assert not all(torch.equal(a, b) for a, b in zip(before, engine.draft.parameters()))
+    later = engine.generate(mixed_prompts(8, seed=18), SamplingParams(max_new_tokens=30, ignore_eos=True))
+    assert max(o.stats.head_version for o in later) == adapter.state.version

@@ -220,10 +220,13 @@ class EagleEngine:
         if seq.finished or seq.slot >= 0 or any(s is seq for s in self.scheduler.waiting):
             raise InvalidRequestError(f"request {seq.request_id!r} was already added; make a new sequence to run "
                                       "it again")
+        self._admit(seq)
+        return seq
+
+    def _admit(self, seq: Sequence) -> None:
         if self.adapter is not None and seq.speculative:
             seq.pending.kept = []   # every pair it gives the head, to train on once it finishes
         self.scheduler.add(seq)
-        return seq
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -257,7 +260,7 @@ class EagleEngine:
                                       "agenerate, stream)")
         try:
             for seq in seqs:
-                self.scheduler.add(seq)
+                self._admit(seq)
             while self.has_unfinished():
                 self.step()
         finally:

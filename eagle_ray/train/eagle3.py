@@ -37,6 +37,26 @@ def collate(convs: list[dict], idx: list[int], max_len: int):
     return tokens, feats, target, mask
 
 
+def collate_labels(convs: list[dict], idx: list[int], max_len: int):
+    """As :func:`collate`, for conversations that carry the emitted tokens instead of the target's final states
+    (online adaptation): ``labels[i]`` is the token after x_{i+1}, a sample of the target's distribution there (its
+    argmax in greedy decoding), so the cross-entropy against it estimates the one against the distribution."""
+    n = min(max(len(convs[i]["input_ids"]) for i in idx), max_len)
+    B, dev = len(idx), convs[idx[0]]["aux"].device
+    tokens = torch.zeros(B, n - 1, dtype=torch.long, device=dev)
+    feats = torch.zeros(B, n - 1, convs[idx[0]]["aux"].shape[-1], device=dev)
+    labels = torch.zeros(B, n - 1, dtype=torch.long, device=dev)
+    mask = torch.zeros(B, n - 1, device=dev)
+    for b, i in enumerate(idx):
+        c = convs[i]
+        m = min(len(c["input_ids"]), n)
+        tokens[b, : m - 1] = c["input_ids"][1:m]
+        feats[b, : m - 1] = c["aux"][: m - 1].float()
+        labels[b, : m - 1] = c["labels"][: m - 1]
+        mask[b, : m - 1] = c["loss_mask"][1:m].float()
+    return tokens, feats, labels, mask
+
+
 def unrolled(head, tokens: torch.Tensor, feats: torch.Tensor, steps: int) -> list[torch.Tensor]:
     """The head's outputs (before its norm) for ``steps`` unrolled steps at every position (see the module doc)."""
     B, T = tokens.shape
@@ -59,7 +79,8 @@ def unrolled(head, tokens: torch.Tensor, feats: torch.Tensor, steps: int) -> lis
 def losses(head, lm_weight: torch.Tensor, batch, cfg, gen: torch.Generator | None, train: bool,
            steps: int | None = None):
     """Weighted cross-entropy of the unrolled steps against the target over the draft vocabulary; returns the same
-    shape as the EAGLE-2 losses (feature loss 0) so the trainer's loop serves both heads."""
+    shape as the EAGLE-2 losses (feature loss 0) so the trainer's loop serves both heads. The batch's third part is
+    the target's final states, or token labels (:func:`collate_labels`): then the target is that token alone."""
     tokens, feats, target, mask = batch
     steps = steps or cfg.unroll_steps
     with torch.autocast(feats.device.type, dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
@@ -69,9 +90,15 @@ def losses(head, lm_weight: torch.Tensor, batch, cfg, gen: torch.Generator | Non
         sel = sel & (torch.rand(mask.shape, generator=gen, device=mask.device) < cfg.ce_fraction)
     vocab = head.draft_to_target
     with torch.no_grad():
-        full = target[sel] @ lm_weight.T
-        t_logits, t_top = full[:, vocab], full.argmax(-1)
-        t_prob = t_logits.softmax(-1)            # the target's distribution renormalised over the draft vocabulary
+        if target.dtype == torch.long:           # labels: one-hot at the token's draft id (0 where it has none)
+            t_top = target[sel]
+            to_draft = torch.zeros(head.t2d.shape[0], dtype=torch.long, device=vocab.device)
+            to_draft[vocab] = torch.arange(len(vocab), device=vocab.device)
+            t_prob = torch.nn.functional.one_hot(to_draft[t_top], len(vocab)).float()
+        else:
+            full = target[sel] @ lm_weight.T
+            t_logits, t_top = full[:, vocab], full.argmax(-1)
+            t_prob = t_logits.softmax(-1)        # the target's distribution renormalised over the draft vocabulary
         if train:  # as the reference: positions whose target choice the draft cannot propose teach nothing
             in_vocab = head.t2d[t_top]
             sel_idx = sel.nonzero(as_tuple=True)

@@ -10,8 +10,9 @@ beats them by ``min_gain``; otherwise it is discarded and a new copy starts from
 decides every token, so no head, good or bad, changes what is generated: a worse head would only cost acceptance,
 and the score keeps it out.
 
-EAGLE-2 heads only for now (an EAGLE-3 head trains on the target's distribution over its own vocabulary, which
-these pairs do not carry).
+An EAGLE-2 head regresses the next pair's feature (plus the cross-entropy); an EAGLE-3 head's pairs carry the
+target's fused states, not its final ones, so it learns the emitted token (``eagle3.collate_labels``): a sample of
+the target's distribution, and in greedy decoding its argmax, which is what EAGLE-3's training scores.
 """
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ from pathlib import Path
 import torch
 
 from eagle_ray.config import AdaptationConfig
-from eagle_ray.errors import ConfigError
 
 MIN_SCORED = 64   # held-back positions a score needs before any swap
 
@@ -54,14 +54,12 @@ class AdaptationState:
 
 class Adapter:
     def __init__(self, head, lm_weight: torch.Tensor, cfg: AdaptationConfig):
-        if getattr(head, "kind", "eagle2") != "eagle2":
-            raise ConfigError("adaptation trains EAGLE-2 heads only (an EAGLE-3 head learns the target's "
-                              "distribution, which the engine's pairs do not carry); set adaptation.enabled: false")
         from eagle_ray.train.trainer import TrainConfig
         self.live, self.cfg = head, cfg
+        self.eagle3 = getattr(head, "kind", "eagle2") == "eagle3"
         self.device = head.fc.weight.device
         self.lm_weight = lm_weight.detach().float()
-        self.vocab = head.token_map
+        self.vocab = getattr(head, "token_map", None)
         self.train_cfg = TrainConfig(lr=cfg.lr, warmup_steps=1, tokens_per_step=cfg.batch_tokens, max_len=1024,
                                      noise=0.2, unroll_steps=1, device=str(self.device))
         self.train_set: deque[dict] = deque()
@@ -93,8 +91,12 @@ class Adapter:
         with torch.inference_mode(False):   # tensors autograd may save (the step made its own in inference mode)
             feats = torch.cat([f for _, f in kept])[:n].float().clone()
             # pair i is (f_i, x_{i+1}); a conversation of n positions pairs hidden[i] with input_ids[i + 1]
-            conv = {"input_ids": torch.tensor([0] + tokens[: n - 1]), "hidden": feats,
+            conv = {"input_ids": torch.tensor([0] + tokens[: n - 1]),
                     "loss_mask": (torch.arange(n) >= prompt).to(torch.long)}
+            if self.eagle3:   # fused states, and the token after x_{i+1} as position i's label
+                conv |= {"aux": feats, "labels": torch.tensor(tokens[1:n])}
+            else:
+                conv["hidden"] = feats
         if not conv["loss_mask"][1:].any():
             return
         self.state.sequences_seen += 1
@@ -147,8 +149,14 @@ class Adapter:
                 break
         with torch.enable_grad():
             self.candidate.train()
-            loss, *_ = batch_losses(self.candidate, self.lm_weight, convs, idx, self.train_cfg, self.gen, True,
-                                    self.vocab)
+            if self.eagle3:
+                from eagle_ray.train import eagle3
+                batch = eagle3.collate_labels(convs, idx, self.train_cfg.max_len)
+                v, p, *_ = eagle3.losses(self.candidate, None, batch, self.train_cfg, self.gen, True)
+                loss = v + p
+            else:
+                loss, *_ = batch_losses(self.candidate, self.lm_weight, convs, idx, self.train_cfg, self.gen, True,
+                                        self.vocab)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.candidate.parameters(), self.train_cfg.grad_clip)
@@ -163,6 +171,8 @@ class Adapter:
         out = []
         with torch.no_grad():
             head.eval()
+            if self.eagle3:
+                return self._eagle3_hits(head)
             for conv in self.held_back:
                 tokens, feats, target, mask = collate([conv], [0], self.train_cfg.max_len)
                 sel = mask[0].bool()
@@ -170,6 +180,17 @@ class Adapter:
                 top = (pred @ w.T).argmax(-1)
                 top = top if self.vocab is None else self.vocab[top]
                 out.append(top == (target[0][sel] @ self.lm_weight.T).argmax(-1))
+        return torch.cat(out) if out else torch.zeros(0, dtype=torch.bool)
+
+    def _eagle3_hits(self, head) -> torch.Tensor:
+        from eagle_ray.train import eagle3
+        out = []
+        for conv in self.held_back:
+            tokens, feats, labels, mask = eagle3.collate_labels([conv], [0], self.train_cfg.max_len)
+            sel = mask[0].bool()
+            pred = eagle3.unrolled(head, tokens, feats, 1)[0][0][sel]
+            top = head.lm_head(head.norm(pred.to(head.lm_head.weight.dtype))).argmax(-1)
+            out.append(head.draft_to_target[top] == labels[0][sel])
         return torch.cat(out) if out else torch.zeros(0, dtype=torch.bool)
 
     def score_round(self) -> bool:

@@ -20,7 +20,6 @@ measured on their own), so a job or a Serve replica pays for the measurement onc
 """
 from __future__ import annotations
 
-import collections
 import hashlib
 import json
 import os
@@ -193,12 +192,10 @@ def host_seconds(engine, batch: int, context: int = CONTEXTS[0], steps: int = 6)
     context = max(1, min(context, engine.prompt_room(), engine.target.max_len - steps - 2))
     vocab = engine.target.vocab_size
     prompts = [[(101 + 7 * i + 13 * j) % vocab for j in range(context)] for i in range(batch)]
-    saved, engine.steady_steps = engine.steady_steps, collections.defaultdict(lambda: [0.0, 0, 0, 0.0])
-    try:
-        engine.generate(prompts, SamplingParams(max_new_tokens=steps + 1, ignore_eos=True), speculative=False)
-        seconds, tokens, *_ = engine.steady_steps.get((False, batch), (0.0, 0))
-    finally:
-        engine.steady_steps = saved
+    before = engine.steady_steps.get((False, batch), (0.0, 0))
+    engine.generate(prompts, SamplingParams(max_new_tokens=steps + 1, ignore_eos=True), speculative=False)
+    after = engine.steady_steps.get((False, batch), (0.0, 0))
+    seconds, tokens = after[0] - before[0], after[1] - before[1]
     if not tokens:
         return 0.0
     return max(0.0, seconds / (tokens / batch) - _verify_seconds(engine, batch, 1, context + steps // 2, 3))

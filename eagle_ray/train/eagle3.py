@@ -18,43 +18,27 @@ from eagle_ray.train.unrolled import unrolled_attention
 
 
 def collate(convs: list[dict], idx: list[int], max_len: int):
-    """Pad a batch: tokens x[1..n), fused states aux[0..n-1), the target's final states h[1..n) (its distribution
-    of the token after the next), and the mask of assistant positions."""
+    """Pad a batch: tokens x[1..n), fused states aux[0..n-1), the target at each position, and the mask of assistant
+    positions. The target is the target's final states h[1..n) (its distribution of the token after the next), or,
+    for conversations that carry ``labels`` instead (online adaptation), the emitted token after x_{i+1}: a sample of
+    that distribution (its argmax in greedy decoding), so the cross-entropy against it estimates the one against
+    the distribution."""
     n = min(max(len(convs[i]["input_ids"]) for i in idx), max_len)
-    B, dev = len(idx), convs[idx[0]]["hidden"].device
-    d_aux, d = convs[idx[0]]["aux"].shape[-1], convs[idx[0]]["hidden"].shape[-1]
+    first = convs[idx[0]]
+    B, dev, labelled = len(idx), first["aux"].device, "labels" in first
     tokens = torch.zeros(B, n - 1, dtype=torch.long, device=dev)
-    feats = torch.zeros(B, n - 1, d_aux, device=dev)
-    target = torch.zeros(B, n - 1, d, device=dev)
+    feats = torch.zeros(B, n - 1, first["aux"].shape[-1], device=dev)
+    target = torch.zeros(B, n - 1, dtype=torch.long, device=dev) if labelled else \
+        torch.zeros(B, n - 1, first["hidden"].shape[-1], device=dev)
     mask = torch.zeros(B, n - 1, device=dev)
     for b, i in enumerate(idx):
         c = convs[i]
         m = min(len(c["input_ids"]), n)
         tokens[b, : m - 1] = c["input_ids"][1:m]
         feats[b, : m - 1] = c["aux"][: m - 1].float()
-        target[b, : m - 1] = c["hidden"][1:m].float()
+        target[b, : m - 1] = c["labels"][: m - 1] if labelled else c["hidden"][1:m].float()
         mask[b, : m - 1] = c["loss_mask"][1:m].float()
     return tokens, feats, target, mask
-
-
-def collate_labels(convs: list[dict], idx: list[int], max_len: int):
-    """As :func:`collate`, for conversations that carry the emitted tokens instead of the target's final states
-    (online adaptation): ``labels[i]`` is the token after x_{i+1}, a sample of the target's distribution there (its
-    argmax in greedy decoding), so the cross-entropy against it estimates the one against the distribution."""
-    n = min(max(len(convs[i]["input_ids"]) for i in idx), max_len)
-    B, dev = len(idx), convs[idx[0]]["aux"].device
-    tokens = torch.zeros(B, n - 1, dtype=torch.long, device=dev)
-    feats = torch.zeros(B, n - 1, convs[idx[0]]["aux"].shape[-1], device=dev)
-    labels = torch.zeros(B, n - 1, dtype=torch.long, device=dev)
-    mask = torch.zeros(B, n - 1, device=dev)
-    for b, i in enumerate(idx):
-        c = convs[i]
-        m = min(len(c["input_ids"]), n)
-        tokens[b, : m - 1] = c["input_ids"][1:m]
-        feats[b, : m - 1] = c["aux"][: m - 1].float()
-        labels[b, : m - 1] = c["labels"][: m - 1]
-        mask[b, : m - 1] = c["loss_mask"][1:m].float()
-    return tokens, feats, labels, mask
 
 
 def unrolled(head, tokens: torch.Tensor, feats: torch.Tensor, steps: int) -> list[torch.Tensor]:
@@ -80,7 +64,7 @@ def losses(head, lm_weight: torch.Tensor, batch, cfg, gen: torch.Generator | Non
            steps: int | None = None):
     """Weighted cross-entropy of the unrolled steps against the target over the draft vocabulary; returns the same
     shape as the EAGLE-2 losses (feature loss 0) so the trainer's loop serves both heads. The batch's third part is
-    the target's final states, or token labels (:func:`collate_labels`): then the target is that token alone."""
+    the target's final states, or token labels (:func:`collate`): then the target is that token alone."""
     tokens, feats, target, mask = batch
     steps = steps or cfg.unroll_steps
     with torch.autocast(feats.device.type, dtype=torch.bfloat16, enabled=cfg.autocast_bf16):

@@ -11,7 +11,7 @@ decides every token, so no head, good or bad, changes what is generated: a worse
 and the score keeps it out.
 
 An EAGLE-2 head regresses the next pair's feature (plus the cross-entropy); an EAGLE-3 head's pairs carry the
-target's fused states, not its final ones, so it learns the emitted token (``eagle3.collate_labels``): a sample of
+target's fused states, not its final ones, so it learns the emitted token (``eagle3.collate``): a sample of
 the target's distribution, and in greedy decoding its argmax, which is what EAGLE-3's training scores.
 """
 from __future__ import annotations
@@ -151,7 +151,7 @@ class Adapter:
             self.candidate.train()
             if self.eagle3:
                 from eagle_ray.train import eagle3
-                batch = eagle3.collate_labels(convs, idx, self.train_cfg.max_len)
+                batch = eagle3.collate(convs, idx, self.train_cfg.max_len)
                 v, p, *_ = eagle3.losses(self.candidate, None, batch, self.train_cfg, self.gen, True)
                 loss = v + p
             else:
@@ -186,7 +186,7 @@ class Adapter:
         from eagle_ray.train import eagle3
         out = []
         for conv in self.held_back:
-            tokens, feats, labels, mask = eagle3.collate_labels([conv], [0], self.train_cfg.max_len)
+            tokens, feats, labels, mask = eagle3.collate([conv], [0], self.train_cfg.max_len)
             sel = mask[0].bool()
             pred = eagle3.unrolled(head, tokens, feats, 1)[0][0][sel]
             top = head.lm_head(head.norm(pred.to(head.lm_head.weight.dtype))).argmax(-1)

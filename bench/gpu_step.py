@@ -8,6 +8,8 @@ and writes one JSON line per section to ``--out`` as it goes (a cut run still re
   left to itself and under the engine's kernel choice (``model/numerics.py`` ``attention_kernels``);
 - ``probe``: decode-step times at batch 1 with each suspect removed in turn: the default engine, the same prompt
   again, cuDNN attention off, key lengths bucketed, fused layers (is a step slow because of a per-shape build?);
+- ``joined_step``: a step where a new prompt arrives while sequences decode with EAGLE: its chunk in the decode rows'
+  target pass (each weight read once; the default) or in a pass of its own before them, at the largest shape;
 - ``shapes``: distinct (batch, tokens, key length) shapes of the target over the run's decode steps;
 - ``step_times`` (per shape): for each mode {eager with the modules' layers, eager with fused layers (SDPA, and
   flex tree attention: each row reads its own slot only), graphs (the fused target's decode passes and the head's
@@ -233,6 +235,46 @@ def probe(report: Report, hf, device, dtype, a) -> None:
              if again < 0.5 * first else "not a per-shape build: the same shapes again are as slow")
     report.write("probe", steps_ms=runs, median_ms=medians, cause=cause)
     del engine, fused
+
+
+def joined_step(report: Report, hf, shape: str, device, dtype, a, chunk: int = 512, arrivals: int = 4) -> None:
+    """Steps in which a ``chunk``-token prompt arrives while ``batch`` sequences decode with EAGLE: the chunk joins
+    the decode rows' target pass (``StepPlan.one_pass``) or runs in a pass of its own first."""
+    from eagle_ray.config import SamplingParams
+    batches = sorted({min(a.batches), max(b for b in a.batches if b <= 32)})
+    engine = build_engine(hf, device, dtype, batches[-1] + 1, a.max_model_len, fused=True)
+    rows = []
+    for batch in batches:
+        for one_pass in (True, False):
+            engine.scheduler.one_pass = one_pass
+            params = SamplingParams(max_new_tokens=10**6, ignore_eos=True)
+            seqs = [engine.add_request(p, params) for p in prompts_of(engine, batch, a.context // 4)]
+            while engine.scheduler.prefilling or engine.scheduler.waiting:
+                engine.step()
+            engine.step()
+            joined, alone = [], []
+            for k in range(arrivals):
+                new = engine.add_request(prompts_of(engine, 1, chunk, seed=k + 1)[0], params)
+                sync(device)
+                t = time.perf_counter()
+                engine.step()
+                sync(device)
+                joined.append(1e3 * (time.perf_counter() - t))
+                engine.abort(new.request_id)
+                sync(device)
+                t = time.perf_counter()
+                engine.step()
+                sync(device)
+                alone.append(1e3 * (time.perf_counter() - t))
+            for s in seqs:
+                engine.abort(s.request_id)
+            engine.step()
+            rows.append({"batch": batch, "one_pass": one_pass, "chunk": chunk,
+                         "step_with_chunk_ms": round(statistics.median(joined), 3),
+                         "decode_step_ms": round(statistics.median(alone), 3)})
+    engine.scheduler.one_pass = True
+    report.write("joined_step", shape=shape, rows=rows)
+    del engine
 
 
 def step_times(report: Report, hf, shape: str, device, dtype, a) -> dict:
@@ -525,6 +567,7 @@ def main(argv=None) -> Path:
     biggest = a.shapes[-1]
     hf = random_target(biggest, device, dtype)
     probe(report, hf, device, dtype, a)
+    joined_step(report, hf, biggest, device, dtype, a)
     for shape in a.shapes[::-1]:
         hf = hf if shape == biggest else random_target(shape, device, dtype)
         step_times(report, hf, shape, device, dtype, a)

@@ -61,6 +61,7 @@ from workloads import NAMES, prompts as workload
 from eagle_ray.cli import add_engine_args, add_precision_args, build_engine, precision_kwargs, read_prompt_records
 from eagle_ray.config import FLAT_FIELDS, EngineConfig, SamplingParams, TreeConfig
 from eagle_ray.errors import ConfigError
+from eagle_ray.model.numerics import defaults_for
 
 SCRIPT = "bench/speed.py"
 
@@ -319,6 +320,8 @@ def batch_modes(engine, bs: int, a) -> list[tuple[str, bool]]:
         modes.insert(1, ("spec_uncapped", True))
     for n in a.compare_lookup:
         modes.insert(1, (f"spec_lookup{n}", True))
+    if a.compare_one_pass:   # the same modes with prompt chunks in a pass of their own
+        modes += [(f"{m}_separate_passes", spec) for m, spec in modes if m in ("spec", "plain")]
     return modes[::-1] if a.plain_first else modes
 
 
@@ -326,6 +329,7 @@ def set_mode(engine, mode: str, trees: dict | None, caps: dict | None) -> None:
     """The engine's tuned trees as ``mode`` runs them: without the verify cap, or every lookup chain at N; the
     measured choice starts from its priors in every run, as in a new engine."""
     engine.config = engine.config.replace(verify_cap_by_batch=None if mode == "spec_uncapped" else caps)
+    engine.scheduler.one_pass = defaults_for(engine.device).one_target_pass and not mode.endswith("_separate_passes")
     if trees:
         n = int(mode.removeprefix("spec_lookup")) if mode.startswith("spec_lookup") else None
         engine.set_trees(trees_by_batch={b: t if n is None or t.total_tokens == 1 else
@@ -586,6 +590,8 @@ def add_batch(sub) -> None:
     b.add_argument("--compare-lookup", type=int, nargs="*", default=[],
                    help="also run the tuner's trees with their prompt lookup set to each of these")
     b.add_argument("--plain-first", action="store_true", help="run plain before EAGLE at each size")
+    b.add_argument("--compare-one-pass", action="store_true",
+                   help="also run each mode with a step's prompt chunks in a target pass of their own")
     b.add_argument("--measured-choice", action=argparse.BooleanOptionalAction, default=None,
                    help="time both modes per batch size and run the faster (default: with --tree-policy auto)")
     b.add_argument("--repeats", type=int, default=1, help="timed runs of each mode per size, A B B A ...")

@@ -90,6 +90,39 @@ def test_the_buffers_stay_within_the_configured_pairs(tiny_dir, tiny_head):
     assert adapter.state.pairs_seen > 3 * 256
 
 
+def test_the_memory_plan_holds_what_adaptation_keeps(tiny_dir, tiny_head):
+    """The engine's memory plan counts online adaptation: the adapter's tensors (its fp32 lm_head, the candidate and
+    its optimizer state, the buffered pairs) within its fixed part, and every running sequence's pairs, kept until
+    it finishes, within the per-slot part."""
+    from eagle_ray.engine.sizing import plan_engine
+    engine = tiny_engine(tiny_dir, own(tiny_head), max_batch_size=4)
+    adapter = adapting(engine, buffer_tokens=256, time_share=1.0, round_steps=2)
+    off = engine.config.replace(draft="random")   # the plan of the head this engine holds
+    plan, off = (plan_engine(c, engine.target.config, None, engine.device, engine.target.dtype)
+                 for c in (off.model_copy(update={"adaptation": adapter.cfg}), off))
+    assert plan.adaptation > 0 and plan.total(4) - off.total(4) == plan.adaptation + 4 * plan.adaptation_per_slot
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    seqs = [engine.add_request(p, params) for p in mixed_prompts(12, seed=6)]
+    kept_peak = held_peak = 0
+    while engine.has_unfinished():
+        engine.step()
+        kept_peak = max([kept_peak] + [sum(f.nbytes for _, f in s.pending.kept) for s in seqs if s.pending.kept])
+        held_peak = max(held_peak, adapter_bytes(adapter))
+    assert 0 < kept_peak <= plan.adaptation_per_slot
+    assert adapter.state.train_steps and 0 < held_peak <= plan.adaptation
+
+
+def adapter_bytes(adapter) -> int:
+    """What an adapter holds: its fp32 lm_head, the candidate and its optimizer state, the buffered features."""
+    tensors = [adapter.lm_weight]
+    if adapter.candidate is not None:
+        tensors += list(adapter.candidate.parameters())
+        tensors += [p.grad for p in adapter.candidate.parameters() if p.grad is not None]
+        tensors += [t for state in adapter.opt.state.values() for t in state.values() if torch.is_tensor(t)]
+    tensors += [c[k] for c in list(adapter.train_set) + list(adapter.held_back) for k in ("hidden", "aux") if k in c]
+    return sum(t.nbytes for t in tensors)
+
+
 def test_a_job_actor_writes_its_adapted_head_with_a_model_card_and_rows_say_their_head(tiny_dir, tmp_path,
                                                                                       monkeypatch):
     import asyncio

@@ -101,22 +101,31 @@ def test_merged_weights_are_shared_with_the_modules_not_copied():
     assert sum(p.numel() for p in hf.parameters()) == before
 
 
-def test_drafted_and_plain_rows_in_one_verify_pass_give_the_targets_greedy_tokens(tmp_path, monkeypatch):
-    """Where a step is bound by reading the weights (CUDA), sequences that draft and sequences that decode plainly
-    in the same step share one target pass, the plain roots padded to the trees' width."""
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_steps_prompt_chunks_trees_and_plain_roots_run_in_one_target_pass(tmp_path, monkeypatch, fused):
+    """Each weight is read once a step: prompt chunks, drafted trees and plain roots are blocks of one target pass,
+    each attending over its own rows' keys; the tokens are the target's, on either layer path."""
     path = save_target(tmp_path)
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    engine = EagleEngine.from_pretrained(str(path), "random", dtype="float32", max_batch_size=4,
-                                         tree=TreeConfig(total_tokens=10, depth=3, top_k=3))
-    engine.runner.one_verify_pass = True
-    passes, verify = [], engine.runner.verify
-    monkeypatch.setattr(engine.runner, "verify", lambda seqs, tree, n_valid=None, **kw: passes.append(
-        (len(seqs), tree.tokens.shape[1], n_valid)) or verify(seqs, tree, n_valid, **kw))
-    prompts = mixed_prompts(4, seed=5)
+    engine = EagleEngine.from_pretrained(str(path), "random", dtype="float32", max_batch_size=4, max_step_tokens=24,
+                                         fused_layers=fused, cpu_linears="native",
+                                         tree=TreeConfig(total_tokens=6, depth=3, top_k=2))
+    assert engine.scheduler.one_pass
+    passes, run_parts = [], engine.target.run_parts
+    monkeypatch.setattr(engine.target, "run_parts", lambda blocks, capture=False: passes.append(
+        [tuple(t.shape) for t, _, _ in blocks]) or run_parts(blocks, capture))
+    prompts = mixed_prompts(3, seed=5) + [list(range(3, 63))]   # the last one's prompt takes several steps
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
-    seqs = [engine.add_request(p, params, speculative=i % 2 == 0) for i, p in enumerate(prompts)]
+    seqs = [engine.add_request(p, params, speculative=i != 1) for i, p in enumerate(prompts[:3])]
+    per_step = []
     while engine.has_unfinished():
+        if engine.counters["decode_passes"] == 4 and len(seqs) == 3:   # mid-stream: a long prompt arrives
+            seqs.append(engine.add_request(prompts[3], params))
+        before = len(passes)
         engine.step()
+        per_step.append(len(passes) - before)
     assert [engine.output(s).token_ids for s in seqs] == [reference_greedy(hf, p, 20) for p in prompts]
-    assert (4, 10, [10, 10, 1, 1]) in passes   # two drafted and two plain rows, one pass
+    assert set(per_step) == {1}                                      # one target pass a step
+    joined = [p for p in passes if len(p) == 3]                      # a chunk, two trees, one plain root
+    assert joined and all(p[0][0] == 1 and p[1][0] == 2 and p[2] == (1, 1) for p in joined)

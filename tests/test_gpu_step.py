@@ -50,8 +50,12 @@ def test_the_gpu_step_script_runs_every_section_at_a_tiny_shape_on_the_cpu(tmp_p
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     sections = [line["section"] for line in lines]
     assert sections[0] == "versions" and sections[-1] == "verdicts"
-    for wanted in ("sdpa_choice", "shapes", "step_times", "launches", "host_reads", "memory", "fidelity"):
+    for wanted in ("sdpa_choice", "joined_step", "shapes", "step_times", "launches", "host_reads", "memory",
+                   "fidelity"):
         assert wanted in sections
+    joined = next(line for line in lines if line["section"] == "joined_step")
+    assert {(r["batch"], r["one_pass"]) for r in joined["rows"]} == {(b, o) for b in (1, 4) for o in (True, False)}
+    assert all(r["step_with_chunk_ms"] > 0 and r["decode_step_ms"] > 0 for r in joined["rows"])
     step = next(line for line in lines if line["section"] == "step_times")
     modes = ("eager-modules", "eager-fused", "eager-fused-flex", "graphs")   # graphs: the CPU's replay stand-in
     assert {(r["mode"], r["decode"], r["batch"]) for r in step["rows"]} == {

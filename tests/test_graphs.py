@@ -32,6 +32,24 @@ def test_graphed_decoding_gives_the_targets_greedy_tokens(tiny_dir, tiny_hf, tin
     assert {(b, w, kv) for b, w, kv, _ in graphs.graphs} <= {(b, w, 256) for b in (1, 2, 4) for w in (1, 8, 16, 24)}
 
 
+def test_graphs_are_captured_at_load_largest_batch_first_and_decoding_replays_them(tiny_dir, tiny_hf, tiny_head):
+    """Before the first request every batch bucket has its graphs: the plain root's pass, the tree's verify widths
+    (12 drafted tokens and up to 5 lookup tokens: buckets 16 and 24) and its draft loop; decoding short contexts
+    then captures nothing more, and the tokens are the target's."""
+    engine = tiny_engine(tiny_dir, tiny_head, max_batch_size=3)
+    graphs = with_graphs(engine)
+    drafts = engine.runner.draft_graphs = DraftGraphs(engine.draft, engine.target.cache.num_slots, backend="replay")
+    assert engine.capture_graphs() == len(graphs.graphs) + len(drafts.graphs) == 3 * 3 + 3
+    batches = [b for b, *_ in graphs.graphs]   # in the order captured
+    assert batches == sorted(batches, reverse=True) and [b for b, *_ in drafts.graphs] == [4, 2, 1]
+    assert set(graphs.graphs) == {(b, w, 256, False) for b in (1, 2, 4) for w in (1, 16, 24)}
+    assert not engine.target.cache.lengths.any() and not engine.draft.cache.lengths.any()
+    prompts = mixed_prompts(5, seed=3)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [reference_greedy(tiny_hf, p, 24) for p in prompts]
+    assert len(graphs.graphs) == 9 and len(drafts.graphs) == 3 and graphs.replays and drafts.replays
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["modules", "fused"])
 def test_graphed_fused_and_eagle3_passes_give_the_targets_greedy_tokens(tmp_path, fused):
     """Fused layers (what CUDA runs) and an EAGLE-3 head, whose features come out of the same graph."""

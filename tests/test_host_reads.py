@@ -44,7 +44,7 @@ DEPTH3 = TreeConfig(total_tokens=12, depth=3, top_k=3)
 
 @pytest.mark.parametrize("batch", [1, 4, 8])
 def test_a_speculative_step_reads_the_device_once_and_copies_to_it_once(tiny_dir, batch):
-    assert one_decode_step(tiny_dir, batch, DEPTH3) == (["engine/model_runner.py:verify tolist"], 1)
+    assert one_decode_step(tiny_dir, batch, DEPTH3) == (["engine/model_runner.py:accept tolist"], 1)
 
 
 def test_sampling_and_plain_steps_read_once_and_copy_once(tiny_dir):
@@ -60,11 +60,12 @@ def test_trees_with_padding_add_only_the_read_of_their_width(tiny_dir):
 
 @pytest.mark.parametrize("tree", [TreeConfig(mode="static"), TreeConfig(mode="chain", depth=3)], ids=["static", "chain"])
 def test_static_trees_and_chains_send_nothing_from_the_host_while_they_grow(tiny_dir, tree):
-    assert one_decode_step(tiny_dir, 4, tree) == (["engine/model_runner.py:verify tolist"], 1)
+    assert one_decode_step(tiny_dir, 4, tree) == (["engine/model_runner.py:accept tolist"], 1)
 
 
 def test_a_step_where_a_prompt_completes_reads_its_first_token_and_copies_nothing_blocking(tiny_dir):
-    """The prompt's first token is read with the prefill; its inputs go up in one more staged copy."""
+    """The prompt's chunk joins the decode rows' target pass: its first token is read after that pass, and its
+    inputs go up with the step's others, in one staged copy."""
     engine = EagleEngine.from_pretrained(str(tiny_dir), "random", dtype="float32", max_batch_size=8, tree=DEPTH3)
     for i in range(3):
         engine.add_request([5 + i, 9, 10, 11], params=SamplingParams(max_new_tokens=64, ignore_eos=True))
@@ -78,9 +79,10 @@ def test_a_step_where_a_prompt_completes_reads_its_first_token_and_copies_nothin
         engine.step()
     assert not engine.scheduler.prefilling
     sites = reads.sites
-    assert sites[0] == "engine/model_runner.py:prefill tolist" and sites[-1] == "engine/model_runner.py:verify tolist"
+    assert sites[0] == "engine/model_runner.py:finish_prefill tolist"
+    assert sites[-1] == "engine/model_runner.py:accept tolist"
     assert len(sites) <= 3 and all(s.endswith(("tolist", "__int__")) for s in sites)   # no blocking copy
-    assert upload.copies - copies == 2
+    assert upload.copies - copies == 1
 
 
 def test_the_counter_sees_blocking_copies_to_the_device():

@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from eagle_ray.config import TreeConfig
+from eagle_ray.config import TreeConfig, is_plain
 from eagle_ray.model.attention import block_meta
 from eagle_ray.model.graphs import BATCH_BUCKETS, CudaGraph, Replayed, bucket, kv_buckets
 from eagle_ray.model.numerics import attention_kernels
@@ -50,6 +50,21 @@ class DraftGraphs:
     def fits(self, B: int, cfg: TreeConfig, context: torch.Tensor | None) -> bool:
         return cfg.mode == "dynamic" and B <= self.max_batch and (
             context is None or context.shape[1] <= self.context_vocab)
+
+    def capture_at_load(self, tree_of) -> int:
+        """Capture the draft loop of every batch bucket up to ``max_batch`` (``tree_of(batch)``: the tree a step of
+        that many sequences grows; plain, static and chain trees have no graph), largest first, at the first
+        key-length bucket and without context tokens. The loops run on empty slots (their head K/V are written
+        past a length of 0, so nothing committed changes). Returns the number of graphs captured."""
+        cache, before = self.draft.cache, len(self.graphs)
+        device, d = self.draft.fc.weight.device, self.draft.config.hidden_size
+        for B in sorted((b for b in BATCH_BUCKETS if b <= self.max_batch), reverse=True):
+            rows, cfg = min(B, cache.num_slots), tree_of(B)
+            if not self.fits(rows, cfg, None) or is_plain(cfg):
+                continue
+            self.grow(list(range(rows)), torch.zeros(rows, d, dtype=self.draft.fc.weight.dtype, device=device),
+                      torch.zeros(rows, dtype=torch.long, device=device), None, cfg)
+        return len(self.graphs) - before
 
     def grow(self, slots: list[int], root_hidden: torch.Tensor, roots: torch.Tensor, context: torch.Tensor | None,
              cfg: TreeConfig) -> Tree:

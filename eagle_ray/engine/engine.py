@@ -17,20 +17,21 @@ from pathlib import Path
 
 import torch
 
-from eagle_ray.config import EngineConfig, SamplingParams
+from eagle_ray.config import EngineConfig, SamplingParams, is_plain
 from eagle_ray.engine.builder import load_pair
 from eagle_ray.engine.draft_graphs import DraftGraphs
 from eagle_ray.engine.model_runner import ModelRunner, StepOutput
 from eagle_ray.engine.scheduler import Feeding, Scheduler, StepPlan
 from eagle_ray.engine.sequence import Sequence
 from eagle_ray.engine.text import Detokenizer, StopStrings, TextCodec
-from eagle_ray.engine.tree_policy import TreePolicy, check_draft_vocab, check_prompt_room, draft_room, prompt_room
+from eagle_ray.engine.tree_policy import (TreePolicy, check_draft_vocab, check_prompt_room, draft_budget, draft_room,
+                                         prompt_room, verify_budget)
 from eagle_ray.engine.tuning import autotune
 from eagle_ray.errors import InvalidRequestError, PromptTooLongError
 from eagle_ray.model.compiled import compile_forwards
 from eagle_ray.model.draft_head import DraftHead
 from eagle_ray.model.memory import max_pending_pairs, pending_pair_bytes
-from eagle_ray.model.numerics import step_tokens
+from eagle_ray.model.numerics import defaults_for, step_tokens
 from eagle_ray.model.target import TargetModel
 from eagle_ray.speculative.tree import prepare_trees
 from eagle_ray.stats import RequestStats
@@ -65,7 +66,8 @@ class EagleEngine:
         if draft is not None:
             pair = pending_pair_bytes(draft.feature_size, target.dtype, target.numerics.fp32_activations)
             feeding = Feeding(extend_budget, max_pending_pairs(pair, target.max_len))
-        self.scheduler = Scheduler(config.cache.max_batch_size, budget, self.policy, feeding)
+        self.scheduler = Scheduler(config.cache.max_batch_size, budget, self.policy, feeding,
+                                   one_pass=defaults_for(target.device).one_target_pass)
         self._feeding, self._step_budget = feeding, budget
         # lifetime counters: decode passes, sequences they carried (mean verify batch = sequences / passes)
         self.counters = {"decode_passes": 0, "drafted_passes": 0, "decode_sequences": 0, "verify_tokens": 0,
@@ -118,7 +120,23 @@ class EagleEngine:
         if config.speculation.tree_policy == "auto" and pair.draft is not None:
             engine.policy.adopt(autotune(engine))
             engine._allocate_draft_cache()
+        engine.capture_graphs()
         return engine
+
+    def capture_graphs(self) -> int:
+        """With ``compile: cuda-graphs``, before the first request and after the tuner has chosen the trees: the
+        target's decode passes for every batch bucket (plain roots, and each tree's verify widths) and the head's
+        draft loops, largest batch first, at the first key-length bucket (``DecodeGraphs.capture_at_load``); longer
+        contexts' graphs are captured when a step first needs them. Returns the number of graphs captured."""
+        graphs = self.target.graphs
+        if graphs is None:
+            return 0
+        trees = [t for t in self.policy.trees() if not is_plain(t)] if self.draft is not None else []
+        widths = {1} | {w for t in trees for w in range(draft_budget(t), verify_budget(t) + 1)}
+        n = graphs.capture_at_load(sorted(widths), capture=bool(getattr(self.draft, "feature_layers", None)))
+        if self.runner.draft_graphs is not None:
+            n += self.runner.draft_graphs.capture_at_load(self.policy.speculative_tree_for)
+        return n
 
     def restart(self) -> None:
         """Forget every request and start again from empty caches on the same weights: after a step failed, the

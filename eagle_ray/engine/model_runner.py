@@ -1,9 +1,11 @@
 """The model side of a step: runs the target and the draft head for a finished :class:`StepPlan` and returns tokens.
 
-One step is: prompt chunks (one padded target pass) -> feed the head (the plan's passes over pending pairs) ->
-draft (grow the trees of the plan's drafted sequences, one batched head call per level) -> verify (one target pass
-over all trees, one over the roots of the rest) -> accept -> keep the accepted path's K/V. A plain step is the
-verification of a one-node tree. Phases hand each other typed values (``Tree``, ``Acceptance``, ``SeqResult``); the
+One step is: feed the head (the plan's passes over pending pairs) -> draft (grow the trees of the plan's drafted
+sequences, one batched head call per level) -> one target pass over the prompt chunks, the trees and the roots of
+the rest (``target_pass``: each weight read once, each block attending over its own rows) -> accept -> keep the
+accepted path's K/V. A plain step is the verification of a one-node tree. Where the plan keeps them apart
+(``StepPlan.one_pass`` off), prompt chunks run first in a pass of their own and the head takes their pairs in the
+same step. Phases hand each other typed values (``Tree``, ``Acceptance``, ``SeqResult``); the
 sequences' state is updated by the engine, not here, except for the head's pending pairs, which belong to this side.
 
 Everything runs batched over sequences; Python loops run over sequences (to pack ragged inputs and hand out
@@ -20,9 +22,8 @@ from eagle_ray.config import TreeConfig
 from eagle_ray.engine.scheduler import PrefillChunk, StepPlan, extend_passes
 from eagle_ray.engine.sequence import Sequence
 from eagle_ray.engine.clock import Clock, resolve_times
-from eagle_ray.uploads import uploads_for
+from eagle_ray.uploads import Uploads, uploads_for
 from eagle_ray.model.draft_head import DraftHead
-from eagle_ray.model.numerics import defaults_for
 from eagle_ray.model.target import TargetModel
 from eagle_ray.speculative.accept import accept
 from eagle_ray.speculative.context_vocab import ContextTokens, context_rows
@@ -60,6 +61,31 @@ class StepOutput:
     decoded: dict[bool, int] = field(default_factory=dict)   # sequences per decode pass, by drafted or not
     sampled: bool = False    # StepPlan.sampled: the decode rows ran one mode (a sample for SpeculationChooser)
     steady: bool = False     # StepPlan.steady: a whole decode-only step of one mode
+
+
+@dataclass
+class VerifyBlock:
+    """Sequences whose trees one block of a target pass verifies (a plain sequence's tree is its root)."""
+    seqs: list[Sequence]
+    tree: Tree
+    n_valid: list[int] | None = None   # columns each row may write (plain roots stacked beside trees: 1)
+    traced: int | None = None          # leading rows that are drafted trees (what a calibration trace records)
+
+
+@dataclass
+class PrefillBlock:
+    """A step's prompt chunks as one block of a target pass: ``R`` rows padded to the longest chunk."""
+    chunks: list[PrefillChunk]
+    n: list[int]                        # tokens of each chunk
+    done: list[int]                     # rows whose prompt completes (they emit a first token)
+
+    @property
+    def width(self) -> int:
+        return max(self.n)
+
+    @property
+    def slots(self) -> list[int]:
+        return [c.seq.slot for c in self.chunks]
 
 
 def causal_block(lengths: list[int], width: int, device) -> torch.Tensor:
@@ -100,9 +126,6 @@ class ModelRunner:
         self.device = target.device
         self.extend_budget = extend_budget   # padded tokens per head pass (draft_extend without a plan's passes)
         self.profile = False
-        # drafted and plain rows verified in one pass (plain roots padded to the trees' width): one read of the
-        # weights where a step is bound by reading them, two narrower passes where compute is dearer
-        self.one_verify_pass = defaults_for(self.device).one_verify_pass
         self.clock, self.times = Clock(self.device), StepTimes()   # the running step's (see run)
         self.trace = None  # a TreeTrace recording verified trees (calibration, tuning); off by default
         self.draft_graphs = None   # DraftGraphs (engine/draft_graphs.py) where compile is cuda-graphs
@@ -126,30 +149,32 @@ class ModelRunner:
         out = StepOutput(sampled=plan.sampled, steady=plan.steady)
         self.times = out.times
         t0 = clock()
-        if plan.prefill:
-            out.results += self.prefill(plan.prefill)
         ready, plain, tree_cfg = plan.drafted, plan.plain, plan.tree
+        if plan.prefill and not plan.joined:
+            out.results += self.prefill(plan.prefill)
+        prefill = self.prefill_block(plan.prefill) if plan.joined else None
         context = self.context_ids(ready) if ready else None
         chains = self.lookup_ids(ready, tree_cfg) if ready and tree_cfg.lookup else None
-        self.stage_decode(ready, plain, plan.feed, plan.passes, context, chains)
+        self.stage_decode(ready, plain, plan.feed, plan.passes, context, chains,
+                          self.prefill_arrays(prefill) if prefill else ())
         if plan.passes:
             t = clock()
             self.draft_extend(plan.feed, plan.passes)
             out.times.extend_s = clock() - t
             out.times.draft_s += out.times.extend_s
-        if self.one_verify_pass and ready and plain:   # one read of the weights for both, where it fits
-            tree = self.draft_trees(ready, tree_cfg, plan.verify_cap, context, chains)
+        tree = self.draft_trees(ready, tree_cfg, plan.verify_cap, context, chains) if ready else None
+        if ready and plain and self.stacks_for_graph(prefill, len(ready) + len(plain), tree.tokens.shape[1]):
             W = tree.tokens.shape[1]
-            if (len(ready) + len(plain)) * W <= self.extend_budget:   # the step's workspace holds the padded pass
-                out.results += self.verify(ready + plain, stack_trees(tree, self.root_trees(plain)),
-                                           n_valid=[W] * len(ready) + [1] * len(plain), traced=len(ready))
-            else:
-                out.results += self.verify(ready, tree) + self.decode_plain(plain)
+            blocks = [VerifyBlock(ready + plain, stack_trees(tree, self.root_trees(plain)),
+                                  [W] * len(ready) + [1] * len(plain), len(ready))]
         else:
-            if ready:
-                out.results += self.decode_speculative(ready, tree_cfg, plan.verify_cap, context, chains)
-            if plain:
-                out.results += self.decode_plain(plain)
+            blocks = [VerifyBlock(ready, tree)] if ready else []
+            blocks += [VerifyBlock(plain, self.root_trees(plain))] if plain else []
+        if plan.one_pass and (prefill or blocks):
+            out.results += self.target_pass(prefill, blocks)
+        else:
+            for block in blocks:
+                out.results += self.target_pass(None, [block])
         out.decoded.update({mode: len(seqs) for mode, seqs in ((True, ready), (False, plain)) if seqs})
         out.times.tree_nodes = sum(r.tree_size for r in out.results if r.seq.speculative)
         out.times.total_s = clock() - t0
@@ -157,27 +182,73 @@ class ModelRunner:
         resolve_times(out.times)
         return out
 
-    def stage_prefill(self, chunks: list[PrefillChunk], width: int, done: list[int]):
-        """Send the prefill's inputs to the device in one copy (see ``Uploads``): the prompt block, the slots and
-        their lengths, and for the prompts that complete, their last rows, positions and sampling rows."""
-        upload = uploads_for(self.device)
-        slots = [c.seq.slot for c in chunks]
-        n = [c.end - c.start for c in chunks]
-        seqs = [chunks[r].seq for r in done]
-        arrays = [prompt_block(chunks, width), slots, self.target.cache.lengths[slots], n]
+    def stacks_for_graph(self, prefill: PrefillBlock | None, rows: int, width: int) -> bool:
+        """Whether a decode-only step's drafted and plain rows go in one block, the plain roots padded to the trees'
+        width: so that one captured graph replays it (``model/graphs.py``), where the padded block fits the step's
+        workspace. Without graphs they are two blocks of one pass."""
+        return prefill is None and self.target.graphs is not None and rows * width <= self.extend_budget
+
+    def target_pass(self, prefill: PrefillBlock | None, blocks: list[VerifyBlock]) -> list[SeqResult]:
+        """One target pass over a step's prompt chunks (``prefill``, if any) and verify ``blocks``, each weight read
+        once; then each block's acceptance, and the prompts' first tokens. The pass's seconds are split between
+        prefill and verify by their tokens (the measured choice times decode rows without the prompt chunks)."""
+        times, clock = self.times, self.clock
+        seqs = [s for b in blocks for s in b.seqs] + ([c.seq for c in prefill.chunks] if prefill else [])
+        collect = self.draft is not None and any(s.speculative for s in seqs)
+        forwards = [] if prefill is None else [self.prefill_inputs(prefill)]
+        forwards += [(b.tree.tokens, [s.slot for s in b.seqs], b.tree.depth, b.tree.ancestors, b.n_valid)
+                     for b in blocks]
+        t0 = clock()
+        outs = self.target_forward_parts(forwards, collect, graphed=prefill is None)
+        seconds = clock() - t0
+        share = forwards[0][0].numel() / sum(f[0].numel() for f in forwards) if prefill else 0.0
+        times.prefill_s += seconds * share
+        times.verify_s += seconds * (1 - share)
+        times.forward_s += seconds * (1 - share)
+        results = self.finish_prefill(prefill, *outs.pop(0)) if prefill else []
+        for block, (hidden, feats) in zip(blocks, outs):
+            results += self.accept(block, hidden, feats if collect else None)
+        return results
+
+    def target_forward_parts(self, forwards, collect: bool, graphed: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``TargetModel.forward_parts`` of ``forwards``: per block, the final hidden states and the features the head
+        reads (the same tensor for an EAGLE-2 head; an EAGLE-3 head's captured layer inputs where ``collect``)."""
+        layers = getattr(self.draft, "feature_layers", None) if collect else None
+        outs = self.target.forward_parts(forwards, capture=layers or None, graphed=graphed)
+        return outs if layers else [(hidden, hidden) for hidden in outs]
+
+    def prefill_block(self, chunks: list[PrefillChunk]) -> PrefillBlock:
+        """The step's prompt chunks as a block; prompts that start here get their slots emptied first."""
+        for c in chunks:
+            if c.start == 0:
+                self.reset_slot(c.seq.slot)
+        return PrefillBlock(chunks, [c.end - c.start for c in chunks], [r for r, c in enumerate(chunks) if c.completes])
+
+    def prefill_arrays(self, block: PrefillBlock) -> list:
+        """The prefill's small inputs, staged with the step's others (see ``Uploads``): the prompt block, the slots
+        and their lengths, and for the prompts that complete, their last rows, positions and sampling rows."""
+        slots, n, done = block.slots, block.n, block.done
+        seqs = [block.chunks[r].seq for r in done]
+        arrays = [prompt_block(block.chunks, block.width), slots, self.target.cache.lengths[slots], n]
         if done:
             arrays += [done, [n[r] - 1 for r in done], [[len(s.prompt_ids)] for s in seqs]]
             if any(not s.params.greedy for s in seqs):
-                arrays += [upload.float_bits(SamplingBatch.params_of(seqs)), SamplingBatch.seeds_of(seqs)]
-        upload.stage(arrays)
-        return upload
+                arrays += [Uploads.float_bits(SamplingBatch.params_of(seqs)), SamplingBatch.seeds_of(seqs)]
+        return arrays
+
+    def prefill_inputs(self, block: PrefillBlock) -> tuple:
+        """The prefill block as ``TargetModel.forward`` takes it: causal rows, padding past each chunk."""
+        R, W, device = len(block.chunks), block.width, self.device
+        return (uploads_for(device).ints(prompt_block(block.chunks, W)), block.slots,
+                torch.arange(W, device=device).expand(R, W), causal_block(block.n, W, device), block.n)
 
     def stage_decode(self, ready: list[Sequence], plain: list[Sequence], feed: list[Sequence], passes,
-                     context: np.ndarray | None = None, chains: np.ndarray | None = None) -> None:
+                     context: np.ndarray | None = None, chains: np.ndarray | None = None, prefill=()) -> None:
         """Send the step's small inputs to the device in one copy (see ``Uploads``): slots, target and head cache
         lengths, roots, the head's first pass, the ready sequences' context tokens (``context_ids``) and lookup
-        chains (``lookup_ids``), and the sampling rows."""
-        arrays = []
+        chains (``lookup_ids``), the sampling rows, and ``prefill`` (``prefill_arrays``) where the prompt chunks
+        join the decode rows' pass."""
+        arrays = list(prefill)
         target_len, upload = self.target.cache.lengths, uploads_for(self.device)
         if passes:
             first = passes[0]
@@ -197,42 +268,32 @@ class ModelRunner:
                            sampled_rows]
         upload.stage(arrays)
 
-    def target_forward(self, tokens, slots, depth, mask, n_valid=None, graphed=True) -> tuple[torch.Tensor, torch.Tensor]:
-        """The target's final hidden states and the features its head reads (the same tensor for an EAGLE-2
-        head; the captured layer inputs of the same pass for an EAGLE-3 head). ``graphed``: see
-        ``TargetModel.forward`` (prompt chunks run eagerly)."""
-        layers = getattr(self.draft, "feature_layers", None)
-        if layers:
-            return self.target.forward(tokens, slots, depth, mask, n_valid=n_valid, capture=layers, graphed=graphed)
-        hidden = self.target.forward(tokens, slots, depth, mask, n_valid=n_valid, graphed=graphed)
-        return hidden, hidden
-
     # ---- prefill -------------------------------------------------------------------------------------------------
     def prefill(self, chunks: list[PrefillChunk]) -> list[SeqResult]:
-        """One padded pass over this step's prompt chunks; prompts that complete emit their first token."""
-        times, clock = self.times, self.clock
-        target, device = self.target, self.device
-        n = [c.end - c.start for c in chunks]
-        R, W = len(chunks), max(n)
-        slots = [c.seq.slot for c in chunks]
-        for c in chunks:
-            if c.start == 0:
-                self.reset_slot(c.seq.slot)
-        done = [r for r, c in enumerate(chunks) if c.completes]
-        seqs = [chunks[r].seq for r in done]
-        upload = self.stage_prefill(chunks, W, done)
-        t0 = clock()
-        hidden, feats = self.target_forward(upload.ints(prompt_block(chunks, W)), slots,
-                                            torch.arange(W, device=device).expand(R, W), causal_block(n, W, device),
-                                            n_valid=n, graphed=False)
+        """One padded pass over this step's prompt chunks alone; prompts that complete emit their first token."""
+        block = self.prefill_block(chunks)
+        uploads_for(self.device).stage(self.prefill_arrays(block))
+        t0 = self.clock()
+        hidden, feats = self.target_forward_parts([self.prefill_inputs(block)], self.draft is not None,
+                                                  graphed=False)[0]
+        self.times.prefill_s += self.clock() - t0
+        return self.finish_prefill(block, hidden, feats)
+
+    def finish_prefill(self, block: PrefillBlock, hidden: torch.Tensor, feats: torch.Tensor) -> list[SeqResult]:
+        """After the prefill block's pass: the completed prompts' first tokens, the chunks committed, and the
+        speculative sequences' (feature, token) pairs queued for the head."""
+        chunks, n, done, slots = block.chunks, block.n, block.done, block.slots
+        t0 = self.clock()
         first: list[int] = []
         if done:
+            seqs = [chunks[r].seq for r in done]
+            upload = uploads_for(self.device)
             rows, last = upload.ints(done), upload.ints([n[r] - 1 for r in done])
-            logits = target.logits(hidden[rows, last].unsqueeze(1))
+            logits = self.target.logits(hidden[rows, last].unsqueeze(1))
             positions = upload.ints([[len(s.prompt_ids)] for s in seqs])
-            first = choose_tokens(logits, SamplingBatch.of(seqs, device), positions)[:, 0].tolist()
-        times.prefill_s += clock() - t0
-        target.cache.lengths[slots] += n
+            first = choose_tokens(logits, SamplingBatch.of(seqs, self.device), positions)[:, 0].tolist()
+        self.times.prefill_s += self.clock() - t0
+        self.target.cache.lengths[slots] += n
         results, k = [], 0
         for r, c in enumerate(chunks):
             seq = c.seq
@@ -331,11 +392,6 @@ class ModelRunner:
             return tree
         return grow_tree(draft_fn, topk_fn, root_hidden, roots, tree_cfg)
 
-    def decode_speculative(self, seqs: list[Sequence], tree_cfg: TreeConfig, verify_cap: int | None,
-                           context: np.ndarray | None = None, chains: np.ndarray | None = None) -> list[SeqResult]:
-        """Grow and verify the trees of sequences the head has caught up with (no pending pair left)."""
-        return self.verify(seqs, self.draft_trees(seqs, tree_cfg, verify_cap, context, chains))
-
     def draft_trees(self, seqs: list[Sequence], tree_cfg: TreeConfig, verify_cap: int | None,
                     context: np.ndarray | None = None, chains: np.ndarray | None = None) -> Tree:
         """The trees of sequences the head has caught up with, drafted over ``context`` (``context_ids``) too,
@@ -353,10 +409,6 @@ class ModelRunner:
         times.verify_width = tree.tokens.shape[1]
         return tree
 
-    def decode_plain(self, seqs: list[Sequence]) -> list[SeqResult]:
-        """Verify every sequence's root only (speculative sequences keep collecting the head's pairs)."""
-        return self.verify(seqs, self.root_trees(seqs))
-
     def root_trees(self, seqs: list[Sequence]) -> Tree:
         return root_only_tree(uploads_for(self.device).ints([s.root for s in seqs]))
 
@@ -366,22 +418,17 @@ class ModelRunner:
         self.draft_extend(seqs)
         return self.grow_from(seqs, torch.stack([s.draft_hidden for s in seqs]), tree_cfg, self.context_ids(seqs))
 
-    def verify(self, seqs: list[Sequence], tree: Tree, n_valid: list[int] | None = None,
-               traced: int | None = None) -> list[SeqResult]:
-        """One target pass over every tree, acceptance, and the accepted path's K/V moved next to the prefix;
-        speculative sequences queue the accepted tokens' (feature, token) pairs for the head. ``n_valid``: the
-        columns each row may write (a plain row stacked beside trees writes its root only); ``traced``: how many
-        leading rows are drafted trees a calibration trace records (the stacked plain rows are not)."""
+    def accept(self, block: VerifyBlock, hidden: torch.Tensor, feats: torch.Tensor | None) -> list[SeqResult]:
+        """A verify block's acceptance from its rows' final hidden states, and the accepted path's K/V moved next
+        to the prefix; speculative sequences queue the accepted tokens' (feature, token) pairs (``feats``) for the
+        head."""
         times, clock = self.times, self.clock
         target, device = self.target, self.device
+        seqs, tree, traced = block.seqs, block.tree, block.traced
         slots = [s.slot for s in seqs]
-        collect = self.draft is not None and any(s.speculative for s in seqs)
+        collect = feats is not None
         B, W = tree.tokens.shape
         t0 = clock()
-        if collect:
-            hidden, feats = self.target_forward(tree.tokens, slots, tree.depth, tree.ancestors, n_valid)
-        else:
-            hidden = target.forward(tree.tokens, slots, tree.depth, tree.ancestors, n_valid=n_valid)
         logits = target.logits(hidden)
         times.verify_s += clock() - t0
         times.forward_s += clock() - t0

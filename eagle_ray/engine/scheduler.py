@@ -55,6 +55,14 @@ class StepPlan:
     #                          time, less prompt chunks and head feeding, samples that mode for the measured choice
     steady: bool = False     # decode only, sampled, and the head fed no more than the step's own tokens: a whole
     #                          step of one mode, as the tuner's costs predict it
+    one_pass: bool = False   # the step's target rows (prompt chunks, trees, plain roots) run as one pass, each
+    #                          weight read once; the chunks then run after drafting, so the head takes their pairs
+    #                          at a later step (else they run first, in a pass of their own)
+
+    @property
+    def joined(self) -> bool:
+        """Prompt chunks run in the decode rows' target pass."""
+        return self.one_pass and bool(self.prefill) and bool(self.decode)
 
     @property
     def empty(self) -> bool:
@@ -123,8 +131,10 @@ def plan_decode(plan: StepPlan, policy: TreePolicy, feeding: Feeding | None, roo
     tree = policy.step_tree(n) if spec else None
     cap = policy.verify_cap(n, room) if spec else None
     drafting = bool(spec) and not is_plain(tree) and not (cap is not None and cap < 2 * n)
-    # a chunk prefilled this step adds a pending pair per token before the head runs
-    chunked = {id(c.seq): c.end - c.start for c in plan.prefill if c.seq.speculative} if feeding else {}
+    # a chunk prefilled this step adds a pending pair per token before the head runs, unless it joins the decode
+    # rows' pass (it then runs after drafting: the head takes those pairs at a later step)
+    chunked = {id(c.seq): 0 if plan.joined else c.end - c.start for c in plan.prefill if c.seq.speculative} \
+        if feeding else {}
     prompts = [c.seq for c in plan.prefill if id(c.seq) in chunked]
     pending = {id(s): len(s.pending) + chunked.get(id(s), 0) for s in spec + prompts}
     if drafting:
@@ -168,7 +178,8 @@ MIN_PREFILL = 16  # prompt tokens a step runs even when decoding fills its budge
 
 
 class Scheduler:
-    def __init__(self, num_slots: int, step_budget: int, policy: TreePolicy, feeding: Feeding | None = None):
+    def __init__(self, num_slots: int, step_budget: int, policy: TreePolicy, feeding: Feeding | None = None,
+                 one_pass: bool = False):
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []          # in slot order after defragment()
         self.prefilling: list[Sequence] = []       # running sequences still in their prompt, oldest first
@@ -177,6 +188,7 @@ class Scheduler:
         self.policy = policy                       # the tree and verify cap of a step, by its batch size
         self.feeding = feeding                     # how the head takes its pairs (None: no head)
         self.max_running: int | None = None  # run fewer sequences than there are slots (benchmarks of batch size)
+        self.one_pass = one_pass                   # StepPlan.one_pass of every step
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -205,12 +217,13 @@ class Scheduler:
             else:
                 decode.append(s)
         if not self.prefilling:
-            return plan_decode(StepPlan([], decode), self.policy, self.feeding)
+            return plan_decode(StepPlan([], decode, one_pass=self.one_pass), self.policy, self.feeding)
         chunks = plan_chunks(self.prefilling, max(MIN_PREFILL, self.step_budget - len(decode)))
         n_spec = sum(s.speculative for s in decode)
         prompt_tokens = len(chunks) * max(c.end - c.start for c in chunks)   # the pass is padded
         left = self.step_budget - prompt_tokens - (len(decode) - n_spec)
-        return plan_decode(StepPlan(chunks, decode), self.policy, self.feeding, max(n_spec, left) if n_spec else None)
+        return plan_decode(StepPlan(chunks, decode, one_pass=self.one_pass), self.policy, self.feeding,
+                           max(n_spec, left) if n_spec else None)
 
     def _admit(self) -> None:
         """Waiting sequences enter free slots, lowest slot first (batches stay contiguous when they can)."""

@@ -58,7 +58,7 @@ def plan_engine(config: EngineConfig, target_config, head: HeadCheckpoint | None
                        draft_room=room, top_k=rows, precision=config.precision,
                        draft_vocab=draft_vocab_for(kind, head, config.speculation.draft_vocab_size),
                        step_tokens=step_tokens(config.cache.max_step_tokens, device, config.cache.step_goal),
-                       tensor_parallel=config.model.tensor_parallel)
+                       tensor_parallel=config.model.tensor_parallel, adaptation=config.adaptation)
 
 
 def size_engine(config: EngineConfig, target_config, head: HeadCheckpoint | None, device: torch.device,

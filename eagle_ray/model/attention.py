@@ -108,54 +108,79 @@ def block_meta(lengths: torch.Tensor, slot_index: torch.Tensor, block_mask: torc
                      kv_len, lengths, invariant)
 
 
-def decoder_layer(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer_idx: int,
-                  meta: BlockMeta) -> torch.Tensor:
-    """One pre-norm decoder layer (Llama/Mistral/Qwen2/Qwen3 modules) with our cache and mask.
+@dataclass
+class Part:
+    """One block of a forward: its rows' ``BlockMeta`` and rotary tables. A forward of several parts (a step's
+    prompt chunks, drafted trees and plain roots) runs every projection once over all their tokens, one read of
+    the weights, and attention part by part, each over its own rows' keys with its own mask. ``rope`` and
+    ``attend`` are the fused layers' (``TargetModel.run_parts``)."""
+    meta: BlockMeta
+    cos: torch.Tensor             # [B, T, D]
+    sin: torch.Tensor
+    rope: object = None           # fused.RopeTables of cos and sin
+    attend: object = None         # attend(q [B, H, T, D], layer) -> [B, H, T, D]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.meta.write_pos.shape)
+
+
+def decoder_layer(layer, hidden: torch.Tensor, parts: list[Part], cache: KVCache, layer_idx: int) -> torch.Tensor:
+    """One pre-norm decoder layer (Llama/Mistral/Qwen2/Qwen3 modules) with our cache and mask, on ``hidden [M, d]``
+    (the parts' tokens one after another) or, for one part, ``[B, T, d]``.
 
     ``hidden`` may be fp32 while the weights are bf16/fp16 (fp32 activations): the residual stream, the norms and
     the attention then run in fp32 and only the projections' inputs are cast to the cache's dtype.
     """
-    hidden = hidden + attention(layer.self_attn, layer.input_layernorm(hidden), cos, sin, cache, layer_idx, meta)
-    return hidden + mlp(layer, hidden, meta)
+    hidden = hidden + attention(layer.self_attn, layer.input_layernorm(hidden), parts, cache, layer_idx)
+    return hidden + mlp(layer, hidden, parts[0].meta.invariant)
 
 
-def row_view(meta: BlockMeta):
-    """``[B, T, D] -> [M, D]`` for a projection (rows padded to the batch-invariant GEMM shape when asked)."""
-    return pad_rows if meta.invariant else lambda x: x.reshape(-1, x.shape[-1])
+def rows_of(x: torch.Tensor, invariant: bool) -> torch.Tensor:
+    """``[..., D] -> [M, D]`` for a projection (rows padded to the batch-invariant GEMM shape when asked)."""
+    return pad_rows(x) if invariant else x.reshape(-1, x.shape[-1])
 
 
-def mlp(layer, hidden: torch.Tensor, meta: BlockMeta) -> torch.Tensor:
-    """The layer's MLP on its post-attention norm of ``hidden [B, T, d]``."""
-    B, T, _ = hidden.shape
+def mlp(layer, hidden: torch.Tensor, invariant: bool) -> torch.Tensor:
+    """The layer's MLP on its post-attention norm of ``hidden [..., d]``."""
     norm = layer.post_attention_layernorm
-    x = row_view(meta)(norm(hidden).to(norm.weight.dtype))   # the projections run in the model dtype
-    return layer.mlp(x)[: B * T].view(B, T, -1)
+    x = rows_of(norm(hidden).to(norm.weight.dtype), invariant)   # the projections run in the model dtype
+    M = hidden.numel() // hidden.shape[-1]
+    return layer.mlp(x)[:M].view(*hidden.shape[:-1], -1)
 
 
-def attention(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer_idx: int,
-              meta: BlockMeta) -> torch.Tensor:
-    """Self-attention of the normed block ``x [B, T, in]`` over the cached prefix plus the block (K/V written to the
-    cache first); returns the o_proj output ``[B, T, d]`` in ``x``'s dtype."""
-    B, T, _ = x.shape
+def attention(attn, x: torch.Tensor, parts: list[Part], cache: KVCache, layer_idx: int) -> torch.Tensor:
+    """Self-attention of the normed tokens ``x [..., in]`` (the parts' tokens in order) over each part's cached
+    prefix plus its block (K/V written to the cache first); returns the o_proj output ``[..., d]`` in ``x``'s
+    dtype. The projections run once over every part's tokens."""
     head_dim = attn.head_dim
     dt = cache.k.dtype
-    rows = row_view(meta)
-    xr = rows(x.to(dt))
-    q = attn.q_proj(xr)[: B * T].view(B, T, -1, head_dim)
-    k = attn.k_proj(xr)[: B * T].view(B, T, -1, head_dim)
-    v = attn.v_proj(xr)[: B * T].view(B, T, -1, head_dim).transpose(1, 2)
-    if getattr(attn, "q_norm", None) is not None:  # Qwen3
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-    cache.write(layer_idx, meta.slot_index, meta.write_pos, k, v)
-    keys, values = cache.read(layer_idx, meta.slots, meta.kv_len)
-    if meta.invariant:  # fp32 activations on CPU: attention whose rows do not depend on the block's shape
-        out = invariant_attention(q, keys, values, meta.key_mask, attn.scaling)
-    else:
-        if x.dtype != dt:  # fp32 activations: bf16 SDPA rounds a 1-row and an 8-row block differently
-            q, keys, values = q.float(), keys.float(), values.float()
-        out = masked_sdpa(q, keys, values, meta, attn.scaling)
-    return attn.o_proj(rows(out.to(dt).transpose(1, 2).reshape(B, T, -1)))[: B * T].view(B, T, -1).to(x.dtype)
+    invariant = parts[0].meta.invariant
+    M = x.numel() // x.shape[-1]
+    xr = rows_of(x.to(dt), invariant)
+    q_all, k_all, v_all = attn.q_proj(xr)[:M], attn.k_proj(xr)[:M], attn.v_proj(xr)[:M]
+    outs, start = [], 0
+    for part in parts:
+        B, T = part.shape
+        meta, rows = part.meta, slice(start, start + B * T)
+        start += B * T
+        q = q_all[rows].view(B, T, -1, head_dim)
+        k = k_all[rows].view(B, T, -1, head_dim)
+        v = v_all[rows].view(B, T, -1, head_dim).transpose(1, 2)
+        if getattr(attn, "q_norm", None) is not None:  # Qwen3
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), part.cos, part.sin)
+        cache.write(layer_idx, meta.slot_index, meta.write_pos, k, v)
+        keys, values = cache.read(layer_idx, meta.slots, meta.kv_len)
+        if meta.invariant:  # fp32 activations on CPU: attention whose rows do not depend on the block's shape
+            out = invariant_attention(q, keys, values, meta.key_mask, attn.scaling)
+        else:
+            if x.dtype != dt:  # fp32 activations: bf16 SDPA rounds a 1-row and an 8-row block differently
+                q, keys, values = q.float(), keys.float(), values.float()
+            out = masked_sdpa(q, keys, values, meta, attn.scaling)
+        outs.append(out.to(dt).transpose(1, 2).reshape(B * T, -1))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return attn.o_proj(rows_of(out, invariant))[:M].view(*x.shape[:-1], -1).to(x.dtype)
 
 
 def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: BlockMeta, scale: float) -> torch.Tensor:

@@ -18,7 +18,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from eagle_ray.errors import CheckpointError
-from eagle_ray.model.attention import FP32Rope, decoder_layer, make_block_meta, with_attention_mask
+from eagle_ray.model.attention import FP32Rope, Part, decoder_layer, make_block_meta, with_attention_mask
 from eagle_ray.model.checkpoint import (CONFIG_KEYS, HeadCheckpoint, add_legacy_rope_keys, head_biases,
                                         load_checked, read_head, read_state_dict, read_token_map)
 from eagle_ray.model.kv_cache import KVCache
@@ -190,6 +190,6 @@ class DraftHead(nn.Module):
         positions = meta.lengths.view(-1, 1) + depth
         cos, sin = self.rotary_emb(x, positions)
         meta = with_attention_mask(meta, self.config.num_attention_heads, self.config.num_key_value_heads)
-        return decoder_layer(self.layers[0], x, cos, sin, self.cache, 0, meta)
+        return decoder_layer(self.layers[0], x, [Part(meta, cos, sin)], self.cache, 0)
 
 

@@ -24,7 +24,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from eagle_ray.errors import CheckpointError
-from eagle_ray.model.attention import FP32Rope, attention, make_block_meta, mlp, with_attention_mask
+from eagle_ray.model.attention import FP32Rope, Part, attention, make_block_meta, mlp, with_attention_mask
 from eagle_ray.model.checkpoint import (ARCHITECTURES, CONFIG_KEYS, HeadCheckpoint, add_legacy_rope_keys,
                                         load_checked, read_head, read_state_dict)
 from eagle_ray.model.kv_cache import KVCache
@@ -211,8 +211,8 @@ class Eagle3Head(nn.Module):
         layer = self.midlayer
         meta = with_attention_mask(meta, self.config.num_attention_heads, self.config.num_key_value_heads)
         x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(hidden)], dim=-1)
-        hidden = hidden + attention(layer.self_attn, x, cos, sin, self.cache, 0, meta)
-        return hidden + mlp(layer, hidden, meta)
+        hidden = hidden + attention(layer.self_attn, x, [Part(meta, cos, sin)], self.cache, 0)
+        return hidden + mlp(layer, hidden, meta.invariant)
 
 
 def check_config(path, raw: dict, target_config) -> None:

@@ -98,23 +98,27 @@ class RopeTables:
         return cls(cos.unsqueeze(2), (sin * sign).unsqueeze(2))
 
 
-def fused_decoder_layer(L: FusedLayer, hidden: torch.Tensor, rope: RopeTables, cache, layer_idx: int, meta,
-                        attend) -> torch.Tensor:
-    """The layer on ``hidden [B, T, d]``; ``attend(q [B, H, T, D], layer_idx)`` is the attention over the cached
-    prefix, this block's keys written (``TargetModel.attention_of``: SDPA with the forward's mask, or flex)."""
-    B, T, d = hidden.shape
+def fused_decoder_layer(L: FusedLayer, hidden: torch.Tensor, parts, cache, layer_idx: int) -> torch.Tensor:
+    """The layer on ``hidden [M, d]``, the tokens of ``parts`` (``attention.Part``) one after another: each GEMM
+    runs once over all of them; RoPE, the K/V store and attention run part by part (``part.attend(q [B, H, T, D],
+    layer_idx)``: SDPA with the forward's mask, or flex; ``TargetModel.attention_of``)."""
+    M, d = hidden.shape
     H, Hkv, D = L.heads, L.kv_heads, L.head_dim
-    flat = hidden.reshape(B * T, d)
-    qkv = F.linear(rms_norm(flat, L.input_norm, L.eps), L.qkv, L.qkv_bias).view(B, T, H + 2 * Hkv, D)
+    qkv_all = F.linear(rms_norm(hidden, L.input_norm, L.eps), L.qkv, L.qkv_bias).view(M, H + 2 * Hkv, D)
     if L.q_norm is not None:   # Qwen3: each head's q and k normed before RoPE
-        qkv = torch.cat([rms_norm(qkv[:, :, :H], L.q_norm, L.eps), rms_norm(qkv[:, :, H:H + Hkv], L.k_norm, L.eps),
-                         qkv[:, :, H + Hkv:]], 2)
-    q = kernels.rotary(qkv, rope.cos, rope.sin_signed, H, Hkv)    # keys rotated in place
-    cache.write_kv(layer_idx, meta.slot_index, meta.write_pos, qkv[:, :, H:])
-    out = attend(q, layer_idx).transpose(1, 2).reshape(B * T, H * D)
-    flat = output(L, flat, out, L.o)
-    flat = output(L, flat, kernels.silu_mul(F.linear(rms_norm(flat, L.post_norm, L.eps), L.gate_up)), L.down)
-    return flat.view(B, T, d)
+        qkv_all = torch.cat([rms_norm(qkv_all[:, :H], L.q_norm, L.eps), rms_norm(qkv_all[:, H:H + Hkv], L.k_norm,
+                             L.eps), qkv_all[:, H + Hkv:]], 1)
+    outs, start = [], 0
+    for part in parts:
+        B, T = part.shape
+        qkv = qkv_all[start:start + B * T].view(B, T, H + 2 * Hkv, D)
+        start += B * T
+        q = kernels.rotary(qkv, part.rope.cos, part.rope.sin_signed, H, Hkv)    # keys rotated in place
+        cache.write_kv(layer_idx, part.meta.slot_index, part.meta.write_pos, qkv[:, :, H:])
+        outs.append(part.attend(q, layer_idx).transpose(1, 2).reshape(B * T, H * D))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    flat = output(L, hidden, out, L.o)
+    return output(L, flat, kernels.silu_mul(F.linear(rms_norm(flat, L.post_norm, L.eps), L.gate_up)), L.down)
 
 
 def output(L: FusedLayer, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -5,8 +5,10 @@ weights' read, then set the step's time. Captured once, a pass is one graph laun
 vLLM and gpt-fast use: every input a pass reads lives in static buffers that each step overwrites before replaying,
 batch sizes and block widths are padded up to buckets (so a handful of graphs serve every step), and all graphs draw
 their memory from one pool. The key length a pass reads is bucketed too (powers of two from 256 columns, masked),
-so a graph is keyed by (batch, width, key length) buckets and captured the first time a step needs it, after a
-warm-up on a side stream (the warm-up runs are the pass itself on the same inputs: they write the same K/V).
+so a graph is keyed by (batch, width, key length) buckets. Every batch bucket's graphs at the widths the engine's
+trees verify are captured at load, largest first (``capture_at_load``); a graph a step needs and nobody captured
+(a longer context's key length) is captured then. Each capture follows a warm-up on a side stream (the warm-up runs
+are the pass itself on the same inputs: they write the same K/V).
 
 What stays eager: prompt chunks (wider than ``max_width``), the lm_head and acceptance (a few kernels each; the
 logits of a padded batch would hold graph memory of ``batch x width x vocab``), and the head's draft loop.
@@ -122,6 +124,23 @@ class DecodeGraphs:
     def key(self, B: int, T: int, kv_needed: int, capture: bool) -> tuple[int, int, int, bool]:
         kv = bucket(kv_needed, self.kv_buckets)
         return bucket(B, BATCH_BUCKETS) or B, bucket(T, WIDTH_BUCKETS), kv, capture
+
+    def capture_at_load(self, widths: list[int], capture: bool = False) -> int:
+        """Capture the graphs of every batch bucket up to ``max_batch`` at the width buckets of ``widths`` and the
+        first key-length bucket, largest batch first (the pool grows to the largest pass once and the smaller ones
+        reuse it), before the first request; longer key lengths are captured when a step first needs them. Each
+        capture runs padding rows only, which write the cache's scratch position: no slot changes. Returns the
+        number of graphs captured."""
+        cache = self.target.cache
+        device = cache.k.device
+        before = len(self.graphs)
+        for B in sorted((b for b in BATCH_BUCKETS if b <= self.max_batch), reverse=True):
+            rows = min(B, cache.num_slots)   # bucket(rows) is B: max_batch is the bucket of the slot count
+            for W in sorted({bucket(w, WIDTH_BUCKETS) for w in widths if w <= self.max_width}, reverse=True):
+                zeros = torch.zeros(rows, W, dtype=torch.long, device=device)
+                self.run(zeros, list(range(rows)), zeros, torch.ones(rows, W, W, dtype=torch.bool, device=device),
+                         [0] * rows, capture)
+        return len(self.graphs) - before
 
     def run(self, tokens: torch.Tensor, slots: list[int], depth: torch.Tensor, block_mask: torch.Tensor,
             n_valid: list[int] | None, capture: bool):

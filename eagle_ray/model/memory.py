@@ -32,6 +32,10 @@ LOGITS_COPIES = 2
 # The head's pending (feature, token) pairs (engine/model_runner.py feeds the head lazily): a sequence holds at most
 # this many bytes of them (max_pending_pairs), features counted in the dtype the target's activations run in.
 PENDING_BYTES_PER_SLOT = 2 * 2**20
+# Online adaptation's training step (train/online.py): fp32 logits over the scored vocabulary for each of its
+# ``batch_tokens`` pairs: the candidate's, the target's (EAGLE-2 learns its distribution), their softmaxes and the
+# gradient, about this many alive at once.
+ADAPT_LOGITS_COPIES = 4
 
 # Usable memory of common GPUs: the total nvidia-smi reports (MiB), less CUDA_CONTEXT for the CUDA context and
 # driver reservations, which torch.cuda.mem_get_info already excludes on a live device.
@@ -85,6 +89,9 @@ class MemoryPlan:
     draft_kv_per_slot: int     # draft: 1 layer, max_len + tree room + 1 positions (+1 scratch)
     logits_per_slot: int       # verify rows x vocab x 4 x LOGITS_COPIES + draft top-k rows x draft vocab x 4
     pending_per_slot: int = 0  # the head's pending pairs: max_pending_pairs x feature bytes
+    adaptation: int = 0        # online adaptation: the fp32 lm_head and candidate head, its optimizer state, the
+    #                            buffered pairs (fp32) and a training step's logits
+    adaptation_per_slot: int = 0   # ... and every pair a running sequence gives the head, kept until it finishes
 
     @property
     def weights(self) -> int:
@@ -92,11 +99,12 @@ class MemoryPlan:
 
     @property
     def fixed(self) -> int:
-        return self.weights + self.workspace
+        return self.weights + self.workspace + self.adaptation
 
     @property
     def per_slot(self) -> int:
-        return self.kv_per_slot + self.draft_kv_per_slot + self.logits_per_slot + self.pending_per_slot
+        return (self.kv_per_slot + self.draft_kv_per_slot + self.logits_per_slot + self.pending_per_slot
+                + self.adaptation_per_slot)
 
     def total(self, num_slots: int) -> int:
         return self.fixed + num_slots * self.per_slot
@@ -109,9 +117,11 @@ class MemoryPlan:
         g = _gib
         return (f"{g(self.total(num_slots))} = target weights {g(self.target_weights)} + draft head "
                 f"{g(self.draft_weights)} + lm_head copies {g(self.lm_head_copies)} + workspace {g(self.workspace)} "
-                f"+ {num_slots} slots x {g(self.per_slot)} (KV {g(self.kv_per_slot)}, draft KV "
+                + (f"+ online adaptation {g(self.adaptation)} " if self.adaptation else "")
+                + f"+ {num_slots} slots x {g(self.per_slot)} (KV {g(self.kv_per_slot)}, draft KV "
                 f"{g(self.draft_kv_per_slot)}, logits {g(self.logits_per_slot)}"
                 + (f", pending head inputs {g(self.pending_per_slot)}" if self.pending_per_slot else "")
+                + (f", pairs kept to adapt on {g(self.adaptation_per_slot)}" if self.adaptation_per_slot else "")
                 + f") at max_model_len {self.max_len}")
 
     def as_dict(self, *slot_counts: int) -> dict:
@@ -123,7 +133,7 @@ class MemoryPlan:
 def plan_memory(target_config, head_kind: str | None, head_config: dict | None, dtype: torch.dtype | str,
                 device_type: str, max_model_len: int, tree_budget: int, *, draft_room: int | None = None,
                 top_k: int = 1, precision=None, draft_vocab: int | None = None,
-                step_tokens: int = 0, tensor_parallel: int = 1) -> MemoryPlan:
+                step_tokens: int = 0, tensor_parallel: int = 1, adaptation=None) -> MemoryPlan:
     """What an engine with this target, head and cache shape needs.
 
     ``head_kind``: ``eagle2``, ``eagle3`` or None (no head); ``head_config``: the head checkpoint's config.json
@@ -132,7 +142,8 @@ def plan_memory(target_config, head_kind: str | None, head_config: dict | None, 
     sequence scores per level; ``draft_vocab``: rows of a token-mapped EAGLE-2 draft vocabulary (None: the full
     vocabulary); ``step_tokens``: tokens one step may run (the cache config's step budget). ``tensor_parallel``:
     the target split over that many ranks: the plan is rank 0's (its slices of the layers and of the KV heads, the
-    replicated embedding and lm_head, and the head, logits and workspace that only rank 0 holds).
+    replicated embedding and lm_head, and the head, logits and workspace that only rank 0 holds). ``adaptation``:
+    the engine's ``AdaptationConfig`` (counted where enabled and there is a head).
     """
     dt = _dtype(dtype)
     size = dt.itemsize
@@ -147,7 +158,7 @@ def plan_memory(target_config, head_kind: str | None, head_config: dict | None, 
     if copies.packed or (copies.input_major and getattr(cfg, "tie_word_embeddings", False)):
         lm_copies += vocab * hidden * size
 
-    draft_weights = draft_kv = draft_scoring = pending = 0
+    draft_weights = draft_kv = draft_scoring = pending = adapt = adapt_per_slot = 0
     if head_kind is not None:
         head = head_on_meta(head_kind, cfg, head_config)
         draft_weights = module_bytes(head.to(dt))
@@ -164,6 +175,9 @@ def plan_memory(target_config, head_kind: str | None, head_config: dict | None, 
         draft_scoring = top_k * scored * 4
         pair = pending_pair_bytes(head.feature_size, dt, _numerics(device_type, dt, precision).fp32_activations)
         pending = max_pending_pairs(pair, max_len) * pair
+        if adaptation is not None and adaptation.enabled:
+            adapt = adaptation_bytes(head, vocab * hidden, scored, adaptation, max_len)
+            adapt_per_slot = max_len * pair
 
     workspace = WORKSPACE_FIXED + step_tokens * _activation_bytes_per_token(cfg, kv_width, size)
     return MemoryPlan(
@@ -172,7 +186,21 @@ def plan_memory(target_config, head_kind: str | None, head_config: dict | None, 
         lm_head_copies=lm_copies, workspace=workspace,
         kv_per_slot=cfg.num_hidden_layers * 2 * (max_len + 1) * kv_width * size // tensor_parallel,
         draft_kv_per_slot=draft_kv,
-        logits_per_slot=tree_budget * vocab * 4 * LOGITS_COPIES + draft_scoring, pending_per_slot=pending)
+        logits_per_slot=tree_budget * vocab * 4 * LOGITS_COPIES + draft_scoring, pending_per_slot=pending,
+        adaptation=adapt, adaptation_per_slot=adapt_per_slot)
+
+
+def adaptation_bytes(head, lm_head_numel: int, scored: int, cfg, max_len: int) -> int:
+    """The fixed bytes of online adaptation (``train/online.py``): the adapter's fp32 copy of the target's lm_head,
+    the candidate (an fp32 copy of ``head``: built on the meta device) with a gradient and AdamW's two moments for
+    every parameter but the frozen embedding, the buffered pairs (``buffer_tokens`` to train on and a quarter as
+    many held back, each over by at most one sequence of ``max_len``; fp32 features) and one training step's
+    logits (``ADAPT_LOGITS_COPIES``)."""
+    params = sum(p.numel() for p in head.parameters())
+    trainable = params - head.embed_tokens.weight.numel()
+    buffered = cfg.buffer_tokens + cfg.buffer_tokens // 4 + 2 * max_len
+    return 4 * (lm_head_numel + params + 3 * trainable + buffered * head.feature_size
+                + cfg.batch_tokens * scored * ADAPT_LOGITS_COPIES)
 
 
 def pending_pair_bytes(feature_size: int, dtype: torch.dtype, fp32_activations: bool) -> int:

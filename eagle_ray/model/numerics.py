@@ -31,8 +31,8 @@ class DeviceDefaults:
     fused_layers: bool            # decoder layers in few kernels (model/fused.py): where a launch costs more than its work
     tree_attention: str = "sdpa"  # the fused layers' attention: sdpa, or flex (model/tree_attention.py; not yet the
     #                               default anywhere: bench/gpu_step.py measures it against sdpa)
-    one_verify_pass: bool = False  # drafted and plain rows verified in one pass: where reading the weights sets
-    #                               the step's cost, not the padded rows' compute (engine/model_runner.py)
+    one_target_pass: bool = True  # a step's prompt chunks, drafted trees and plain roots in one target pass, each
+    #                               weight read once (engine/model_runner.py target_pass)
 
 
 DEVICE_DEFAULTS = {
@@ -40,7 +40,7 @@ DEVICE_DEFAULTS = {
                           sdpa_backends=None, fused_layers=False),
     "cuda": DeviceDefaults(step_tokens=8192, throughput_step_tokens=8192, auto_max_slots=256, exact_low_precision=False, cpu_layouts=False,
                            kv_bucket=256, sdpa_backends=("EFFICIENT_ATTENTION", "FLASH_ATTENTION", "MATH"),
-                           fused_layers=True, one_verify_pass=True),
+                           fused_layers=True),
 }
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from eagle_ray.errors import CheckpointError, first_line
-from eagle_ray.model.attention import decoder_layer, make_block_meta, masked_sdpa, pad_rows, with_attention_mask
+from eagle_ray.model.attention import Part, decoder_layer, make_block_meta, masked_sdpa, pad_rows, with_attention_mask
 from eagle_ray.model.fused import RopeTables, fuse_layer, fused_decoder_layer
 from eagle_ray.model.kv_cache import KVCache
 from eagle_ray.model.linears import lay_out_linears
@@ -154,32 +154,68 @@ class TargetModel:
             return self.run_block(tokens.to(self.device).contiguous(), depth.to(self.device).contiguous(), meta,
                                   bool(capture))
 
+    @torch.inference_mode()
+    def forward_parts(self, blocks, capture: tuple[int, ...] | None = None, graphed: bool = True) -> list:
+        """Several blocks in one pass: ``blocks`` of ``(tokens, slots, depth, block_mask, n_valid)`` as
+        :meth:`forward` takes them (no slot in two blocks); returns each block's output as :meth:`forward` does.
+        Every weight is read once for all of them (a step's prompt chunks, drafted trees and plain roots); each
+        block attends over its own rows' keys. A single block is :meth:`forward` (and may replay a graph)."""
+        if len(blocks) == 1:
+            tokens, slots, depth, block_mask, n_valid = blocks[0]
+            return [self.forward(tokens, slots, depth, block_mask, n_valid, capture, graphed)]
+        if capture:
+            self.capture_layers = tuple(capture)
+        if self.tp is not None and self.tp.rank == 0:
+            self.tp.send("forward_parts", [(t, s, self.cache.lengths[s].copy(), d, m, n) for t, s, d, m, n in blocks],
+                         capture)
+        inputs = [(tokens.to(self.device).contiguous(), depth.to(self.device).contiguous(),
+                   make_block_meta(self.cache, slots, block_mask, invariant=self.batch_invariant, n_valid=n_valid))
+                  for tokens, slots, depth, block_mask, n_valid in blocks]
+        with attention_kernels(self.device):
+            return self.run_parts(inputs, bool(capture))
+
     def run_block(self, tokens: torch.Tensor, depth: torch.Tensor, meta, capture: bool = False):
         """The device part of :meth:`forward`: tensors in, tensors out, no host reads and no Python state
         changes (the K/V writes are in-place tensor updates), so it traces into one graph."""
+        return self.run_parts([(tokens, depth, meta)], capture)[0]
+
+    def run_parts(self, blocks, capture: bool = False) -> list:
+        """The device part of :meth:`forward_parts`: ``blocks`` of ``(tokens [B, T], depth [B, T], meta)`` run as
+        one pass (``attention.Part``); returns each block's output as :meth:`forward` does."""
         layers = self.capture_layers if capture else ()
-        positions = meta.lengths.view(-1, 1) + depth
-        hidden = self.model.embed_tokens(tokens)
-        cos, sin = self.model.rotary_emb(hidden, positions)  # in the model dtype, like q and k
+        flat = [tokens.reshape(-1) for tokens, _, _ in blocks]
+        hidden = self.model.embed_tokens(flat[0] if len(flat) == 1 else torch.cat(flat))   # [M, d]
+        heads, kv_heads = self.config.num_attention_heads, self.config.num_key_value_heads
+        scaling = self.layers[0].self_attn.scaling
+        parts = []
+        for _, depth, meta in blocks:
+            cos, sin = self.model.rotary_emb(hidden, meta.lengths.view(-1, 1) + depth)  # model dtype, like q and k
+            meta = with_attention_mask(meta, heads, kv_heads)
+            part = Part(meta, cos, sin)
+            if self.fused is not None:
+                part.rope, part.attend = RopeTables.of(cos, sin), self.attention_of(meta, scaling)
+            parts.append(part)
         if self.fp32_activations:
             hidden = hidden.float()
-        attn = self.layers[0].self_attn
-        meta = with_attention_mask(meta, self.config.num_attention_heads, self.config.num_key_value_heads)
-        if self.fused is not None:
-            rope = RopeTables.of(cos, sin)
-            attend = self.attention_of(meta, attn.scaling)
         captured = [hidden] * len(layers)
         for i, layer in enumerate(self.layers):
             for j, wanted in enumerate(layers):
                 if wanted == i:
                     captured[j] = hidden
             if self.fused is not None:
-                hidden = fused_decoder_layer(self.fused[i], hidden, rope, self.cache, i, meta, attend)
+                hidden = fused_decoder_layer(self.fused[i], hidden, parts, self.cache, i)
             else:
-                hidden = decoder_layer(layer, hidden, cos, sin, self.cache, i, meta)
-        if capture:
-            return self.model.norm(hidden), torch.cat(captured, dim=-1)
-        return self.model.norm(hidden)
+                hidden = decoder_layer(layer, hidden, parts, self.cache, i)
+        hidden = self.model.norm(hidden)
+        features = torch.cat(captured, dim=-1) if capture else None
+        outs, start = [], 0
+        for part in parts:
+            B, T = part.shape
+            rows = slice(start, start + B * T)
+            start += B * T
+            out = hidden[rows].view(B, T, -1)
+            outs.append((out, features[rows].view(B, T, -1)) if capture else out)
+        return outs
 
     def attention_of(self, meta, scale: float):
         """The fused layers' ``attend(q, layer)`` for this forward: flex tree attention over the cache as it lies

@@ -269,6 +269,11 @@ def run_call(target, call) -> None:
         tokens, slots, lengths, depth, block_mask, n_valid, capture, graphed = args
         cache.lengths[slots] = lengths
         target.forward(tokens, slots, depth, block_mask, n_valid=n_valid, capture=capture, graphed=graphed)
+    elif name == "forward_parts":
+        blocks, capture = args
+        for _, slots, lengths, *_ in blocks:
+            cache.lengths[slots] = lengths
+        target.forward_parts([(t, s, d, m, n) for t, s, _, d, m, n in blocks], capture)
     elif name == "keep_accepted":
         cache.keep_accepted(*args)
     elif name == "move":

@@ -38,6 +38,15 @@
         python bench/acceptance.py adaptation --num-prompts 1000 --max-new-tokens 64 \
             --out bench/results/<hardware>/adaptation_sympy_1000.json
 
+``adaptation-merge``
+    Several actors adapting their own copies of one head on one such job (``--actors``, the threads shared out),
+    each writing its adapted head; then each actor's head, their element-wise mean, a head one actor adapted on the
+    whole job (``--single``) and the starting head run ``--eval-prompts`` held-out requests of the same domain with
+    adaptation off: tau of each, whether merging the actors' heads pays.
+
+        python bench/acceptance.py adaptation-merge --draft random-eagle3 --tree 8/2/3 --num-prompts 300 \
+            --out bench/results/<hardware>/adaptation_merge_eagle3.json
+
 All write JSON naming the hardware, torch version, threads and command line (``harness.py``).
 """
 from __future__ import annotations
@@ -47,7 +56,7 @@ from pathlib import Path
 
 import torch
 from harness import run_entry, subcommand, write_result
-from workloads import task_records
+from workloads import sympy_code_prompts, task_records
 
 from eagle_ray.config import SamplingParams, TreeConfig
 from eagle_ray.prompts import EAGLE_TASKS, first_turn_prompt
@@ -180,21 +189,26 @@ def cmd_top1(a) -> int:
 
 
 # ---- the command line ---------------------------------------------------------------------------------------------
-def adaptation_run(prompts_path: Path, out_dir: Path, adapt: bool, a) -> dict:
+def adaptation_run(prompts_path: Path, out_dir: Path, adapt: bool, a, draft: str | None = None, actors: int = 1,
+                   save_dir: Path | None = None) -> dict:
+    """The job on ``prompts_path`` with adaptation on or off (``draft``: instead of ``a.draft``; ``actors``: that
+    many, the threads shared out; ``save_dir``: where each actor writes its adapted head)."""
     import time
 
     from eagle_ray.batch.config import JobConfig
     from eagle_ray.batch.job import run_job
-    engine = {"max_batch_size": a.max_batch_size, "max_model_len": 1024, "threads": a.threads, "dtype": a.dtype,
-              "adaptation": {"enabled": adapt, "time_share": a.time_share, "lr": a.lr, "round_steps": a.round_steps}}
-    if a.draft:
-        engine["draft"] = a.draft
+    threads = max(1, a.threads // actors)
+    engine = {"max_batch_size": a.max_batch_size, "max_model_len": 1024, "threads": threads, "dtype": a.dtype,
+              "adaptation": {"enabled": adapt, "time_share": a.time_share, "lr": a.lr, "round_steps": a.round_steps,
+                             "save": save_dir is not None, "save_dir": str(save_dir) if save_dir else None}}
+    if draft or a.draft:
+        engine["draft"] = draft or a.draft
     if a.tree:   # a fixed tree: every step drafts, whatever the head is worth
         engine["tree"] = tree_of(a.tree).model_dump()
     cfg = JobConfig(engine=engine,
                     sampling={"max_new_tokens": a.max_new_tokens},
                     input={"uri": str(prompts_path)}, output={"uri": str(out_dir)}, resume=False,
-                    actors={"num_actors": 1, "num_cpus": a.threads, "batch_size": 8, "max_concurrent_batches": 4})
+                    actors={"num_actors": actors, "num_cpus": threads, "batch_size": 8, "max_concurrent_batches": 4})
     t0 = time.perf_counter()
     summary = run_job(cfg, print_fn=lambda *_: None)
     wall = time.perf_counter() - t0
@@ -207,7 +221,7 @@ def adaptation_run(prompts_path: Path, out_dir: Path, adapt: bool, a) -> dict:
     def tau(part):
         return sum(r["step_tokens"] if "step_tokens" in r else r["tau"] * r["verify_steps"] for r in part) / \
             max(sum(r["verify_steps"] for r in part), 1)
-    return {"adaptation": adapt, "wall_s": round(wall, 1), "rows": len(rows),
+    return {"adaptation": adapt, "wall_s": round(wall, 1), "rows": len(rows), "tau_all": round(tau(rows), 4),
             "tau_first": round(tau(rows[:w]), 4), "tau_last": round(tau(rows[-w:]), 4),
             "first_ids": [r["id"] for r in rows[:w]], "last_ids": [r["id"] for r in rows[-w:]],
             "tau_by_id": {r["id"]: r["tau"] for r in rows}, "head_versions": sorted({r["head_version"] for r in rows}),
@@ -219,7 +233,6 @@ def cmd_adaptation(a) -> int:
     import json
     import tempfile
 
-    from workloads import sympy_code_prompts
     work = Path(a.work_dir or tempfile.mkdtemp(prefix="adaptation-"))
     work.mkdir(parents=True, exist_ok=True)
     prompts_path = work / "prompts.jsonl"
@@ -245,6 +258,67 @@ def cmd_adaptation(a) -> int:
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
     for m, r in result["runs"].items():
         print(m, {k: r[k] for k in ("wall_s", "tau_first", "tau_last", "head_versions")})
+    return 0
+
+
+def average_heads(dirs: list[Path], out: Path) -> None:
+    """The element-wise mean of heads adapted from one head (the same architecture and config), saved to ``out``."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    states = [load_file(str(d / "model.safetensors")) for d in dirs]
+    mean = {k: (sum(s[k].float() for s in states) / len(states)).to(states[0][k].dtype) for k in states[0]}
+    out.mkdir(parents=True, exist_ok=True)
+    for f in dirs[0].iterdir():
+        if f.name not in ("model.safetensors", "model_card.json"):
+            shutil.copy(f, out / f.name)
+    save_file(mean, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def cmd_adaptation_merge(a) -> int:
+    """Several actors adapt their own copies of one head on one job; then each actor's head, their mean, a head one
+    actor adapted on the whole job, and the head they all started from run held-out prompts of the same domain
+    (adaptation off): whether merging the actors' heads pays."""
+    import json
+    import tempfile
+
+    work = Path(a.work_dir or tempfile.mkdtemp(prefix="adaptation-merge-"))
+    work.mkdir(parents=True, exist_ok=True)
+    prompts = sympy_code_prompts(a.num_prompts + a.eval_prompts)
+    paths = {"train": work / "train.jsonl", "eval": work / "eval.jsonl"}
+    for name, part in (("train", prompts[: a.num_prompts]), ("eval", prompts[a.num_prompts:])):
+        with open(paths[name], "w") as f:
+            for i, p in enumerate(part):
+                f.write(json.dumps({"id": f"{name}{i:05d}", "prompt": p}) + "\n")
+    jobs = {"actors": adaptation_run(paths["train"], work / "out-actors", True, a, actors=a.actors,
+                                     save_dir=work / "heads-actors")}
+    if a.single:
+        jobs["single"] = adaptation_run(paths["train"], work / "out-single", True, a, save_dir=work / "heads-single")
+    actor_heads = sorted(d for d in (work / "heads-actors").glob("*") if d.is_dir())
+    heads = {"base": a.draft or "embedded"}
+    heads |= {f"actor{i}": str(d) for i, d in enumerate(actor_heads)}
+    if len(actor_heads) > 1:
+        average_heads(actor_heads, work / "merged")
+        heads["merged"] = str(work / "merged")
+    single = sorted((work / "heads-single").glob("*")) if a.single else []
+    if single:
+        heads["single_actor_all_rows"] = str(single[0])
+    scored = {}
+    for name, head in heads.items():
+        run = adaptation_run(paths["eval"], work / f"eval-{name}", False, a,
+                             draft=None if head == "embedded" else head)
+        scored[name] = {"tau": run["tau_all"], "wall_s": run["wall_s"], "rows": run["rows"]}
+        print(name, scored[name], flush=True)
+    result = {"workload": "sympy_code", "train_prompts": a.num_prompts, "eval_prompts": a.eval_prompts,
+              "actors": a.actors, "max_new_tokens": a.max_new_tokens,
+              "settings": {"time_share": a.time_share, "lr": a.lr, "round_steps": a.round_steps,
+                           "max_batch_size": a.max_batch_size, "dtype": a.dtype, "draft": a.draft or "embedded",
+                           "tree": a.tree or "auto"},
+              "adaptation_jobs": {k: {"wall_s": r["wall_s"], "tau_first": r["tau_first"], "tau_last": r["tau_last"],
+                                      "head_versions": r["head_versions"]} for k, r in jobs.items()},
+              "actor_heads_adapted": len(actor_heads), "held_out_tau": scored}
+    write_result(a.out, result, a.command)
+    print(json.dumps(result["held_out_tau"], indent=1))
     return 0
 
 
@@ -300,8 +374,30 @@ def add_adaptation(sub) -> None:
     p.add_argument("--work-dir", default=None, help="where prompts and outputs go (default: a new temp dir)")
 
 
+def add_adaptation_merge(sub) -> None:
+    p = subcommand(sub, "adaptation-merge", cmd_adaptation_merge,
+                   "actors adapting their own heads on one job: each head, their mean and one actor's on held-out "
+                   "prompts", out_required=True)
+    p.add_argument("--actors", type=int, default=2)
+    p.add_argument("--num-prompts", type=int, default=400, help="the job the actors share")
+    p.add_argument("--eval-prompts", type=int, default=100, help="held-out prompts each head then runs")
+    p.add_argument("--single", action=argparse.BooleanOptionalAction, default=True,
+                   help="also adapt one actor on the whole job (what merging tries to reach)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-batch-size", type=int, default=16)
+    p.add_argument("--window", type=int, default=50, help="rows at each end of the adaptation jobs compared")
+    p.add_argument("--time-share", type=float, default=0.25)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--round-steps", type=int, default=16)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--draft", default=None, help="head dir, or random / random-eagle3 (default: the embedded head)")
+    p.add_argument("--tree", type=tree_name, default=None, help="a fixed tree (default: the tuner's trees)")
+    p.add_argument("--work-dir", default=None)
+
+
 def main(argv=None) -> int:
-    return run_entry(__doc__, SCRIPT, (add_tau, add_top1, add_adaptation), argv)
+    return run_entry(__doc__, SCRIPT, (add_tau, add_top1, add_adaptation, add_adaptation_merge), argv)
 
 
 if __name__ == "__main__":

@@ -200,15 +200,33 @@ def test_the_batch_sweep_times_every_mode_per_size_and_outputs_agree_across_size
     out = tmp_path / "batch.json"
     assert speed.main(["batch", "--target", str(tiny_dir), "--draft", str(head_dir), "--workload", f"p={prompts}",
                        "--num-prompts", "4", "--max-new-tokens", "8", "--batch-sizes", "1", "2", "--plain",
-                       "--compare-lookup", "0", "--repeats", "2", "--threads", "1", "--out", str(out)]) == 0
+                       "--compare-lookup", "0", "--compare-one-pass", "--repeats", "2", "--threads", "1",
+                       "--out", str(out)]) == 0
     got = json.loads(out.read_text())
-    modes = {"spec", "spec_lookup0", "plain"}
+    modes = {"spec", "spec_lookup0", "plain", "spec_separate_passes", "plain_separate_passes"}
     assert sorted((r["max_batch"], r["mode"]) for r in got["runs"]) == sorted((b, m) for b in (1, 2) for m in modes
                                                                               for _ in range(2))
     assert all(r["differs_from_batch1_spec"] == [] for r in got["runs"])
     assert all(r["full_batch_steady"]["tokens"] <= r["tokens"] for r in got["runs"])
     assert [r["max_batch"] for r in got["summary"]] == [1, 2] and all(r["spec_over_plain"] > 0 for r in got["summary"])
     assert got["hardware"]["threads"] >= 1
+
+
+def test_merged_heads_are_the_element_wise_mean_of_the_actors_heads(tmp_path):
+    from eagle_ray.model.draft_head import DraftHead
+    from tiny import make_target
+    acceptance = repo_scripts.load("bench/acceptance.py")
+    cfg = make_target(layers=2).config
+    dirs = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        DraftHead.for_target(cfg).save(tmp_path / f"actor{seed}")
+        dirs.append(tmp_path / f"actor{seed}")
+    acceptance.average_heads(dirs, tmp_path / "merged")
+    from safetensors.torch import load_file
+    a, b, m = (load_file(str(d / "model.safetensors")) for d in dirs + [tmp_path / "merged"])
+    assert set(m) == set(a) and all(torch.equal(m[k], (a[k] + b[k]) / 2) for k in a)
+    assert (tmp_path / "merged" / "config.json").read_text() == (dirs[0] / "config.json").read_text()
 
 
 # ---- the harness --------------------------------------------------------------------------------------------------

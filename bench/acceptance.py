@@ -355,23 +355,28 @@ def add_top1(sub) -> None:
     p.set_defaults(parser=p)
 
 
-def add_adaptation(sub) -> None:
-    p = subcommand(sub, "adaptation", cmd_adaptation, "the job with online adaptation off and on, one domain",
-                   out_required=True)
-    p.add_argument("--num-prompts", type=int, default=1000)
+def add_adaptation_job_args(p, window: int, time_share: float, lr: float, round_steps: int) -> None:
+    """The adaptation job's settings (what ``adaptation_run`` reads), with a subcommand's defaults."""
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-batch-size", type=int, default=16)
-    p.add_argument("--window", type=int, default=200, help="rows at each end compared")
-    p.add_argument("--time-share", type=float, default=0.1)
-    p.add_argument("--lr", type=float, default=5e-5)
-    p.add_argument("--round-steps", type=int, default=32)
+    p.add_argument("--window", type=int, default=window, help="rows at each end of a job compared")
+    p.add_argument("--time-share", type=float, default=time_share)
+    p.add_argument("--lr", type=float, default=lr)
+    p.add_argument("--round-steps", type=int, default=round_steps)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="auto", help="float32: outputs must match token for token")
-    p.add_argument("--order", nargs="+", default=["off", "on"], choices=["off", "on"])
     p.add_argument("--draft", default=None, help="head dir, or random / random-eagle3 (default: the embedded head)")
     p.add_argument("--tree", type=tree_name, default=None,
                    help="a fixed tree (a name or total/depth/top_k; default: the tuner's trees, measured choice)")
     p.add_argument("--work-dir", default=None, help="where prompts and outputs go (default: a new temp dir)")
+
+
+def add_adaptation(sub) -> None:
+    p = subcommand(sub, "adaptation", cmd_adaptation, "the job with online adaptation off and on, one domain",
+                   out_required=True)
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--order", nargs="+", default=["off", "on"], choices=["off", "on"])
+    add_adaptation_job_args(p, window=200, time_share=0.1, lr=5e-5, round_steps=32)
 
 
 def add_adaptation_merge(sub) -> None:
@@ -383,17 +388,7 @@ def add_adaptation_merge(sub) -> None:
     p.add_argument("--eval-prompts", type=int, default=100, help="held-out prompts each head then runs")
     p.add_argument("--single", action=argparse.BooleanOptionalAction, default=True,
                    help="also adapt one actor on the whole job (what merging tries to reach)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--max-batch-size", type=int, default=16)
-    p.add_argument("--window", type=int, default=50, help="rows at each end of the adaptation jobs compared")
-    p.add_argument("--time-share", type=float, default=0.25)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--round-steps", type=int, default=16)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--draft", default=None, help="head dir, or random / random-eagle3 (default: the embedded head)")
-    p.add_argument("--tree", type=tree_name, default=None, help="a fixed tree (default: the tuner's trees)")
-    p.add_argument("--work-dir", default=None)
+    add_adaptation_job_args(p, window=50, time_share=0.25, lr=1e-3, round_steps=16)
 
 
 def main(argv=None) -> int:

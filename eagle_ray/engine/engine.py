@@ -8,7 +8,6 @@ steps the engine.
 from __future__ import annotations
 
 import collections
-
 import itertools
 import threading
 import time

@@ -206,8 +206,9 @@ class ModelRunner:
         times.verify_s += seconds * (1 - share)
         times.forward_s += seconds * (1 - share)
         results = self.finish_prefill(prefill, *outs.pop(0)) if prefill else []
-        for block, (hidden, feats) in zip(blocks, outs):
-            results += self.accept(block, hidden, feats if collect else None)
+        for block, (hidden, feats) in zip(blocks, outs):   # features gathered where a block's sequences feed a head
+            fed = collect and any(s.speculative for s in block.seqs)
+            results += self.accept(block, hidden, feats if fed else None)
         return results
 
     def target_forward_parts(self, forwards, collect: bool, graphed: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -7,7 +7,9 @@
     (with each ``--lookup`` length: prompt-lookup tokens grafted onto the tree, 0 = the head's tree alone; and each
     ``--context-vocab``) on every task's first turns. A row holds tau (the mean over requests of tokens per verify
     step) and the pooled ratio (all tokens / all verify steps). Greedy output is the target's whatever the head, so
-    the result counts the outputs that differ from the first run's (fp32: near-ties at most).
+    the result counts the outputs that differ from the first run's (fp32: near-ties at most). A task is a bundled
+    EAGLE file or ``name=path.jsonl``. Above batch 1, a step's token budget (``--max-step-tokens``) cuts trees while
+    long prompts are read: tau then counts that too, not the head alone.
 
         python bench/acceptance.py tau --heads embedded runs/head/head --tasks mt_bench humaneval \\
             --num-prompts 20 --max-new-tokens 256 --out bench/results/<hardware>/head_acceptance.json
@@ -30,10 +32,11 @@
             --heads embedded NEW --out bench/results/<hardware>/heldout_top1.json
 
 ``adaptation``
-    Online adaptation on a domain the head was not trained for: the batch job over ``--num-prompts`` requests to
-    explain SymPy functions (``workloads.py sympy_code``), once with ``engine.adaptation`` off and once on, one
-    actor each, the same rows. Rows are ordered by when they finished; tau of the first and last ``--window`` rows
-    of each run, and each job's wall time.
+    Online adaptation on a domain the head was not trained for: the batch job over ``--num-prompts`` requests of
+    one ``--workload`` (``workloads.py``: ``sympy_code``, explain SymPy functions; ``bbc_news``, summarise BBC News
+    articles), once with ``engine.adaptation`` off and once on, one actor each, the same rows. Rows are ordered by
+    when they finished; tau of the first and last ``--window`` rows of each run (pooled: tokens over verify steps),
+    the off run's tau on the on run's last rows, and each job's wall time.
 
         python bench/acceptance.py adaptation --num-prompts 1000 --max-new-tokens 64 \
             --out bench/results/<hardware>/adaptation_sympy_1000.json
@@ -56,7 +59,8 @@ from pathlib import Path
 
 import torch
 from harness import run_entry, subcommand, write_result
-from workloads import sympy_code_prompts, task_records
+from workloads import prompts as workload_prompts
+from workloads import task_records
 
 from eagle_ray.config import SamplingParams, TreeConfig
 from eagle_ray.prompts import EAGLE_TASKS, first_turn_prompt
@@ -88,7 +92,7 @@ def tau_rows(head: str, tree: str, context_vocab: int, lookup: int, tasks: dict,
     engine = EagleEngine.from_pretrained(draft=None if head == "embedded" else head, dtype=a.dtype,
                                          max_batch_size=a.batch_size, threads=a.threads,
                                          tree=tree_of(tree).model_copy(update={"lookup": lookup}),
-                                         context_vocab=context_vocab)
+                                         context_vocab=context_vocab, max_step_tokens=a.max_step_tokens)
     rows = []
     for task, records in tasks.items():
         outs = engine.generate([first_turn_prompt(r) for r in records], SamplingParams(max_new_tokens=a.max_new_tokens))
@@ -205,6 +209,8 @@ def adaptation_run(prompts_path: Path, out_dir: Path, adapt: bool, a, draft: str
         engine["draft"] = draft or a.draft
     if a.tree:   # a fixed tree: every step drafts, whatever the head is worth
         engine["tree"] = tree_of(a.tree).model_dump()
+    if a.max_step_tokens:   # wider steps: prompt chunks cut running sequences' trees less
+        engine["max_step_tokens"] = a.max_step_tokens
     cfg = JobConfig(engine=engine,
                     sampling={"max_new_tokens": a.max_new_tokens},
                     input={"uri": str(prompts_path)}, output={"uri": str(out_dir)}, resume=False,
@@ -224,7 +230,8 @@ def adaptation_run(prompts_path: Path, out_dir: Path, adapt: bool, a, draft: str
     return {"adaptation": adapt, "wall_s": round(wall, 1), "rows": len(rows), "tau_all": round(tau(rows), 4),
             "tau_first": round(tau(rows[:w]), 4), "tau_last": round(tau(rows[-w:]), 4),
             "first_ids": [r["id"] for r in rows[:w]], "last_ids": [r["id"] for r in rows[-w:]],
-            "tau_by_id": {r["id"]: r["tau"] for r in rows}, "head_versions": sorted({r["head_version"] for r in rows}),
+            "tau_by_id": {r["id"]: (r["tau"], r["verify_steps"]) for r in rows},
+            "head_versions": sorted({r["head_version"] for r in rows}),
             "outputs": {r["id"]: r["output_token_ids"] for r in rows},
             "tau_over_time": summary.get("tau_over_time"), "tokens": sum(r["output_tokens"] for r in rows)}
 
@@ -237,19 +244,21 @@ def cmd_adaptation(a) -> int:
     work.mkdir(parents=True, exist_ok=True)
     prompts_path = work / "prompts.jsonl"
     with open(prompts_path, "w") as f:
-        for i, p in enumerate(sympy_code_prompts(a.num_prompts)):
+        for i, p in enumerate(workload_prompts(a.workload, a.num_prompts)):
             f.write(json.dumps({"id": f"q{i:05d}", "prompt": p}) + "\n")
     runs = {mode: adaptation_run(prompts_path, work / f"out-{mode}", mode == "on", a) for mode in a.order}
     on, off = runs.get("on"), runs.get("off")
-    result = {"workload": "sympy_code", "prompts": a.num_prompts, "max_new_tokens": a.max_new_tokens,
+    result = {"workload": a.workload, "prompts": a.num_prompts, "max_new_tokens": a.max_new_tokens,
               "window": a.window, "settings": {"time_share": a.time_share, "lr": a.lr, "round_steps": a.round_steps,
                                                "max_batch_size": a.max_batch_size, "dtype": a.dtype,
+                                               "max_step_tokens": a.max_step_tokens,
                                                "draft": a.draft or "embedded", "tree": a.tree or "auto"},
               "runs": {m: {k: v for k, v in r.items() if k not in ("tau_by_id", "first_ids", "last_ids", "outputs")}
                        for m, r in runs.items()}}
     if on and off:   # the same rows, adaptation off: what the last window's gain owes to adaptation
-        same = [off["tau_by_id"][i] for i in on["last_ids"] if i in off["tau_by_id"]]
-        result["off_tau_on_the_last_rows_of_on"] = round(sum(same) / max(len(same), 1), 4)
+        same = [off["tau_by_id"][i] for i in on["last_ids"] if i in off["tau_by_id"]]   # pooled as tau_last is
+        result["off_tau_on_the_last_rows_of_on"] = round(sum(t * n for t, n in same) / max(sum(n for _, n in same), 1),
+                                                         4)
         result["last_rows_gain_vs_off"] = round(on["tau_last"] / max(result["off_tau_on_the_last_rows_of_on"], 1e-9)
                                                 - 1, 4)
         result["wall_on_vs_off"] = round(on["wall_s"] / off["wall_s"], 4)
@@ -284,7 +293,7 @@ def cmd_adaptation_merge(a) -> int:
 
     work = Path(a.work_dir or tempfile.mkdtemp(prefix="adaptation-merge-"))
     work.mkdir(parents=True, exist_ok=True)
-    prompts = sympy_code_prompts(a.num_prompts + a.eval_prompts)
+    prompts = workload_prompts(a.workload, a.num_prompts + a.eval_prompts)
     paths = {"train": work / "train.jsonl", "eval": work / "eval.jsonl"}
     for name, part in (("train", prompts[: a.num_prompts]), ("eval", prompts[a.num_prompts:])):
         with open(paths[name], "w") as f:
@@ -309,7 +318,7 @@ def cmd_adaptation_merge(a) -> int:
                              draft=None if head == "embedded" else head)
         scored[name] = {"tau": run["tau_all"], "wall_s": run["wall_s"], "rows": run["rows"]}
         print(name, scored[name], flush=True)
-    result = {"workload": "sympy_code", "train_prompts": a.num_prompts, "eval_prompts": a.eval_prompts,
+    result = {"workload": a.workload, "train_prompts": a.num_prompts, "eval_prompts": a.eval_prompts,
               "actors": a.actors, "max_new_tokens": a.max_new_tokens,
               "settings": {"time_share": a.time_share, "lr": a.lr, "round_steps": a.round_steps,
                            "max_batch_size": a.max_batch_size, "dtype": a.dtype, "draft": a.draft or "embedded",
@@ -328,7 +337,11 @@ def add_tau(sub) -> None:
     p.add_argument("--heads", nargs="+", required=True, help="head directories ('embedded' = the shipped head)")
     p.add_argument("--trees", nargs="+", type=tree_name, default=list(TREES),
                    help="names in TREES or total/depth/top_k")
-    p.add_argument("--tasks", nargs="+", default=["mt_bench", "humaneval"], choices=list(EAGLE_TASKS))
+    p.add_argument("--max-step-tokens", type=int, default=None,
+                   help="tokens a step may run (default: the device's latency budget, 48 on a CPU, which cuts "
+                        "running sequences' trees while long prompts arrive: above batch 1 tau then counts it too)")
+    p.add_argument("--tasks", nargs="+", default=["mt_bench", "humaneval"],
+                   help=f"bundled tasks ({', '.join(EAGLE_TASKS)}) or name=path.jsonl of EAGLE-style questions")
     p.add_argument("--context-vocab", nargs="+", type=int, default=[256],
                    help="context tokens a sequence adds to its draft vocabulary (0: the map alone); one run each")
     p.add_argument("--lookup", nargs="+", type=int, default=[TreeConfig().lookup],
@@ -369,6 +382,10 @@ def add_adaptation_job_args(p, window: int, time_share: float, lr: float, round_
     p.add_argument("--tree", type=tree_name, default=None,
                    help="a fixed tree (a name or total/depth/top_k; default: the tuner's trees, measured choice)")
     p.add_argument("--work-dir", default=None, help="where prompts and outputs go (default: a new temp dir)")
+    p.add_argument("--max-step-tokens", type=int, default=None,
+                   help="tokens a step may run (default: the job's, 256 on a CPU); long prompts' chunks cut trees")
+    p.add_argument("--workload", default="sympy_code", choices=["sympy_code", "bbc_news"],
+                   help="one domain's requests (bench/workloads.py)")
 
 
 def add_adaptation(sub) -> None:

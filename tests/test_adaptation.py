@@ -78,6 +78,22 @@ def test_a_broken_candidate_never_replaces_the_live_head(tiny_dir, tiny_head):
     assert all(torch.equal(a, b) for a, b in zip(before, engine.draft.parameters()))
 
 
+def test_a_candidate_level_with_the_live_head_trains_on_and_one_behind_it_is_discarded(tiny_dir, tiny_head):
+    from eagle_ray.train.online import fresh_copy
+    engine = tiny_engine(tiny_dir, own(tiny_head), max_batch_size=4)
+    adapter = adapting(engine)
+    adapter.candidate, adapter.opt = fresh_copy(adapter.live), object()
+    candidate = adapter.candidate
+    live_hits = torch.tensor([True, False] * 64)
+    adapter.hits = lambda head: live_hits if head is adapter.live else live_hits.roll(1)   # level: as many hits
+    assert not adapter.score_round()
+    assert adapter.candidate is candidate and (adapter.state.trained_on, adapter.state.rejected) == (1, 0)
+    adapter.hits = lambda head: live_hits if head is adapter.live else live_hits & (torch.arange(128) > 8)   # behind
+    assert not adapter.score_round()
+    assert adapter.candidate is None and (adapter.state.trained_on, adapter.state.rejected) == (1, 1)
+    assert adapter.state.version == 0
+
+
 def test_the_buffers_stay_within_the_configured_pairs(tiny_dir, tiny_head):
     engine = tiny_engine(tiny_dir, own(tiny_head), max_batch_size=4)
     adapter = adapting(engine, buffer_tokens=256, time_share=0.01)
@@ -142,7 +158,9 @@ def test_a_job_actor_writes_its_adapted_head_with_a_model_card_and_rows_say_thei
                     input={"uri": str(tmp_path / "in.jsonl")}, output={"uri": str(tmp_path / "out")})
     assert cfg.engine.adaptation.save_dir == str(tmp_path / "out") + "/head"
     stage = GenerateStage(cfg.model_dump_json())
-    swaps_every_round(stage.engine.adapter)
+    adapter = stage.engine.adapter
+    adapter.cfg = adapter.cfg.model_copy(update={"time_share": 1e9})   # a training step after every engine step,
+    swaps_every_round(adapter)                                          # however long the first ones take
     try:
         rows = asyncio.run(stage(batch_of(24))).to_pylist()
     finally:

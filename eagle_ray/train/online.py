@@ -6,9 +6,11 @@ finishes, they become a training conversation (the target's own output, in the j
 the head trains on them in slices between engine steps, within ``time_share`` of the engine's time, with the
 project's losses (``train/trainer.py``); every ``round_steps`` steps it is scored (top-1 draft accuracy) against the
 live head on sequences held back from training, and replaces the live head's weights between two steps only if it
-beats them by ``min_gain``; otherwise it is discarded and a new copy starts from the live head. Verification
-decides every token, so no head, good or bad, changes what is generated: a worse head would only cost acceptance,
-and the score keeps it out.
+beats them by ``min_gain``. A candidate that scores below the live head is discarded and a new copy starts from
+the live head; one that is level or ahead by less than the held-back set can tell trains on (one round's steps
+rarely win alone; thrown away each round, their progress would never add up). Verification decides every token,
+so no head, good or bad, changes what is generated: a worse head would only cost acceptance, and the score keeps
+it out.
 
 An EAGLE-2 head regresses the next pair's feature (plus the cross-entropy); an EAGLE-3 head's pairs carry the
 target's fused states, not its final ones, so it learns the emitted token (``eagle3.collate``): a sample of
@@ -49,7 +51,8 @@ class AdaptationState:
     engine_s: float = 0.0
     train_s: float = 0.0
     swaps: list[Swap] = field(default_factory=list)
-    rejected: int = 0
+    rejected: int = 0                # candidates discarded: they scored below the live head
+    trained_on: int = 0              # rounds a candidate neither won nor lost, and kept training
 
 
 class Adapter:
@@ -196,7 +199,7 @@ class Adapter:
     def score_round(self) -> bool:
         """Score the candidate against the live head on the same held-back positions; swap it in only if it wins
         by ``min_gain`` and by more than twice the paired difference's standard error (a gain the held-back set
-        can tell from noise), else discard it."""
+        can tell from noise); discard it if it scores below the live head; else let it train another round."""
         st = self.state
         st.rounds += 1
         live, cand = self.hits(self.live).float(), self.hits(self.candidate).float()
@@ -215,14 +218,18 @@ class Adapter:
             if self.on_swap is not None:
                 self.on_swap(self)
             return True
-        st.rejected += 1
-        self.candidate = self.opt = None   # discarded: the next round starts from the live head
+        if gain < 0:   # behind the live head: discarded, the next round starts from the live head
+            st.rejected += 1
+            self.candidate = self.opt = None
+        else:          # level, or ahead by less than the held-back set can tell: it trains on, keeping its progress
+            st.trained_on += 1
         return False
 
     def summary(self) -> dict:
         st = self.state
         return {"version": st.version, "sequences_seen": st.sequences_seen, "pairs_seen": st.pairs_seen,
                 "train_steps": st.train_steps, "rounds": st.rounds, "rejected": st.rejected,
+                "trained_on": st.trained_on,
                 "time_share": round(st.train_s / st.engine_s, 4) if st.engine_s else 0.0,
                 "buffered_pairs": self.buffered_pairs(),
                 "tau_by_version": {v: round(t / n, 4) for v, (t, n) in sorted(self.tau_by_version.items()) if n},

@@ -59,8 +59,8 @@ from pathlib import Path
 
 import torch
 from harness import run_entry, subcommand, write_result
+from workloads import DOMAINS, task_records
 from workloads import prompts as workload_prompts
-from workloads import task_records
 
 from eagle_ray.config import SamplingParams, TreeConfig
 from eagle_ray.prompts import EAGLE_TASKS, first_turn_prompt
@@ -193,6 +193,12 @@ def cmd_top1(a) -> int:
 
 
 # ---- the command line ---------------------------------------------------------------------------------------------
+def pooled_tau(rows) -> float:
+    """Tokens over verify steps of output rows (each with its ``tau`` and ``verify_steps``)."""
+    return sum(r["step_tokens"] if "step_tokens" in r else r["tau"] * r["verify_steps"] for r in rows) / \
+        max(sum(r["verify_steps"] for r in rows), 1)
+
+
 def adaptation_run(prompts_path: Path, out_dir: Path, adapt: bool, a, draft: str | None = None, actors: int = 1,
                    save_dir: Path | None = None) -> dict:
     """The job on ``prompts_path`` with adaptation on or off (``draft``: instead of ``a.draft``; ``actors``: that
@@ -223,14 +229,10 @@ def adaptation_run(prompts_path: Path, out_dir: Path, adapt: bool, a, draft: str
     rows = read_output(fs, root).to_pylist()
     rows = sorted((r for r in rows if not r["error"] and r["verify_steps"]), key=lambda r: r["finished_at"])
     w = a.window
-
-    def tau(part):
-        return sum(r["step_tokens"] if "step_tokens" in r else r["tau"] * r["verify_steps"] for r in part) / \
-            max(sum(r["verify_steps"] for r in part), 1)
-    return {"adaptation": adapt, "wall_s": round(wall, 1), "rows": len(rows), "tau_all": round(tau(rows), 4),
-            "tau_first": round(tau(rows[:w]), 4), "tau_last": round(tau(rows[-w:]), 4),
+    return {"adaptation": adapt, "wall_s": round(wall, 1), "rows": len(rows), "tau_all": round(pooled_tau(rows), 4),
+            "tau_first": round(pooled_tau(rows[:w]), 4), "tau_last": round(pooled_tau(rows[-w:]), 4),
             "first_ids": [r["id"] for r in rows[:w]], "last_ids": [r["id"] for r in rows[-w:]],
-            "tau_by_id": {r["id"]: (r["tau"], r["verify_steps"]) for r in rows},
+            "tau_by_id": {r["id"]: {"tau": r["tau"], "verify_steps": r["verify_steps"]} for r in rows},
             "head_versions": sorted({r["head_version"] for r in rows}),
             "outputs": {r["id"]: r["output_token_ids"] for r in rows},
             "tau_over_time": summary.get("tau_over_time"), "tokens": sum(r["output_tokens"] for r in rows)}
@@ -256,9 +258,8 @@ def cmd_adaptation(a) -> int:
               "runs": {m: {k: v for k, v in r.items() if k not in ("tau_by_id", "first_ids", "last_ids", "outputs")}
                        for m, r in runs.items()}}
     if on and off:   # the same rows, adaptation off: what the last window's gain owes to adaptation
-        same = [off["tau_by_id"][i] for i in on["last_ids"] if i in off["tau_by_id"]]   # pooled as tau_last is
-        result["off_tau_on_the_last_rows_of_on"] = round(sum(t * n for t, n in same) / max(sum(n for _, n in same), 1),
-                                                         4)
+        same = [off["tau_by_id"][i] for i in on["last_ids"] if i in off["tau_by_id"]]
+        result["off_tau_on_the_last_rows_of_on"] = round(pooled_tau(same), 4)   # pooled as tau_last is
         result["last_rows_gain_vs_off"] = round(on["tau_last"] / max(result["off_tau_on_the_last_rows_of_on"], 1e-9)
                                                 - 1, 4)
         result["wall_on_vs_off"] = round(on["wall_s"] / off["wall_s"], 4)
@@ -384,7 +385,7 @@ def add_adaptation_job_args(p, window: int, time_share: float, lr: float, round_
     p.add_argument("--work-dir", default=None, help="where prompts and outputs go (default: a new temp dir)")
     p.add_argument("--max-step-tokens", type=int, default=None,
                    help="tokens a step may run (default: the job's, 256 on a CPU); long prompts' chunks cut trees")
-    p.add_argument("--workload", default="sympy_code", choices=["sympy_code", "bbc_news"],
+    p.add_argument("--workload", default="sympy_code", choices=DOMAINS,
                    help="one domain's requests (bench/workloads.py)")
 
 

@@ -19,7 +19,8 @@ from pathlib import Path
 from eagle_ray.prompts import (EAGLE_TASKS, benchmark_path, demo_prompts_path, first_turn_prompt,
                                read_jsonl)
 
-NAMES = ("demo", "alternating", "mixed", "sympy_code", "bbc_news", *EAGLE_TASKS)
+DOMAINS = ("sympy_code", "bbc_news")   # one domain and style each: what online adaptation is measured on
+NAMES = ("demo", "alternating", "mixed", *DOMAINS, *EAGLE_TASKS)
 
 
 def task_records(spec: str) -> tuple[str, list[dict]]:

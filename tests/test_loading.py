@@ -1,6 +1,8 @@
-"""Weights from s3:// (a real S3 API: moto's server on 127.0.0.1) load into the same engine as local files."""
+"""Weights from s3:// (a real S3 API: moto's server on 127.0.0.1) load into the same engine as local files, and a
+model cache shared by several processes gives each the source's bytes."""
 import os
 
+import pytest
 import torch
 
 from eagle_ray.config import SamplingParams
@@ -23,3 +25,46 @@ def test_target_and_head_from_s3(s3, tiny_dir, tiny_head, tmp_path):
     assert len(cached) == 2 and all(os.path.exists(tmp_path / "cache" / "s3" / c / ".complete") for c in cached)
     for a, b in zip(remote.draft.state_dict().values(), local.draft.state_dict().values()):
         assert torch.equal(a, b)
+
+
+def _fetch_and_hash(uri, opts, cache, barrier, results):
+    """One process of several sharing a model cache (every actor of a node, every pod on one volume)."""
+    import hashlib
+    os.environ["EAGLE_RAY_CACHE"] = cache
+    from eagle_ray.model.loading import download_s3
+    barrier.wait(300)
+    local = download_s3(uri, opts)
+    results.put({f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(local.iterdir())
+                 if not f.name.startswith(".")})
+
+
+@pytest.mark.slow   # six processes, each importing torch
+def test_processes_sharing_a_cache_each_read_the_sources_bytes(s3, tmp_path):
+    """Six processes ask for one s3:// model at the same moment: every one reads files whose hashes are the
+    source's (one used to read a model.safetensors another was still writing), and the cache holds one whole
+    copy."""
+    import hashlib
+    import multiprocessing as mp
+    fs, opts = s3
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "model.safetensors").write_bytes(os.urandom(48 << 20))
+    (src / "config.json").write_text('{"model_type": "llama"}')
+    (src / "tokenizer.json").write_bytes(os.urandom(1 << 20))
+    fs.put(str(src) + "/", "models/shared/", recursive=True)
+    want = {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(src.iterdir())}
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(6), ctx.Queue()
+    cache = str(tmp_path / "cache")
+    procs = [ctx.Process(target=_fetch_and_hash, args=("s3://models/shared", opts, cache, barrier, results))
+             for _ in range(6)]
+    for p in procs:
+        p.start()
+    got = [results.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0] * 6
+    assert got == [want] * 6
+    (entry,) = [p for p in (tmp_path / "cache" / "s3").iterdir() if not p.name.endswith(".lock")]
+    assert sorted(p.name for p in entry.iterdir()) == [".complete", "config.json", "model.safetensors",
+                                                       "tokenizer.json"]

@@ -1,13 +1,18 @@
 """Where weights come from: local HF directories, GGUF files, s3:// prefixes, and the embedded default pair.
 
 Everything ends up as a local directory of safetensors that transformers loads without pickle and without
-`trust_remote_code`. Conversions are cached under ``EAGLE_RAY_CACHE`` (default ``~/.cache/eagle_ray``).
+`trust_remote_code`. Conversions are cached under ``EAGLE_RAY_CACHE`` (default ``~/.cache/eagle_ray``), which many
+processes may share (every actor of a node, every pod mounting one volume): an entry is made in a folder of its
+own and renamed into place whole, under a lock file, so a reader sees a whole entry or none (:func:`cached_dir`).
 """
 from __future__ import annotations
 
 import hashlib
 import importlib.util
 import os
+import shutil
+import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 from eagle_ray.errors import CheckpointError, first_line
@@ -36,6 +41,43 @@ def embedded_gguf_path() -> Path:
     return path
 
 
+COMPLETE = ".complete"   # inside a cache entry: the entry is whole (it is written last, before the rename)
+
+
+@contextmanager
+def cached_dir(out: Path):
+    """Make cache entry ``out`` once, however many processes ask at once: yields None when the entry is already
+    whole, else a new empty folder to fill, which becomes ``out`` on leaving the block. One process at a time
+    fills (a lock file beside the entry; the others wait, then find it whole), in a folder named for it alone, and
+    the entry appears by one rename with its ``.complete`` marker inside. A process killed mid-copy leaves only
+    its own folder; a folder without the marker (left by an older version that wrote in place) is replaced.
+    Where the volume ignores locks, the rename still decides: the entry is one whole copy, and the others' copies
+    are dropped."""
+    from filelock import FileLock
+    if (out / COMPLETE).exists():
+        yield None
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out) + ".lock"):
+        if (out / COMPLETE).exists():
+            yield None
+            return
+        tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:12]}")
+        tmp.mkdir()
+        try:
+            yield tmp
+            (tmp / COMPLETE).touch()
+            if out.exists() and not (out / COMPLETE).exists():
+                shutil.rmtree(out, ignore_errors=True)   # an entry left half-written by an older version
+            try:
+                os.replace(tmp, out)
+            except OSError:   # another process's whole copy is there already (a lock this volume ignored)
+                if not (out / COMPLETE).exists():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def gguf_to_safetensors(gguf_path: Path) -> Path:
     """Dequantize a GGUF file once into a dense fp32 safetensors directory (transformers refuses to save packed GGUF)."""
     import torch
@@ -45,22 +87,23 @@ def gguf_to_safetensors(gguf_path: Path) -> Path:
     key = hashlib.sha1(f"{gguf_path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
     out = cache_root() / f"{gguf_path.stem}-{key}"
     if (out / "model.safetensors").exists() and (out / "tokenizer_config.json").exists():
-        return out
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    name = gguf_path.name
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(gguf_path.parent), gguf_file=name, dtype=torch.float32,
-            quantization_config=GgufConfig(gguf_file=name, dequantize=True))
-        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=name)
-    except torch.OutOfMemoryError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the GGUF reader raises ValueError, struct.error, OSError, ...
-        raise CheckpointError(f"target {gguf_path} is not a readable GGUF model: {type(e).__name__}: "
-                              f"{first_line(e)}") from None
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    os.replace(tmp, out) if not out.exists() else None
+        return out   # made whole by an earlier version, which wrote no marker
+    with cached_dir(out) as tmp:
+        if tmp is None:
+            return out
+        name = gguf_path.name
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                str(gguf_path.parent), gguf_file=name, dtype=torch.float32,
+                quantization_config=GgufConfig(gguf_file=name, dequantize=True))
+            tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=name)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the GGUF reader raises ValueError, struct.error, OSError, ...
+            raise CheckpointError(f"target {gguf_path} is not a readable GGUF model: {type(e).__name__}: "
+                                  f"{first_line(e)}") from None
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
     return out
 
 
@@ -68,16 +111,27 @@ def download_s3(uri: str, storage_options: dict | None = None) -> Path:
     """Copy an s3:// prefix to the local cache once (keyed by URI); returns the local directory."""
     import s3fs
 
-    fs = s3fs.S3FileSystem(**(storage_options or {}))
     key = hashlib.sha1(uri.encode()).hexdigest()[:12]
     out = cache_root() / "s3" / f"{uri.rstrip('/').rsplit('/', 1)[-1]}-{key}"
-    marker = out / ".complete"
-    if marker.exists():
-        return out
-    out.mkdir(parents=True, exist_ok=True)
-    fs.get(uri.rstrip("/") + "/", str(out) + "/", recursive=True)
-    marker.touch()
+    with cached_dir(out) as tmp:
+        if tmp is not None:
+            fs = s3fs.S3FileSystem(**(storage_options or {}))
+            fs.get(uri.rstrip("/") + "/", str(tmp) + "/", recursive=True)
     return out
+
+
+def storage(uri: str, storage_options: dict | None = None):
+    """The filesystem and path of a place the job writes (an output, an adapted head's folder): ``s3://`` through
+    s3fs, anything else a local path used as written (fsspec would read ``a::b`` as a chain of filesystems and
+    ``file://`` as a URL), as the job's driver resolves its output."""
+    import fsspec
+    from fsspec.implementations.local import LocalFileSystem
+    if uri.startswith("s3://"):
+        return fsspec.core.url_to_fs(uri, **(storage_options or {}))
+    path = uri.removeprefix("file://")
+    if "://" in path:
+        raise ValueError(f"{uri}: only local paths and s3:// URIs are written")
+    return LocalFileSystem(), os.path.abspath(os.path.expanduser(path))
 
 
 def check_gguf_path(path: Path) -> Path:

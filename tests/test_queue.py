@@ -205,3 +205,72 @@ def test_generate_from_two_threads_refuses_the_second_caller_and_answers_the_fir
     finally:
         queue.shutdown()
     assert engine.generate([[5, 9, 12]], params)[0].token_ids == expected   # the queue let go of it
+
+
+def test_add_request_step_and_abort_from_another_thread_while_the_engine_is_driven_are_refused(tiny_dir,
+                                                                                               tiny_head):
+    """While generate() runs on one thread (or a RequestQueue steps the engine), add_request, step and abort from
+    another thread get a clear error pointing to RequestQueue (they used to corrupt the running call's output or
+    fail it with ``ValueError: list.remove``); the driven call's answers are right."""
+    engine = tiny_engine(tiny_dir, tiny_head)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    expected = engine.generate([[5, 9, 12], [7, 3]], params)
+    inside, tried = threading.Event(), threading.Event()
+    step, results = engine.step, []
+
+    def paused_step():   # the driving thread waits inside its first step while the other thread tries
+        if not inside.is_set():
+            inside.set()
+            tried.wait(60)
+        return step()
+
+    engine.step = paused_step
+    worker = threading.Thread(target=lambda: results.append(engine.generate([[5, 9, 12], [7, 3]], params)))
+    worker.start()
+    assert inside.wait(60)
+    refused = []
+    for call in (lambda: engine.add_request([5, 9, 13], params), step, lambda: engine.abort("0")):
+        try:
+            call()
+        except InvalidRequestError as e:
+            refused.append(str(e))
+    tried.set()
+    worker.join(120)
+    assert len(refused) == 3 and all("another thread" in m and "RequestQueue" in m for m in refused), refused
+    assert [o.token_ids for o in results[0]] == [o.token_ids for o in expected]
+    engine.step = step
+    queue = RequestQueue(engine)
+    try:
+        with pytest.raises(InvalidRequestError, match="another thread"):
+            engine.add_request([5, 9, 13], params)
+        assert queue.generate([5, 9, 12], params).token_ids == expected[0].token_ids
+    finally:
+        queue.shutdown()
+    seq = engine.add_request([5, 9, 12], params)   # nobody drives it now: the step-by-step API is this thread's
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.output(seq).token_ids == expected[0].token_ids
+
+
+def test_ctrl_c_during_generate_takes_its_requests_out_of_the_engine(tiny_dir, tiny_head):
+    """KeyboardInterrupt in the middle of generate(): its requests are aborted on the way out, so the next call
+    neither runs nor waits for them, and every slot is free again."""
+    engine = tiny_engine(tiny_dir, tiny_head, max_batch_size=4)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    expected = engine.generate([[5, 9, 12]], params)[0].token_ids
+    step, steps = engine.step, []
+
+    def interrupted_step():
+        steps.append(1)
+        if len(steps) == 3:
+            raise KeyboardInterrupt
+        return step()
+
+    engine.step = interrupted_step
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(mixed_prompts(6, seed=3), params)
+    engine.step = step
+    assert not engine.has_unfinished() and engine.scheduler.free == [0, 1, 2, 3]
+    passes = engine.counters["decode_sequences"]
+    assert engine.generate([[5, 9, 12]], params)[0].token_ids == expected
+    assert engine.counters["decode_sequences"] - passes <= 40   # it ran alone: one sequence per decode pass

@@ -200,3 +200,25 @@ def test_a_rank_that_hangs_fails_the_engine_after_the_collective_timeout(target_
     finally:
         os.kill(proc.pid, signal.SIGCONT)
         two.close()
+
+
+def test_a_script_without_the_main_guard_fails_at_once_saying_to_add_it(target_dir, tmp_path):
+    """Each rank is a spawned process that imports the main script again: a script that builds its engine at the
+    top level (no ``if __name__ == "__main__":``) fails with that advice, not after the join timeout with "ranks did
+    not join"."""
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "from eagle_ray.engine.engine import EagleEngine\n"
+        f"engine = EagleEngine.from_pretrained({str(target_dir)!r}, 'random', dtype='float32', max_batch_size=4,\n"
+        "                                      tensor_parallel=2, threads=1, cpu_linears='native',\n"
+        "                                      tree={'total_tokens': 10, 'depth': 3, 'top_k': 3})\n"
+        "print('built')\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ), cwd=tmp_path)
+    assert proc.returncode != 0 and "built" not in proc.stdout
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("eagle_ray.model.tensor_parallel.NoMainGuard:"), proc.stderr[-3000:]
+    assert 'if __name__ == "__main__":' in last and "did not join" not in proc.stderr

@@ -58,6 +58,7 @@ class EagleEngine:
         check_prompt_room(target.max_len, self.policy.trees())
         self._ids = itertools.count()
         self.driving = threading.Lock()   # held by the one caller that steps the engine (generate, a RequestQueue)
+        self.driven_by: int | None = None   # that caller's thread, while it steps (see check_driver)
         budget = step_tokens(config.cache.max_step_tokens, target.device, config.cache.step_goal)
         extend_budget = max(budget, 512)   # padded tokens a head pass takes
         self.runner = ModelRunner(target, draft, extend_budget, context_vocab=config.speculation.context_vocab)
@@ -230,9 +231,20 @@ class EagleEngine:
                         stops=StopStrings(params.stop) if params.stop else None)
 
     # ---- the loop -------------------------------------------------------------------------------------------------
+    def check_driver(self, what: str) -> None:
+        """``add_request``, ``step`` and ``abort`` change the scheduler's lists, which the thread stepping the engine
+        (``generate()`` or a RequestQueue) reads without a lock: from any other thread meanwhile they are refused."""
+        owner = self.driven_by
+        if owner is not None and owner != threading.get_ident():
+            raise InvalidRequestError(f"{what}() was called on another thread while generate() or a RequestQueue "
+                                      "steps this engine: one thread steps an engine; share it between threads "
+                                      "through eagle_ray.engine.queue.RequestQueue (submit, generate, agenerate, "
+                                      "stream, cancel)")
+
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     speculative: bool = True) -> Sequence:
         """Queue one request (a prompt, or a Sequence from ``make_sequence``); ``step()`` runs it."""
+        self.check_driver("add_request")
         seq = prompt if isinstance(prompt, Sequence) else self.make_sequence(prompt, params, request_id, speculative)
         if seq.finished or seq.slot >= 0 or any(s is seq for s in self.scheduler.waiting):
             raise InvalidRequestError(f"request {seq.request_id!r} was already added; make a new sequence to run "
@@ -250,6 +262,7 @@ class EagleEngine:
 
     def abort(self, request_id: str) -> Sequence | None:
         """Cancel a waiting or running request and free its slot."""
+        self.check_driver("abort")
         seq = self.scheduler.abort(request_id)
         if seq is not None:
             self._finalize(seq)
@@ -275,12 +288,22 @@ class EagleEngine:
                                       "RequestQueue steps it: one caller steps an engine; share one engine between "
                                       "threads through eagle_ray.engine.queue.RequestQueue (submit, generate, "
                                       "agenerate, stream)")
+        self.driven_by = threading.get_ident()
         try:
             for seq in seqs:
                 self._admit(seq)
             while self.has_unfinished():
                 self.step()
+        except BaseException:   # Ctrl-C (KeyboardInterrupt) or a failed step: this call's requests leave with it
+            for seq in seqs:
+                if not seq.finished:
+                    try:
+                        self.abort(seq.request_id)
+                    except Exception:  # noqa: BLE001 - a step cut short may leave it half-placed; the error goes on
+                        pass
+            raise
         finally:
+            self.driven_by = None
             self.driving.release()
         return [self.output(s) for s in seqs]
 
@@ -288,6 +311,7 @@ class EagleEngine:
     def step(self) -> list[Sequence]:
         """Admit waiting requests, run this step's prompt chunks and one draft-verify step of every running
         sequence, retire finished ones. Returns the sequences that emitted tokens or finished (for streaming)."""
+        self.check_driver("step")
         t0 = time.perf_counter()
         for src, dst in self.scheduler.defragment():  # keep running slots contiguous: KV reads stay slices
             self.runner.move_slot(src, dst)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import sys
+import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -210,8 +212,64 @@ def start(spec: Spec, world: int, make_target, timeout_s: float = 30.0):
         raise
 
 
+MAIN_GUARD_EXIT = 3   # a rank's exit status when it was about to start ranks of its own (see check_not_spawning)
+MAIN_GUARD = ('the script that builds a tensor-parallel engine has no `if __name__ == "__main__":` guard: each rank '
+              "is a new Python process (multiprocessing's spawn) that imports the script again, so every rank ran "
+              "the script and tried to build an engine of its own. Put the code that builds the engine under "
+              '`if __name__ == "__main__":`')
+
+
+class NoMainGuard(RuntimeError):
+    """The script that starts ranks runs again in each of them: it lacks ``if __name__ == "__main__":``."""
+
+
+def check_not_spawning() -> None:
+    """Called where ranks are about to start: in a rank still importing the main script (a script without the main
+    guard runs its engine-building code again there), exit with :data:`MAIN_GUARD_EXIT` at once; rank 0 reads that
+    status and says what to fix, instead of waiting out the join timeout."""
+    from multiprocessing import process
+    if getattr(process.current_process(), "_inheriting", False):   # what multiprocessing itself checks
+        sys.stderr.write(f"eagle-ray: {MAIN_GUARD}\n")
+        sys.stderr.flush()
+        os._exit(MAIN_GUARD_EXIT)
+
+
+START_S = 120.0   # the least time a rank's process gets to start (import torch and the script) on a busy host
+
+
+def wait_for_ranks(procs: list, pipes: list, timeout_s: float) -> None:
+    """Rank 0: each rank's hello, sent once it has started (its process up, the script imported); a rank whose
+    process ends first fails at once, naming why. Starting may take longer than a collective may (``timeout_s``):
+    a dead rank is seen at once anyway, so only a rank that hangs while starting waits out ``START_S``."""
+    timeout_s = max(timeout_s, START_S)
+    from multiprocessing.connection import wait
+    waiting = dict(enumerate(zip(procs, pipes), 1))
+    deadline = time.monotonic() + timeout_s
+    while waiting:
+        left = deadline - time.monotonic()
+        ready = wait([x for proc, pipe in waiting.values() for x in (pipe, proc.sentinel)], max(left, 0))
+        if not ready:
+            raise EngineDeadError(f"tensor-parallel ranks {sorted(waiting)} did not start within {timeout_s:.0f} s")
+        for r, (proc, pipe) in list(waiting.items()):
+            if pipe in ready:
+                try:
+                    pipe.recv()
+                except (EOFError, OSError):
+                    ready.append(proc.sentinel)   # it closed its end: read its exit below
+                else:
+                    del waiting[r]
+                    continue
+            if proc.sentinel in ready:
+                proc.join(5)
+                if proc.exitcode == MAIN_GUARD_EXIT:
+                    raise NoMainGuard(MAIN_GUARD)
+                raise EngineDeadError(f"tensor-parallel rank {r} (pid {proc.pid}) exited with code {proc.exitcode} "
+                                      "before it joined; its output above says why")
+
+
 def start_ranks(spec: Spec, world: int, make_target, timeout_s: float) -> Group:
     """Ranks 1..N-1 started (each loads its shard and follows) and rank 0's side of a new group."""
+    check_not_spawning()
     device = torch.device(spec.device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     port = free_port()
@@ -225,7 +283,12 @@ def start_ranks(spec: Spec, world: int, make_target, timeout_s: float) -> Group:
         procs.append(proc)
         pipes.append(ours)
     try:
+        wait_for_ranks(procs, pipes, timeout_s)
         group = Group(0, world, "127.0.0.1", port, backend, timeout_s)
+    except (EngineDeadError, NoMainGuard):
+        for p in procs:
+            p.kill()
+        raise
     except Exception as e:   # noqa: BLE001
         for p in procs:
             p.kill()
@@ -238,6 +301,7 @@ def follow(spec: Spec, rank: int, world: int, port: int, backend: str, timeout_s
     """A rank other than 0: load the shard, build its target runtime with ``make_target`` (``TargetModel``), then run
     every call rank 0 sends until it says stop or goes away."""
     try:
+        pipe.send(("started",))   # rank 0 waits for this before it opens the group (wait_for_ranks)
         if spec.threads:
             torch.set_num_threads(spec.threads)
         device = torch.device(spec.device)

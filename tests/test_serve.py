@@ -47,7 +47,8 @@ def server(ray_local, tiny_dir, tiny_head, tmp_path_factory):
                 break
         except httpx.HTTPError:
             time.sleep(0.5)
-    yield base, tiny_engine(tiny_dir, tiny_head, cfg.engine.speculation.tree, max_batch_size=4, max_model_len=128)
+    yield (base, tiny_engine(tiny_dir, tiny_head, cfg.engine.speculation.tree, max_batch_size=4, max_model_len=128),
+           str(tiny_dir), str(head))
     serve.delete("eagle-test")
     serve.shutdown()
 
@@ -262,3 +263,62 @@ def test_metrics_add_up_to_what_the_responses_report(server, client):
     assert grew("vllm:spec_decode_num_accepted_tokens_total") == sum(e["accepted_draft_tokens"] for e in eagle)
     assert grew("vllm:spec_decode_num_drafts_total") == sum(e["verify_steps"] for e in eagle)
     assert grew("eagle_ray:tau_count") == len(resps)
+
+
+def test_cancelled_streams_count_as_aborted_requests(server):
+    """Clients that leave mid-stream: /metrics counts their requests with ``finished_reason="abort"`` and the
+    tokens they made (no counter moved before)."""
+    from test_metrics import samples
+    base = server[0]
+    body = {"model": MODEL, "prompt": "w3 w4", "max_tokens": 64, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    key = ("vllm:request_success_total", (("finished_reason", "abort"),))
+    before = samples(httpx.get(base + "/metrics").content)
+    for _ in range(6):
+        with httpx.stream("POST", base + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and '"text": "w' in line:
+                    break   # the connection closes here
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        after = samples(httpx.get(base + "/metrics").content)
+        if after.get(key, 0) - before.get(key, 0) >= 6:
+            break
+        time.sleep(0.5)
+    assert after.get(key, 0) - before.get(key, 0) == 6
+    assert after[("vllm:generation_tokens_total", ())] - before.get(("vllm:generation_tokens_total", ()), 0) >= 6
+
+
+def test_every_scrape_of_a_two_replica_app_reads_its_totals(server):
+    """Two replicas behind one route: every scrape, whichever replica answers it, reads the app's totals (each
+    used to read its own registry, so counters went up and down between scrapes)."""
+    from ray import serve
+    from test_metrics import samples
+
+    from eagle_ray.serve.app import build_app
+    from eagle_ray.serve.metrics import PUSH_EVERY_S
+    cfg = json.loads(ServeConfig(engine={"target": server[2], "draft": server[3], "dtype": "float32",
+                                         "max_batch_size": 2, "max_model_len": 128,
+                                         "tree": {"total_tokens": 8, "depth": 3, "top_k": 3}},
+                                 model_name="two", num_replicas=2, num_cpus=0.25).model_dump_json())
+    serve.run(build_app(cfg), name="eagle-two", route_prefix="/two", blocking=False)
+    base = server[0] + "/two"
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        for i in range(8):   # spread over both replicas by Serve's router
+            r = httpx.post(base + "/v1/completions", json={"model": "two", "prompt": f"w{i} w2", "max_tokens": 4},
+                           timeout=120)
+            assert r.status_code == 200, r.text
+        time.sleep(PUSH_EVERY_S + 2)   # each replica has sent its counts since
+        key = ("vllm:request_success_total", (("finished_reason", "length"),))
+        seen = [samples(httpx.get(base + "/metrics").content).get(key) for _ in range(10)]
+    finally:
+        serve.delete("eagle-two")
+    assert seen == [8] * 10, seen

@@ -96,11 +96,16 @@ class _Listener:
 
 
 class RequestQueue:
-    def __init__(self, engine: EagleEngine, stall: StallBound | None = None):
+    """``on_finish(output)`` (Serve's metrics) is called on the engine thread for every request that ends with an
+    output: finished, or cancelled (``finish_reason`` ``abort``, the client gone)."""
+
+    def __init__(self, engine: EagleEngine, stall: StallBound | None = None,
+                 on_finish: Callable[[RequestOutput], None] | None = None):
         if not engine.driving.acquire(blocking=False):
             raise InvalidRequestError("this engine is already stepped by another RequestQueue or a generate() call: "
                                       "one queue per engine")
         self.engine = engine
+        self.on_finish = on_finish
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._listeners: dict[str, _Listener] = {}
         self._stopping = False
@@ -234,9 +239,11 @@ class RequestQueue:
 
     # ---- the engine thread ----------------------------------------------------------------------------------------
     def _loop(self) -> None:
+        self.engine.driven_by = threading.get_ident()   # add_request/step/abort from other threads are refused
         try:
             self._serve()
         finally:
+            self.engine.driven_by = None
             self.engine.driving.release()   # the engine can be stepped by another queue now
 
     def _serve(self) -> None:
@@ -282,6 +289,7 @@ class RequestQueue:
             if listener is not None:
                 seq = self.engine.abort(cmd[1])
                 if seq is not None:
+                    self._finished(seq)
                     listener.update(self.engine, seq)
         elif kind == "stop":
             self._drain = cmd[1]
@@ -307,6 +315,8 @@ class RequestQueue:
             if listener is None:
                 continue
             try:
+                if seq.finished:   # counted before its caller hears of it: a scrape after the answer sees it
+                    self._finished(seq)
                 listener.update(self.engine, seq)
             except Exception as e:  # noqa: BLE001 - e.g. a detokenizer error: fail this request, keep the rest
                 self.engine.abort(seq.request_id)
@@ -315,6 +325,14 @@ class RequestQueue:
                 continue
             if seq.finished:
                 del self._listeners[seq.request_id]
+
+    def _finished(self, seq: Sequence) -> None:
+        if self.on_finish is not None:
+            try:
+                self.on_finish(self.engine.output(seq))
+            except Exception:  # noqa: BLE001 - a metrics hook never stops the engine
+                import logging
+                logging.getLogger(__name__).exception("on_finish failed for request %s", seq.request_id)
 
     def _watch_steps(self) -> None:
         """Fail the engine when a step runs past ``stall.seconds(slowest step so far)``."""

@@ -21,7 +21,7 @@ from starlette.requests import ClientDisconnect
 from eagle_ray.errors import EagleError, EngineDeadError, PromptTooLongError
 from eagle_ray.serve.config import ServeConfig
 from eagle_ray.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from eagle_ray.serve.metrics import ServeMetrics
+from eagle_ray.serve.metrics import ReplicaMetrics, ServeMetrics
 from eagle_ray.serve.openai_api import (ApiError, ParsedRequest, authorized, eagle_stats, error_body, finish_reason,
                                         new_id, now, parse_body)
 from eagle_ray.train.online import adapt
@@ -82,8 +82,11 @@ class EagleServer:
         self.engine = EagleEngine.from_config(engine_cfg, self.cfg.s3.storage_options())
         adapt(self.engine)   # online adaptation, where the config turns it on
         self.engine.codec.split_special_tokens = self.cfg.split_special_tokens
-        self.queue = RequestQueue(self.engine, StallBound(self.cfg.stall_floor_s, self.cfg.stall_factor))
-        self.metrics = ServeMetrics(self.cfg.model_name)
+        self.metrics = ServeMetrics(self.cfg.model_name)   # every request that ends counts, cancelled ones too
+        self.queue = RequestQueue(self.engine, StallBound(self.cfg.stall_floor_s, self.cfg.stall_factor),
+                                  on_finish=self.metrics.record)
+        context = serve.get_replica_context()   # /metrics answers the app's totals over its replicas
+        self.totals = ReplicaMetrics(self.metrics, self.engine, context.app_name, context.replica_tag)
 
     def check_health(self):
         """Serve's replica health check: a replica whose engine failed is replaced."""
@@ -137,7 +140,6 @@ class EagleServer:
             return _engine_error(e)
         except Exception as e:  # noqa: BLE001 - an engine failure: OpenAI-shaped 500, the server stays up
             return _err(500, f"{type(e).__name__}: {e}", "server_error")
-        self.metrics.record(out)
         if kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
                       "finish_reason": finish_reason(out.finish_reason), "logprobs": None}
@@ -173,7 +175,6 @@ class EagleServer:
                     first = False
                 if d.finished:
                     out = d.output
-                    self.metrics.record(out)
                     last = chunk(None if kind == "chat" else "", finish_reason(out.finish_reason))
                     last["eagle"] = eagle_stats(out.stats)
                     yield f"data: {json.dumps(last)}\n\n"
@@ -196,8 +197,9 @@ class EagleServer:
 
     @api.get("/metrics")
     async def prometheus(self):
-        """Prometheus text, vLLM's metric names (serve/metrics.py); like /health, no API key: counts only."""
-        return Response(self.metrics.render(self.engine), media_type=METRICS_CONTENT_TYPE)
+        """Prometheus text, vLLM's metric names (serve/metrics.py), the app's totals over its replicas; like
+        /health, no API key: counts only."""
+        return Response(await self.totals.render(), media_type=METRICS_CONTENT_TYPE)
 
     @api.get("/stats")
     async def stats(self):
@@ -238,6 +240,9 @@ class EagleServer:
         return await self._handle(request, "chat")
 
     def __del__(self):
+        totals = getattr(self, "totals", None)
+        if totals is not None:
+            totals.close()
         queue = getattr(self, "queue", None)
         if queue is not None:
             queue.shutdown(drain=True, timeout=30)

@@ -172,3 +172,89 @@ def test_a_job_actor_writes_its_adapted_head_with_a_model_card_and_rows_say_thei
     assert card["version"] == version and card["swaps"][-1]["version"] == version and card["pairs_seen"] > 0
     head = DraftHead.load(saved)
     assert torch.equal(head.fc.weight, stage.engine.draft.fc.weight)
+
+
+def adapting_stage(tiny_dir, tmp_path, out: str, **adaptation):
+    from eagle_ray.batch.config import JobConfig
+    from eagle_ray.batch.stage import GenerateStage
+    cfg = JobConfig(engine={"target": str(tiny_dir), "draft": "random", "dtype": "float32", "max_batch_size": 4,
+                            "max_model_len": 128, "adaptation": {"enabled": True, "save": True, "time_share": 1.0,
+                                                                 "round_steps": 2, "batch_tokens": 64, "hold_back": 2,
+                                                                 **adaptation}},
+                    sampling={"max_new_tokens": 16, "ignore_eos": True},
+                    input={"uri": str(tmp_path / "in.jsonl")}, output={"uri": out})
+    stage = GenerateStage(cfg.model_dump_json())
+    adapter = stage.engine.adapter
+    adapter.cfg = adapter.cfg.model_copy(update={"time_share": 1e9})   # a training step after every engine step
+    swaps_every_round(adapter)
+    return stage
+
+
+def run_batch(stage, batch) -> list[dict]:
+    import asyncio
+    return asyncio.run(stage(batch)).to_pylist()
+
+
+def test_an_adapted_head_that_cannot_be_written_costs_no_row_and_the_next_swap_writes_it(tiny_dir, tmp_path,
+                                                                                         monkeypatch):
+    """The head folder is writable when the actor starts, then is not (a file took its place, as a full disk or a
+    lost mount would fail it): every row is answered, the swaps count, no head counts as saved; once the folder
+    can be written again, the next swap writes the live head."""
+    import json
+    import shutil
+
+    import pyarrow as pa
+    from test_batch_faults import batch_of
+
+    monkeypatch.setattr("eagle_ray.train.online.MIN_SCORED", 0)
+    stage = adapting_stage(tiny_dir, tmp_path, str(tmp_path / "out"))
+    heads = tmp_path / "out" / "head"
+    shutil.rmtree(heads, ignore_errors=True)
+    heads.parent.mkdir(exist_ok=True)
+    heads.write_text("not a folder")
+    st = stage.engine.adapter.state
+    try:
+        rows = run_batch(stage, batch_of(16))
+        assert [r["error_kind"] for r in rows] == [None] * 16
+        assert st.version >= 1 and st.save_failures == st.version and st.saved_version is None
+        assert max(r["head_version"] for r in rows) <= st.version
+        heads.unlink()
+        more = batch_of(32).slice(16)   # other ids
+        swapped = st.version
+        rows = run_batch(stage, more)
+        assert [r["error_kind"] for r in rows] == [None] * 16 and isinstance(more, pa.Table)
+    finally:
+        stage.queue.shutdown(drain=False, timeout=10)
+    assert st.version > swapped and st.saved_version == st.version
+    (saved,) = heads.iterdir()
+    card = json.loads((saved / "model_card.json").read_text())
+    assert card["version"] == card["saved_version"] == st.version and card["save_failures"] == st.save_failures
+
+
+def test_a_head_folder_the_actor_cannot_write_fails_it_before_the_model_loads(tiny_dir, tmp_path, monkeypatch):
+    import pytest
+
+    from eagle_ray.errors import ConfigError
+
+    (tmp_path / "taken").write_text("a file where the head folder would go")
+
+    def no_load(*a, **k):
+        raise AssertionError("the model loaded before the head folder was checked")
+    monkeypatch.setattr("eagle_ray.engine.engine.EagleEngine.from_config", no_load)
+    with pytest.raises(ConfigError, match=r"engine.adaptation.save_dir .*taken/head: adapted heads cannot be written"):
+        adapting_stage(tiny_dir, tmp_path, str(tmp_path / "taken"))
+
+
+def test_an_adapted_head_goes_to_the_path_as_written(tiny_dir, tiny_head, tmp_path):
+    """``a::b`` and ``[x]`` are folder names, as in the job's output (fsspec would read ``::`` as a chain of
+    filesystems)."""
+    from eagle_ray.model.draft_head import DraftHead
+    from eagle_ray.train.online import check_save_dir
+    engine = tiny_engine(tiny_dir, own(tiny_head))
+    adapter = adapting(engine)
+    where = tmp_path / "runs::v2" / "[final]" / "head"
+    check_save_dir(str(where))
+    adapter.save(str(where), base="tiny")
+    assert sorted(p.name for p in where.iterdir()) == ["config.json", "model.safetensors", "model_card.json"]
+    assert torch.equal(DraftHead.load(where).fc.weight, engine.draft.fc.weight)
+    assert [p.name for p in tmp_path.iterdir()] == ["runs::v2"]

@@ -19,7 +19,9 @@ the target's distribution, and in greedy decoding its argmax, which is what EAGL
 from __future__ import annotations
 
 import copy
+import logging
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +31,7 @@ import torch
 from eagle_ray.config import AdaptationConfig
 
 MIN_SCORED = 64   # held-back positions a score needs before any swap
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -53,6 +56,8 @@ class AdaptationState:
     swaps: list[Swap] = field(default_factory=list)
     rejected: int = 0                # candidates discarded: they scored below the live head
     trained_on: int = 0              # rounds a candidate neither won nor lost, and kept training
+    saved_version: int | None = None  # the last version written by ``on_swap`` (the job's adapted-head folder)
+    save_failures: int = 0           # swaps whose head could not be written: the next swap writes again
 
 
 class Adapter:
@@ -216,7 +221,13 @@ class Adapter:
                                  round(float(cand.mean()), 4)))
             self.round_steps = 0
             if self.on_swap is not None:
-                self.on_swap(self)
+                try:
+                    self.on_swap(self)
+                    st.saved_version = st.version
+                except Exception as e:  # noqa: BLE001 - a head that cannot be written costs its copy, never a row
+                    st.save_failures += 1
+                    log.warning("the adapted head (version %d) could not be written (%d failures so far; the next "
+                                "swap writes it again): %s: %s", st.version, st.save_failures, type(e).__name__, e)
             return True
         if gain < 0:   # behind the live head: discarded, the next round starts from the live head
             st.rejected += 1
@@ -229,7 +240,7 @@ class Adapter:
         st = self.state
         return {"version": st.version, "sequences_seen": st.sequences_seen, "pairs_seen": st.pairs_seen,
                 "train_steps": st.train_steps, "rounds": st.rounds, "rejected": st.rejected,
-                "trained_on": st.trained_on,
+                "trained_on": st.trained_on, "saved_version": st.saved_version, "save_failures": st.save_failures,
                 "time_share": round(st.train_s / st.engine_s, 4) if st.engine_s else 0.0,
                 "buffered_pairs": self.buffered_pairs(),
                 "tau_by_version": {v: round(t / n, 4) for v, (t, n) in sorted(self.tau_by_version.items()) if n},
@@ -237,19 +248,38 @@ class Adapter:
 
     def save(self, uri: str, storage_options: dict | None = None, base: str | None = None) -> None:
         """The live head (as loaded, with its adapted weights) and a model card to ``uri`` (a directory or an
-        ``s3://`` prefix): what the next job can start from."""
+        ``s3://`` prefix, resolved as the job resolves its output): what the next job can start from. The card
+        goes last, so a folder whose card names a version holds that version's weights."""
         import json
         import tempfile
 
-        import fsspec
+        from eagle_ray.model.loading import storage
         with tempfile.TemporaryDirectory() as tmp:
             self.live.save(tmp)
-            card = {"adapted_from": base, "version": self.state.version, **self.summary()}
-            (Path(tmp) / "model_card.json").write_text(json.dumps(card, indent=1))
-            fs, root = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+            card = {"adapted_from": base, "version": self.state.version, **self.summary(),
+                    "saved_version": self.state.version}
+            fs, root = storage(uri, storage_options)
             fs.makedirs(root, exist_ok=True)
-            for f in Path(tmp).iterdir():
+            for f in sorted(Path(tmp).iterdir()):
                 fs.put(str(f), f"{root}/{f.name}")
+            (Path(tmp) / "model_card.json").write_text(json.dumps(card, indent=1))
+            fs.put(str(Path(tmp) / "model_card.json"), f"{root}/model_card.json")
+
+
+def check_save_dir(uri: str, storage_options: dict | None = None) -> None:
+    """Fail now, naming ``uri``, where adapted heads could not be written (a folder this process may not write, a
+    path that is a file, an S3 prefix without access): found at the first swap, it would cost every swap's copy."""
+    from eagle_ray.errors import ConfigError
+    from eagle_ray.model.loading import storage
+    try:
+        fs, root = storage(uri, storage_options)
+        probe = f"{root.rstrip('/')}/.write-test-{uuid.uuid4().hex[:8]}"
+        fs.makedirs(root, exist_ok=True)
+        fs.pipe_file(probe, b"")
+        fs.rm(probe)
+    except Exception as e:  # noqa: BLE001 - any filesystem's error says the same: heads cannot go there
+        raise ConfigError(f"engine.adaptation.save_dir {uri}: adapted heads cannot be written there "
+                          f"({type(e).__name__}: {e}); give a folder or s3:// prefix the actors can write") from None
 
 
 def adapt(engine):

@@ -115,3 +115,59 @@ def test_the_progress_line_says_rows_rates_tau_and_time_left_at_a_steady_cadence
     assert len(lines) == 4   # at 12, 24 and 36 s, and the last row at 40 s
     assert lines[0] == "eagle-ray job: 60/200 rows (30%), 5.00 rows/s, 250.0 tok/s, tau 2.50, ETA 28 s"
     assert lines[-1].startswith("eagle-ray job: 200/200 rows (100%)") and lines[-1].endswith("ETA 0 s")
+
+
+class Ledger:
+    """The pool's BatchLedger as the stage calls it (``await ledger.begin.remote(key)``), in this process."""
+
+    def __init__(self, deaths: int):
+        from eagle_ray.batch.stage import BatchLedger
+        self.book, self.calls = BatchLedger(), []
+        self.deaths = deaths
+        outer = self
+
+        class Method:
+            def __init__(self, name):
+                self.name = name
+
+            def remote(self, key):
+                outer.calls.append(self.name)
+                if self.name == "begin":
+                    for _ in range(outer.deaths):   # earlier starts that never ended: actors that died under it
+                        outer.book.begin(key)
+                    outer.deaths = 0
+                result = getattr(outer.book, self.name)(key)
+                if self.name == "end":
+                    return None   # fire and forget, as the stage sends it
+
+                async def done():
+                    return result
+                return done()
+        self.begin, self.end = Method("begin"), Method("end")
+
+
+def test_a_batch_under_which_three_actors_died_comes_back_as_engine_failed_rows_instead_of_running_again(tiny_dir,
+                                                                                                         tmp_path):
+    """Restarts and retries are unbounded (a lost node must not end the job), so a batch that kills every actor it
+    runs on would loop for ever: the ledger counts the deaths, and the third ends it, with rows a resume runs
+    again."""
+    from eagle_ray.batch.stage import DEATHS_PER_BATCH, BatchLedger, batch_key
+    book = BatchLedger()
+    assert [book.begin("k") for _ in range(3)] == [0, 1, 2] and book.end("k") is None and book.begin("k") == 0
+    stage = stage_for(tiny_dir, tmp_path)
+    step, steps = stage.engine.step, []
+    stage.engine.step = lambda: steps.append(1) or step()
+    try:
+        stage.ledger = Ledger(deaths=DEATHS_PER_BATCH - 1)   # two deaths: it runs again
+        rows = asyncio.run(stage(batch_of(4))).to_pylist()
+        assert [r["error_kind"] for r in rows] == [None] * 4 and steps
+        assert stage.ledger.calls == ["begin", "end"] and not stage.ledger.book.open
+        steps.clear()
+        stage.ledger = Ledger(deaths=DEATHS_PER_BATCH)
+        rows = asyncio.run(stage(batch_of(4))).to_pylist()
+    finally:
+        stage.queue.shutdown(drain=False, timeout=10)
+    assert not steps and [r["id"] for r in rows] == [f"row-{i}" for i in range(4)]
+    assert [r["error_kind"] for r in rows] == [ENGINE_FAILED] * 4
+    assert rows[0]["error"].startswith("3 actors died while this row's batch ran on them")
+    assert batch_key(batch_of(4).to_pylist()) != batch_key(batch_of(5).to_pylist())

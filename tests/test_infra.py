@@ -28,23 +28,43 @@ def referenced_paths(text: str) -> set[str]:
 
 
 def test_manifests_parse_and_reference_existing_files():
-    for name in ("kuberay-rayjob.yaml", "kuberay-raycluster.yaml", "kuberay-rayservice.yaml",
-                 "ray-cluster-launcher.yaml", "model-cache-pvc.yaml"):
+    for name in ("kuberay-rayjob.yaml", "kuberay-rayjob-8gpu.yaml", "kuberay-raycluster.yaml",
+                 "kuberay-rayservice.yaml", "ray-cluster-launcher.yaml", "model-cache-pvc.yaml"):
         text = (INFRA / name).read_text()
         yaml.safe_load(text)
         for rel in referenced_paths(text):
             assert (ROOT / rel).exists(), f"{name} names {rel}, which does not exist"
 
 
-def test_rayjob_runs_the_real_entrypoint_with_a_valid_config():
-    job = load("kuberay-rayjob.yaml")
-    assert job["kind"] == "RayJob"
+RAYJOBS = ("kuberay-rayjob.yaml", "kuberay-rayjob-8gpu.yaml")
+
+
+def entrypoint_config(job: dict) -> JobConfig:
+    """The JobConfig a RayJob's entrypoint runs: its ``--config`` file with its ``--set`` overrides."""
     entry = job["spec"]["entrypoint"].split()
     assert entry[:2] == ["python", "jobs/batch.py"] and (ROOT / entry[1]).exists()
-    JobConfig.from_yaml(ROOT / entry[entry.index("--config") + 1])
-    gpus = [g["template"]["spec"]["containers"][0]["resources"]["limits"].get("nvidia.com/gpu")
-            for g in job["spec"]["rayClusterSpec"]["workerGroupSpecs"]]
-    assert all(gpus)
+    sets = [entry[i + 1] for i, word in enumerate(entry) if word == "--set"]
+    overrides = repo_scripts.load("jobs/batch.py").parse_overrides(sets)
+    return JobConfig.from_yaml(ROOT / entry[entry.index("--config") + 1], overrides)
+
+
+def test_rayjob_runs_the_real_entrypoint_with_a_valid_config():
+    """Each RayJob runs jobs/batch.py on a config whose pool is one engine per GPU of its workers, with a CPU per
+    node left for Ray Data; its output is s3:// (the driver's pod is deleted with the cluster) and a failed run is
+    retried whole (backoffLimit), resuming from what it committed."""
+    for name in RAYJOBS:
+        job = load(name)
+        assert job["kind"] == "RayJob"
+        cfg = entrypoint_config(job)
+        assert cfg.output.uri.startswith("s3://") and cfg.resume, name
+        assert job["spec"]["backoffLimit"] >= 1 and job["spec"]["shutdownAfterJobFinishes"], name
+        (group,) = job["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+        limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+        gpus, cpus = int(limits["nvidia.com/gpu"]), float(limits["cpu"])
+        assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"], name
+        a = cfg.actors
+        assert a.pool[1] * a.num_gpus == group["replicas"] * gpus, name   # every GPU holds an engine
+        assert (gpus / a.num_gpus) * a.num_cpus <= cpus - 1, name         # a node's actors leave a CPU free
 
 
 def test_rayservice_and_serve_config_build_the_real_app():
@@ -75,7 +95,8 @@ GPU_PRODUCTS = {"NVIDIA-A10G": "A10G", "NVIDIA-L4": "L4", "NVIDIA-L40S": "L40S",
                 "NVIDIA-A100-SXM4-80GB": "A100-80GB", "NVIDIA-H100-80GB-HBM3": "H100-80GB"}
 INSTANCE_GPUS = {"g5.2xlarge": "A10G", "g6.2xlarge": "L4", "g6e.2xlarge": "L40S", "p4d.24xlarge": "A100-40GB",
                  "p5.48xlarge": "H100-80GB"}
-KUBERAY = ("kuberay-rayjob.yaml", "kuberay-raycluster.yaml", "kuberay-rayservice.yaml")
+KUBERAY = ("kuberay-rayjob.yaml", "kuberay-rayjob-8gpu.yaml", "kuberay-raycluster.yaml", "kuberay-rayservice.yaml")
+INSTANCE_GPU_COUNT = {"g6e.2xlarge": 1, "g6e.48xlarge": 8, "p4d.24xlarge": 8, "p5.48xlarge": 8}
 
 
 def memory_table():
@@ -145,7 +166,9 @@ def test_pods_have_shm_model_cache_gpu_tolerations_and_token_auth():
                 cache = volumes[mounts[env["EAGLE_RAY_CACHE"]]]
                 assert cache["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"], where
                 assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
-                assert container["resources"]["limits"]["nvidia.com/gpu"] == "1", where
+                instance = pod["nodeSelector"].get("node.kubernetes.io/instance-type")
+                gpus = INSTANCE_GPU_COUNT[instance] if instance else 1   # a whole node's GPUs, or one
+                assert container["resources"]["limits"]["nvidia.com/gpu"] == str(gpus), where
 
 
 def test_image_matches_the_tested_versions():

@@ -89,3 +89,80 @@ def test_an_autoscaling_pool_answers_every_row(ray_local, pair, tmp_path):  # no
     out = build_processor(ProcessorConfig.of(cfg))(ray.data.from_items(prompts(12), override_num_blocks=6)).take_all()
     assert sorted(r["id"] for r in out) == sorted(r["id"] for r in prompts(12)) and not any(r["error"] for r in out)
     assert 1 <= len({r["worker_id"] for r in out}) <= 2
+
+
+def test_actors_restart_and_batches_retry_as_long_as_the_job_runs_unless_a_bound_is_set():
+    """Losing a node must not use up a budget: its actor's batch retries reach the dead node for the seconds before
+    Ray declares it dead (three retries were gone in about 5 s, and the job with them)."""
+    from eagle_ray.batch.processor import pool_options
+    default = pool_options(ActorsConfig(num_actors=2))
+    assert (default["max_restarts"], default["max_task_retries"]) == (-1, -1)
+    bounded = pool_options(ActorsConfig(num_actors=2, max_restarts=5))
+    assert (bounded["max_restarts"], bounded["max_task_retries"]) == (5, -1)
+
+
+def test_one_actor_failing_to_start_costs_that_actor_the_budget_scaling_with_the_pool():
+    """Ray Data ends the dataset at the first actor whose constructor raised unless
+    ``max_consecutive_actor_init_deaths`` allows more: the pool's largest size by default, a budget set higher
+    (or unlimited, -1) on the context is kept."""
+    from ray.data import DataContext
+
+    from eagle_ray.batch.processor import allow_start_failures
+    for pool, start_failures, have, want in (((2, 5), None, 0, 5), (4, None, 0, 4), (4, 1, 0, 1), (4, None, 9, 9),
+                                             (4, None, -1, -1)):
+        context = DataContext()
+        context.max_consecutive_actor_init_deaths = have
+        allow_start_failures(context, ActorsConfig(num_actors=pool, start_failures=start_failures))
+        assert context.max_consecutive_actor_init_deaths == want, (pool, start_failures, have)
+
+
+def test_a_postprocess_that_raises_on_a_row_makes_that_row_an_error_row_keeping_its_answer():
+    from eagle_ray.batch.processor import finish_row
+    from eagle_ray.batch.rows import empty_row
+    good = empty_row({"id": "a", "row_index": None, "payload": '{"prompt": "w1", "qid": 7}'}) | {"output": "w2 w3"}
+    bad = empty_row({"id": "b", "row_index": None, "payload": '{"prompt": "w4"}'}) | {"output": "w5"}
+    failed = empty_row({"id": "c", "row_index": None, "payload": "", "error": "no prompt",
+                        "error_kind": "invalid_request"})
+
+    def post(r):
+        return {"qid": r["request"]["qid"], "answer": r["output"]}
+    assert finish_row(good, post) == {"qid": 7, "answer": "w2 w3"}
+    row = finish_row(bad, post)
+    assert (row["id"], row["output"], row["error_kind"], row["error"]) == \
+        ("b", "w5", "postprocess_failed", "postprocess failed: KeyError: 'qid'")
+    assert set(row) == set(bad) and "request" not in row   # the job's own columns
+    row = finish_row(failed, post)
+    assert row["error_kind"] == "postprocess_failed" and row["error"] == (
+        "postprocess failed: TypeError: 'NoneType' object is not subscriptable; the row had failed already "
+        "(invalid_request): no prompt")
+
+
+def test_a_pool_holding_every_cpu_of_the_cluster_is_refused_before_the_pipeline_waits_forever(monkeypatch):
+    """The README's example with configs/embedded.yaml (one actor of 2 CPUs) on a 2-CPU machine: Ray Data's read
+    task never got a CPU and the pipeline waited, silently, forever."""
+    import ray as ray_module
+
+    from eagle_ray.batch.processor import check_cpus_left
+    monkeypatch.setattr(ray_module, "is_initialized", lambda: True)
+    cpus = {"CPU": 2.0}
+    monkeypatch.setattr(ray_module, "cluster_resources", lambda: cpus)
+    with pytest.raises(ConfigError, match=r"takes 2 of this Ray cluster's 2 CPUs .* Set actors.num_cpus to 1 or less"):
+        check_cpus_left(ActorsConfig(num_cpus=2))
+    with pytest.raises(ConfigError, match="leaves none for the dataset's read and map tasks"):
+        check_cpus_left(ActorsConfig(num_actors=2, num_cpus=0.75))
+    check_cpus_left(ActorsConfig(num_cpus=1))               # one CPU left for the read
+    check_cpus_left(ActorsConfig(num_actors=[1, 4], num_cpus=1))   # the pool grows only while CPUs are free
+    cpus["CPU"] = 0.0   # a head without CPUs, workers still to come: the autoscaler's business
+    check_cpus_left(ActorsConfig(num_cpus=2))
+
+
+@pytest.mark.slow
+def test_the_readme_example_on_a_two_cpu_ray_fails_at_once_instead_of_hanging(ray_local, tmp_path):
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    processor = build_processor(root / "configs" / "embedded.yaml",
+                                preprocess=lambda r: {"id": r["qid"], "prompt": r["question"]})
+    assert processor.config.actors.num_cpus == 2 and ray.cluster_resources()["CPU"] == 2
+    pq.write_table(pa.table({"qid": ["a"], "question": ["Name a river."]}), tmp_path / "q.parquet")
+    with pytest.raises(ConfigError, match="the pipeline would wait for a CPU forever"):
+        processor(ray.data.read_parquet(str(tmp_path / "q.parquet")))

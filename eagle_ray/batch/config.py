@@ -41,8 +41,12 @@ class ActorsConfig(StrictModel):
     row_retries: int = Field(1, ge=1, description="after the engine fails under a batch, each of its unfinished "
                              "rows runs alone on a restarted engine up to this many times; a row that still fails "
                              "is an engine_failed error row")
-    max_restarts: int = Field(3, ge=0, description="times Ray restarts an actor whose process died (a device "
-                              "fault, a stalled step) before the job fails")
+    max_restarts: int | None = Field(None, ge=0, description="times Ray restarts an actor whose process died (a "
+                                     "lost node, a preemption, a device fault, a stalled step) before the job "
+                                     "fails; null: as long as the job runs")
+    start_failures: int | None = Field(None, ge=0, description="actor starts that may fail in a row (no actor "
+                                       "starting in between), each replaced by a new actor, before the job fails; "
+                                       "null: the pool's largest size")
     stall_floor_s: float = Field(120.0, gt=0, description="an engine step may run this long at least before it "
                                  "counts as stalled")
     stall_factor: float = Field(10.0, gt=1, description="... or this many times the slowest step seen so far, "

@@ -8,8 +8,11 @@ boundaries instead of draining at every batch's tail. A bad row becomes an outpu
 If the engine itself fails under a batch, the rows it left unfinished run again one at a time on the restarted
 engine (``actors.row_retries`` times): a row that breaks the engine alone becomes an ``engine_failed`` row naming
 that, and the others get their answers; one poison row never takes its batch, or the job, with it. A stalled step,
-or an engine that cannot restart, ends the actor's process instead: Ray restarts it (``actors.max_restarts``) and
-retries its batches (the driver keeps each id once).
+or an engine that cannot restart, ends the actor's process instead: Ray restarts it (as long as the job runs, unless
+``actors.max_restarts`` bounds it) and retries its batches (the driver keeps each id once), as it does when a node
+is lost. Retries are unbounded, so a batch that kills every actor it runs on would loop: the job's
+:class:`BatchLedger` counts the actors that died under each batch, and a batch that has cost
+``DEATHS_PER_BATCH`` of them comes back as ``engine_failed`` rows (run again on resume) instead of running again.
 """
 from __future__ import annotations
 
@@ -34,6 +37,44 @@ log = logging.getLogger(__name__)
 
 def now() -> datetime:
     return datetime.now(timezone.utc)
+
+
+DEATHS_PER_BATCH = 3   # actors that may die under one batch before its rows fail instead of running again
+
+
+class BatchLedger:
+    """The batches started and not yet finished, over the whole pool (a Ray actor on the driver's node): a batch
+    begun again while still open was running when its actor died (its node lost, the process crashed or was
+    ended), and ``begin`` says how many times that has happened."""
+
+    def __init__(self):
+        self.open: dict[str, int] = {}
+
+    def begin(self, key: str) -> int:
+        """Record a start of batch ``key``; returns how many earlier starts of it never finished."""
+        n = self.open.get(key, 0)
+        self.open[key] = n + 1
+        return n
+
+    def end(self, key: str) -> None:
+        self.open.pop(key, None)
+
+
+def batch_ledger():
+    """A :class:`BatchLedger` actor for one run of the pool, pinned to this (the driver's) node, whose loss ends
+    the job anyway; None outside Ray."""
+    import ray
+    if not ray.is_initialized():
+        return None
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    return ray.remote(BatchLedger).options(num_cpus=0, scheduling_strategy=here).remote()
+
+
+def batch_key(items: list[dict]) -> str:
+    """A batch's name across retries: Ray Data retries a block whole, cut into the same batches."""
+    import hashlib
+    return hashlib.sha1("\n".join(str(i["id"]) for i in items).encode("utf-8", "surrogatepass")).hexdigest()
 
 
 class JobMetrics:
@@ -68,6 +109,12 @@ class JobMetrics:
                 self.counters[name].inc(n)
 
 
+def saved_heads(cfg: ProcessorConfig) -> str | None:
+    """Where the actors write their adapted heads (``engine.adaptation.save``), or None."""
+    a = cfg.engine.adaptation
+    return a.save_dir if a.enabled and a.save and a.save_dir else None
+
+
 def job_metrics(model_name: str) -> JobMetrics | None:
     try:
         import ray
@@ -78,12 +125,19 @@ def job_metrics(model_name: str) -> JobMetrics | None:
 
 
 class GenerateStage:
-    def __init__(self, config_json: str):
+    ledger = None   # the pool's BatchLedger (outside Ray: none)
+
+    def __init__(self, config_json: str, ledger=None):
         from eagle_ray.engine.engine import EagleEngine
         from eagle_ray.engine.queue import RequestQueue, StallBound
 
         self.cfg = ProcessorConfig.of(json.loads(config_json))
+        self.ledger = ledger
         engine_cfg = self.cfg.engine.for_ray_worker(self.cfg.actors.num_cpus, self.cfg.actors.num_gpus)
+        heads = saved_heads(self.cfg)
+        if heads:   # where this actor writes its adapted heads, checked before the model loads
+            from eagle_ray.train.online import check_save_dir
+            check_save_dir(heads, self.cfg.s3.storage_options())
         self.engine = EagleEngine.from_config(engine_cfg, self.cfg.s3.storage_options())
         self.engine.codec.split_special_tokens = self.cfg.split_special_tokens
         self.stall = StallBound(self.cfg.actors.stall_floor_s, self.cfg.actors.stall_factor)
@@ -101,20 +155,30 @@ class GenerateStage:
         except Exception:  # noqa: BLE001 - outside an actor (tests, direct use)
             pass
         from eagle_ray.train.online import adapt
-        adapter, where = adapt(self.engine), engine_cfg.adaptation.save_dir
-        if adapter is not None and engine_cfg.adaptation.save and where:
+        adapter = adapt(self.engine)
+        if adapter is not None and heads:
             folder = "".join(c if c.isalnum() or c in "-_." else "-" for c in self.worker_id)
-            adapter.on_swap = lambda a: a.save(f"{where.rstrip('/')}/{folder}", self.cfg.s3.storage_options(),
+            adapter.on_swap = lambda a: a.save(f"{heads.rstrip('/')}/{folder}", self.cfg.s3.storage_options(),
                                                self.draft_name)
 
     async def __call__(self, batch: pa.Table) -> pa.Table:
         items = batch.to_pylist()
-        rows = list(await asyncio.gather(*(self.process(item) for item in items)))
-        if any(r["error_kind"] == ENGINE_FAILED for r in rows) or not self.queue.healthy:
-            rows = await self.isolate(items, rows)
+        key = batch_key(items)
+        deaths = await self.ledger.begin.remote(key) if self.ledger is not None else 0
+        if deaths >= DEATHS_PER_BATCH:   # it killed every actor it ran on: its rows fail, the job goes on
+            why = (f"{deaths} actors died while this row's batch ran on them (a lost node, a crash, an out-of-memory "
+                   "kill, or rows that break the engine); the batch is not run again in this job")
+            log.error("batch of %d rows (first id %s): %s", len(items), items[0]["id"] if items else "-", why)
+            rows = [await self.process(item | {"error": why, "error_kind": ENGINE_FAILED}) for item in items]
+        else:
+            rows = list(await asyncio.gather(*(self.process(item) for item in items)))
+            if any(r["error_kind"] == ENGINE_FAILED for r in rows) or not self.queue.healthy:
+                rows = await self.isolate(items, rows)
         if self.metrics is not None:
             for row in rows:
                 self.metrics.record(row)
+        if self.ledger is not None:
+            self.ledger.end.remote(key)
         return to_table(rows)
 
     def restart_engine(self) -> None:

@@ -1,0 +1,174 @@
+"""The batch job on a simulated multi-node Ray cluster (``ray.cluster_utils.Cluster``), in a process of its own so
+that its Ray stays apart from any other: a head with no resources (as in infra/), worker nodes with one CPU and one
+logical GPU each, one engine per node (``actors.num_gpus: 1``, one thread).
+
+    python bench/cluster_job.py node_loss --target DIR --draft DIR --workdir DIR [--out RESULT.json]
+
+``node_loss``
+    Three workers, two actors, 48 rows. Once rows are committed, the node of the actor that wrote the first one is
+    killed (its raylet and workers, no goodbye: a lost or preempted machine). Reports whether the job finished,
+    every id's count, the first row any actor finished after the loss (``first_row_after_loss_s``) and the first row
+    the lost actor's restarted process started and finished on the spare node (``lost_actor_started_s``,
+    ``lost_actor_back_s``).
+
+``bad_start``
+    Two workers, two actors, 24 rows; the first engine to start raises in its constructor (a bad device, say).
+
+The result (``WORKDIR/result.json``, and ``--out`` with the hardware and command) holds every written id.
+``tests/test_cluster.py`` runs both with the tests' tiny pair.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+
+def rows(n: int) -> list[dict]:
+    return [{"id": f"q{i}", "prompt": " ".join(f"w{(i * 7 + j) % 50}" for j in range(1 + i % 9))} for i in range(n)]
+
+
+def job_config(target: str, head: str, inp: str, out: str, n_actors: int):
+    from eagle_ray.batch.config import JobConfig
+    return JobConfig(**{
+        "engine": {"target": target, "draft": head, "dtype": "float32", "max_batch_size": 4, "max_model_len": 128,
+                   "threads": 1, "tree": {"total_tokens": 8, "depth": 3, "top_k": 3}},
+        "sampling": {"max_new_tokens": 24, "ignore_eos": True},
+        "input": {"uri": inp}, "output": {"uri": out, "rows_per_file": 8},
+        "actors": {"num_actors": n_actors, "num_cpus": 1, "num_gpus": 1, "batch_size": 4,
+                   "max_concurrent_batches": 2}})
+
+
+def fail_first_start(marker: str):
+    """A worker setup hook: the first GenerateStage to start (the one that takes ``marker``) raises."""
+    def hook():
+        from eagle_ray.batch import stage
+        start = stage.GenerateStage.__init__
+
+        def init(self, *args, **kwargs):
+            try:
+                os.rename(marker, marker + ".taken")   # atomic: one actor of all takes it
+            except FileNotFoundError:
+                return start(self, *args, **kwargs)
+            raise RuntimeError("this engine cannot start (simulated bad device)")
+        stage.GenerateStage.__init__ = init
+    return hook
+
+
+def committed(out: Path) -> list[dict]:
+    found = []
+    for p in sorted(out.glob("part-*.parquet")):
+        try:
+            found += pq.read_table(p, columns=["id", "worker_id", "started_at", "finished_at"]).to_pylist()
+        except Exception:  # noqa: BLE001 - a part being replaced
+            pass
+    return found
+
+
+def node_of(cluster, pid: int):
+    """The cluster node whose raylet started worker ``pid``."""
+    import psutil
+    parents = {p.pid for p in psutil.Process(pid).parents()}
+    for node in cluster.worker_nodes:
+        if any(info.process.pid in parents for info in node.all_processes.get("raylet", [])):
+            return node
+    raise LookupError(f"no worker node holds pid {pid}")
+
+
+def main(scenario: str, target: str, head: str, workdir: str) -> dict:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from eagle_ray.batch.job import run_job
+
+    work = Path(workdir)
+    n_rows, n_workers = {"node_loss": (48, 3), "bad_start": (24, 2)}[scenario]
+    (work / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows(n_rows)))
+    out = work / "out"
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "num_gpus": 0, "include_dashboard": False})
+    for _ in range(n_workers):
+        cluster.add_node(num_cpus=1, num_gpus=1)
+    cluster.wait_for_nodes()
+    runtime_env = {}
+    if scenario == "bad_start":
+        marker = work / "fail-next-start"
+        marker.touch()
+        runtime_env = {"worker_process_setup_hook": fail_first_start(str(marker))}
+    ray.init(address=cluster.address, runtime_env=runtime_env, log_to_driver=False)
+    cfg = job_config(target, head, str(work / "in.jsonl"), str(out), 2)
+    result: dict = {"scenario": scenario, "rows": n_rows}
+    stop = threading.Event()
+
+    def lose_a_node():
+        while not stop.is_set():
+            done = committed(out)
+            if done:
+                worker = done[0]["worker_id"]   # host:pid:actor
+                pid = int(worker.split(":")[1])
+                node = node_of(cluster, pid)
+                result["removed_at"] = datetime.now(timezone.utc).isoformat()
+                result["rows_before"] = len(done)
+                result["lost_worker"] = worker
+                cluster.remove_node(node, allow_graceful=False)
+                return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=lose_a_node, daemon=True) if scenario == "node_loss" else None
+    if killer:
+        killer.start()
+    t0 = time.time()
+    try:
+        summary = run_job(cfg, print_fn=lambda line: print(line, file=sys.stderr, flush=True))
+        result["exit"] = "ok"
+        result["summary_rows"] = summary["rows"]
+    except BaseException as e:  # noqa: BLE001 - the scenario's outcome, whatever it is
+        result["exit"] = f"{type(e).__name__}: {str(e)[:500]}"
+    finally:
+        stop.set()
+    result["wall_s"] = round(time.time() - t0, 1)
+    written = committed(out)
+    result["ids"] = [r["id"] for r in written]
+    if scenario == "node_loss" and "removed_at" in result:
+        removed = datetime.fromisoformat(result["removed_at"])
+        lost_actor = result["lost_worker"].split(":")[2]
+        lost_pid = result["lost_worker"].split(":")[1]
+        after = sorted(r["finished_at"] for r in written if r["finished_at"] > removed)
+        restarted = [r for r in written if r["worker_id"].split(":")[2] == lost_actor
+                     and r["worker_id"].split(":")[1] != lost_pid]
+        # rows flowing again: the first row any actor finished after the loss; the lost actor back: the first row
+        # its restarted process started (its engine loaded, its batches retried), and finished
+        result["first_row_after_loss_s"] = round((after[0] - removed).total_seconds(), 1) if after else None
+        for key, col in (("lost_actor_started_s", "started_at"), ("lost_actor_back_s", "finished_at")):
+            first = min((r[col] for r in restarted), default=None)
+            result[key] = round((first - removed).total_seconds(), 1) if first else None
+        result["rows_by_restarted_actor"] = len(restarted)
+    if scenario == "bad_start":
+        result["failed_starts"] = len(list(work.glob("fail-next-start.taken")))
+    result["workers"] = sorted({r["worker_id"] for r in written})
+    (work / "result.json").write_text(json.dumps(result, default=str))
+    ray.shutdown()
+    cluster.shutdown()
+    return result
+
+
+if __name__ == "__main__":
+    import argparse
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from harness import command_line, write_result
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("scenario", choices=["node_loss", "bad_start"])
+    p.add_argument("--target", required=True)
+    p.add_argument("--draft", required=True)
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    outcome = main(a.scenario, a.target, a.draft, a.workdir)
+    write_result(a.out, {k: v for k, v in outcome.items() if k != "ids"} |
+                 {"ids_written": len(outcome["ids"]), "ids_distinct": len(set(outcome["ids"]))},
+                 command_line("bench/cluster_job.py", sys.argv[1:]))

@@ -1,6 +1,7 @@
 """Weights from s3:// (a real S3 API: moto's server on 127.0.0.1) load into the same engine as local files, and a
 model cache shared by several processes gives each the source's bytes."""
 import os
+import time
 
 import pytest
 import torch
@@ -27,12 +28,30 @@ def test_target_and_head_from_s3(s3, tiny_dir, tiny_head, tmp_path):
         assert torch.equal(a, b)
 
 
-def _fetch_and_hash(uri, opts, cache, barrier, results):
-    """One process of several sharing a model cache (every actor of a node, every pod on one volume)."""
+def _fetch_and_hash(uri, opts, cache, first, asking, copied, results):
+    """One process of several sharing a model cache (every actor of a node, every pod on one volume). The first
+    one starts its copy once all have asked for the model (``asking``); a copy of another's own begins only once
+    the first one's is written (``copied``), as a slower process's would."""
     import hashlib
+
+    import s3fs
     os.environ["EAGLE_RAY_CACHE"] = cache
     from eagle_ray.model.loading import download_s3
-    barrier.wait(300)
+    get = s3fs.S3FileSystem.get
+
+    def watched_get(self, *args, **kwargs):
+        if first:
+            asking.wait(300)
+            time.sleep(0.5)   # the others are past their look at the cache by now
+            try:
+                return get(self, *args, **kwargs)
+            finally:
+                copied.set()
+        copied.wait(300)
+        return get(self, *args, **kwargs)
+    s3fs.S3FileSystem.get = watched_get
+    if not first:
+        asking.wait(300)
     local = download_s3(uri, opts)
     results.put({f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(local.iterdir())
                  if not f.name.startswith(".")})
@@ -40,11 +59,13 @@ def _fetch_and_hash(uri, opts, cache, barrier, results):
 
 @pytest.mark.slow   # six processes, each importing torch
 def test_processes_sharing_a_cache_each_read_the_sources_bytes(s3, tmp_path):
-    """Six processes ask for one s3:// model at the same moment: every one reads files whose hashes are the
-    source's (one used to read a model.safetensors another was still writing), and the cache holds one whole
-    copy."""
+    """Six processes ask for one s3:// model at once, the first to copy it starting a moment later: every one reads files whose hashes
+    are the source's, and no reader looking at the cache ever finds an entry marked whole whose files are not (the
+    others used to copy into the same folder after the first had marked it, one of six reading a model.safetensors
+    another was still writing); the cache holds one whole copy."""
     import hashlib
     import multiprocessing as mp
+    import threading
     fs, opts = s3
     src = tmp_path / "src"
     src.mkdir()
@@ -53,18 +74,34 @@ def test_processes_sharing_a_cache_each_read_the_sources_bytes(s3, tmp_path):
     (src / "tokenizer.json").write_bytes(os.urandom(1 << 20))
     fs.put(str(src) + "/", "models/shared/", recursive=True)
     want = {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(src.iterdir())}
+    sizes = {f.name: f.stat().st_size for f in src.iterdir()}
     ctx = mp.get_context("spawn")
-    barrier, results = ctx.Barrier(6), ctx.Queue()
-    cache = str(tmp_path / "cache")
-    procs = [ctx.Process(target=_fetch_and_hash, args=("s3://models/shared", opts, cache, barrier, results))
-             for _ in range(6)]
+    asking, copied, results = ctx.Barrier(6), ctx.Event(), ctx.Queue()
+    cache = tmp_path / "cache"
+    procs = [ctx.Process(target=_fetch_and_hash, args=("s3://models/shared", opts, str(cache), i == 0, asking,
+                                                       copied, results)) for i in range(6)]
+    seen_broken, done = [], threading.Event()
+
+    def watch():   # a reader's view of the cache: an entry marked whole must be whole
+        while not done.is_set():
+            for entry in (cache / "s3").glob("*/.complete"):
+                have = {f: (entry.parent / f).stat().st_size if (entry.parent / f).exists() else None
+                        for f in sizes}
+                if have != sizes:
+                    seen_broken.append(have)
+            time.sleep(0.002)
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
     for p in procs:
         p.start()
-    got = [results.get(timeout=600) for _ in procs]
-    for p in procs:
-        p.join(60)
+    try:
+        got = [results.get(timeout=600) for _ in procs]
+    finally:
+        done.set()
+        for p in procs:
+            p.join(60)
     assert [p.exitcode for p in procs] == [0] * 6
-    assert got == [want] * 6
-    (entry,) = [p for p in (tmp_path / "cache" / "s3").iterdir() if not p.name.endswith(".lock")]
+    assert got == [want] * 6 and not seen_broken, seen_broken[:3]
+    (entry,) = [p for p in (cache / "s3").iterdir() if not p.name.endswith(".lock")]
     assert sorted(p.name for p in entry.iterdir()) == [".complete", "config.json", "model.safetensors",
                                                        "tokenizer.json"]

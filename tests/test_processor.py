@@ -166,3 +166,24 @@ def test_the_readme_example_on_a_two_cpu_ray_fails_at_once_instead_of_hanging(ra
     pq.write_table(pa.table({"qid": ["a"], "question": ["Name a river."]}), tmp_path / "q.parquet")
     with pytest.raises(ConfigError, match="the pipeline would wait for a CPU forever"):
         processor(ray.data.read_parquet(str(tmp_path / "q.parquet")))
+
+
+@pytest.mark.slow
+def test_a_postprocess_raising_on_one_row_costs_that_row_not_the_pipeline(ray_local, pair, tmp_path):  # noqa: F811
+    """All 8 answers were lost when postprocess raised on one row; now that row is a ``postprocess_failed`` row
+    holding its answer, the others are what postprocess made, and the dataset writes as Parquet."""
+    cfg = config(pair, "x", "y", actors__num_actors=1, actors__num_cpus=0.5, actors__batch_size=4)
+
+    def post(r):
+        if r["id"] == "q3":
+            raise ValueError("no such field")
+        return {"qid": r["id"], "answer": r["output"]}
+    ds = build_processor(ProcessorConfig.of(cfg), postprocess=post)(ray.data.from_items(prompts(8)))
+    ds.write_parquet(str(tmp_path / "out"))
+    parts = [pq.read_table(f) for f in sorted((tmp_path / "out").glob("*.parquet"))]   # schemas differ by file
+    rows = sorted(pa.concat_tables(parts, promote_options="default").to_pylist(), key=lambda r: r["qid"] or r["id"])
+    failed = [r for r in rows if r.get("error_kind") == "postprocess_failed"]
+    assert len(rows) == 8 and [r["id"] for r in failed] == ["q3"] and failed[0]["output"]
+    assert failed[0]["error"] == "postprocess failed: ValueError: no such field"
+    assert sorted(r["qid"] for r in rows if r["qid"]) == sorted(f"q{i}" for i in range(8) if i != 3)
+    assert all(r["answer"] for r in rows if r["qid"])

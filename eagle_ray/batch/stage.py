@@ -164,7 +164,7 @@ class GenerateStage:
     async def __call__(self, batch: pa.Table) -> pa.Table:
         items = batch.to_pylist()
         key = batch_key(items)
-        deaths = await self.ledger.begin.remote(key) if self.ledger is not None else 0
+        deaths = await self.deaths_under(key)
         if deaths >= DEATHS_PER_BATCH:   # it killed every actor it ran on: its rows fail, the job goes on
             why = (f"{deaths} actors died while this row's batch ran on them (a lost node, a crash, an out-of-memory "
                    "kill, or rows that break the engine); the batch is not run again in this job")
@@ -180,6 +180,17 @@ class GenerateStage:
         if self.ledger is not None:
             self.ledger.end.remote(key)
         return to_table(rows)
+
+    async def deaths_under(self, key: str) -> int:
+        """Record this start of batch ``key`` in the ledger; how many actors died under it before (0 without a
+        ledger, or when it cannot answer: the batch runs, as it would have without one)."""
+        if self.ledger is None:
+            return 0
+        try:
+            return await self.ledger.begin.remote(key)
+        except Exception:  # noqa: BLE001 - the ledger's node is gone (the driver's, as a rule): run the batch
+            log.warning("the batch ledger did not answer; running the batch", exc_info=True)
+            return 0
 
     def restart_engine(self) -> None:
         """A fresh queue over the restarted engine; where that cannot be (the step stalled and still holds the

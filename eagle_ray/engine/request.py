@@ -147,7 +147,7 @@ _SAMPLING_TYPES = {"max_new_tokens": _INTEGER, "max_tokens": _INTEGER, "max_comp
                    "top_p": (_number, "a number"), "ignore_eos": (lambda v: isinstance(v, bool), "true or false"),
                    "stop_token_ids": (lambda v: isinstance(v, list) and all(_integer(t) for t in v),
                                       "a list of integers"),
-                   "stop": (_stops, "a string or a list of strings")}
+                   "stop": (_stops, "a string or a list of strings"), "logprobs": _INTEGER, "n": _INTEGER}
 
 
 def sampling_params(overrides, defaults: SamplingParams | None = None, field: str | None = "sampling_params"

@@ -22,6 +22,7 @@ import collections
 from dataclasses import dataclass, field
 
 from eagle_ray.config import TreeConfig, is_plain
+from eagle_ray.engine.samples import share_prefixes
 from eagle_ray.engine.sequence import Sequence
 from eagle_ray.engine.tree_policy import TreePolicy
 from eagle_ray.speculative.tree import static_shape
@@ -196,13 +197,15 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, max_len: int) -> StepPlan:
+    def schedule(self, max_len: int, fork=None) -> StepPlan:
         """Admit waiting requests, then plan this step: a decode step for every sequence past its prompt, prompt
         chunks in the rest of the step's budget, and the trees (``plan_decode``). A speculative sequence whose next
         tree could overrun its slot decodes plainly from then on, so it ends where plain decoding would; one whose
         next token cannot fit finishes with ``length``. With prompt chunks in the step, the speculative sequences'
-        verify tokens (their roots included) take only what the chunks leave."""
+        verify tokens (their roots included) take only what the chunks leave. A sequence sharing its prompt's start
+        with others (``engine/samples.py``) copies it with ``fork`` where another holds it."""
         self._admit()
+        share_prefixes(self.prefilling, fork)
         room = {True: self.policy.max_verify_budget(), False: 1}   # verify tokens a sequence's step may take
         decode = []
         for s in self.running:
@@ -216,9 +219,10 @@ class Scheduler:
                 s.finish_reason = "length"
             else:
                 decode.append(s)
-        if not self.prefilling:
+        prompts = [s for s in self.prefilling if s.fork_ready]   # not those waiting for a shared prefix
+        if not prompts:
             return plan_decode(StepPlan([], decode, one_pass=self.one_pass), self.policy, self.feeding)
-        chunks = plan_chunks(self.prefilling, max(MIN_PREFILL, self.step_budget - len(decode)))
+        chunks = plan_chunks(prompts, max(MIN_PREFILL, self.step_budget - len(decode)))
         n_spec = sum(s.speculative for s in decode)
         prompt_tokens = len(chunks) * max(c.end - c.start for c in chunks)   # the pass is padded
         left = self.step_budget - prompt_tokens - (len(decode) - n_spec)

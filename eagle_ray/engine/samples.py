@@ -5,8 +5,8 @@ member, once it holds a slot, copies those positions' K/V from a member that has
 the target's cache and the head's: ``copy_prefix``) and prefills only the rest of its own prompt. ``shared`` stops
 one token short of a sample's prompt, so that each sample runs the prompt's last token itself and draws its own first
 token from it; for scoring, one short of the context, so that each continuation's first token is scored by its own
-pass. A member admitted while the member that prefills the prefix is still on its way there waits, holding its slot;
-one that finds no member holding the prefix (they finished before it got a slot) prefills it itself, and others may
+pass. A member admitted while the member that prefills the prefix is still on its way there waits, holding its slot
+(and that member's prefill pauses at the prefix's end until it has copied it); one that finds no member holding the prefix (they finished before it got a slot) prefills it itself, and others may
 copy from it in turn.
 
 A sample's sampling noise is keyed by its own seed, derived from the request's seed and its index
@@ -90,6 +90,16 @@ def sibling(seq: Sequence, request_id: str, seed: int, index: int, prompt_ids: l
                     prompt_only=seq.prompt_only, prompt_logprobs_k=seq.prompt_logprobs_k,
                     prompt_logprobs_from=seq.prompt_logprobs_from,
                     prompt_logprobs=TokenLogprobs() if seq.prompt_logprobs is not None else None)
+
+
+def prefill_end(seq: Sequence) -> int:
+    """Where ``seq``'s prefill may run to this step: a member prefilling its group's prefix stops there while others
+    wait for it (so that it still holds the prefix when they copy it, even if it would finish right after), else its
+    prompt's end."""
+    g = seq.fork
+    if g is not None and seq.prefilled < g.shared and any(not m.fork_ready and m.slot >= 0 for m in g.members):
+        return g.shared
+    return len(seq.prompt_ids)
 
 
 def share_prefixes(prefilling: list[Sequence], fork) -> None:

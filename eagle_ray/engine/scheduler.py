@@ -22,7 +22,7 @@ import collections
 from dataclasses import dataclass, field
 
 from eagle_ray.config import TreeConfig, is_plain
-from eagle_ray.engine.samples import share_prefixes
+from eagle_ray.engine.samples import prefill_end, share_prefixes
 from eagle_ray.engine.sequence import Sequence
 from eagle_ray.engine.tree_policy import TreePolicy
 from eagle_ray.speculative.tree import static_shape
@@ -162,7 +162,7 @@ def plan_chunks(prompts: list[Sequence], budget: int) -> list[PrefillChunk]:
     Of every row count R the width is ``min(budget // R, longest remaining prompt of the first R)``; the R that
     runs the most real tokens wins (a short prompt does not narrow a long one's chunk to its own length).
     """
-    remaining = [len(s.prompt_ids) - s.prefilled for s in prompts]
+    remaining = [prefill_end(s) - s.prefilled for s in prompts]   # a shared prefix's end may pause one
     best, best_useful = (0, 0), 0
     for rows in range(1, len(prompts) + 1):
         width = min(budget // rows, max(remaining[:rows]))
@@ -219,7 +219,8 @@ class Scheduler:
                 s.finish_reason = "length"
             else:
                 decode.append(s)
-        prompts = [s for s in self.prefilling if s.fork_ready]   # not those waiting for a shared prefix
+        # not those waiting for a shared prefix, nor one paused at its end until they copy it
+        prompts = [s for s in self.prefilling if s.fork_ready and prefill_end(s) > s.prefilled]
         if not prompts:
             return plan_decode(StepPlan([], decode, one_pass=self.one_pass), self.policy, self.feeding)
         chunks = plan_chunks(prompts, max(MIN_PREFILL, self.step_budget - len(decode)))

@@ -570,6 +570,7 @@ def cmd_logprobs(a) -> int:
                                                         for x, y in zip(runs["off"][0], outs[0]))}
     result = {"batch_size": a.batch_size, "workload": a.workload, "prompts": len(prompts),
               "max_new_tokens": a.max_new_tokens, "rounds": a.rounds, "speculative": True,
+              "gather_ms": logprob_gather_ms(engine, a.batch_size, [0] + a.top),
               "tree": engine.policy.summary(), "dtype": str(engine.target.dtype), "summary": summary,
               "speed_vs_off": {m: s["tokens_per_s"] / summary["off"]["tokens_per_s"] for m, s in summary.items()}}
     write_result(a.out, result, a.command, engine.device)
@@ -577,6 +578,18 @@ def cmd_logprobs(a) -> int:
         print(f"logprobs {m:>6}: {s['tokens_per_s']:.1f} tok/s, tau {s['tau']:.3f}, "
               f"{result['speed_vs_off'][m]:.3f}x off, {s['outputs_differing_from_off']} outputs differ")
     return 0
+
+
+def logprob_gather_ms(engine, batch: int, tops: list[int], accepted: int = 4) -> dict:
+    """Median milliseconds of what a step adds with logprobs on, alone: the accepted rows' log-softmax, chosen values
+    and top-k of a ``batch x accepted`` block over the target's vocabulary (``speculative/logprobs.packed``); a
+    whole run's timing on a shared machine can hide it."""
+    from harness import median_seconds
+
+    from eagle_ray.speculative.logprobs import packed
+    logits = torch.randn(batch, accepted, engine.target.vocab_size)
+    tokens = logits.argmax(-1)
+    return {f"top{k}": 1000 * median_seconds(lambda k=k: packed(logits, tokens, k), repeats=50) for k in tops}
 
 
 def add_logprobs(sub) -> None:

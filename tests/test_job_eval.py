@@ -82,3 +82,17 @@ def test_an_output_written_before_samples_existed_resumes(tmp_path):
     pq.write_table(pa.table({"id": ["x"], "error": pa.array([None], pa.string())}), tmp_path / "part-old-0.parquet")
     assert "sample_index" in OUTPUT_SCHEMA.names
     assert committed_rows(FS, str(tmp_path)) == ({("x", 0)}, {"x"})
+
+
+def test_an_output_written_before_the_eval_fields_resumes_with_the_same_sampling(tmp_path):
+    from eagle_ray.batch.config import JobConfig
+    from eagle_ray.batch.job import JOB_FILE, check_output_identity, output_identity
+    cfg = JobConfig(input={"uri": str(tmp_path / "in.jsonl")}, output={"uri": str(tmp_path)})
+    old = output_identity(cfg)
+    for field in ("logprobs", "n"):
+        del old["sampling"][field]
+    (tmp_path / JOB_FILE).write_text(json.dumps(old))
+    writer = PartWriter(FS, str(tmp_path), 10, set())
+    writer.add([sample_row("a", 0, 1)])
+    writer.close()
+    check_output_identity(FS, str(tmp_path), cfg)   # resumes: nothing it ran with has changed

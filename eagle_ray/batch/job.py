@@ -120,6 +120,11 @@ def check_output_identity(fs, root: str, cfg: JobConfig) -> None:
     path, mine = f"{root}/{JOB_FILE}", output_identity(cfg)
     if fs.exists(path) and committed_parts(fs, root):   # a first run that wrote no row binds nothing
         theirs = json.loads(fs.cat_file(path))
+        try:   # sampling fields added since it was written take their defaults, which it ran with
+            from eagle_ray.config import SamplingParams
+            theirs["sampling"] = SamplingParams(**theirs["sampling"]).model_dump(mode="json")
+        except (ConfigError, TypeError, KeyError):
+            pass
         changed = [k for k in mine if theirs.get(k) != mine[k]]
         if changed:
             raise ConfigError(f"output.uri {cfg.output.uri} was written with other settings ("

@@ -207,3 +207,36 @@ def test_scoring_and_sampling_fields_are_read_from_a_body():
     chat = parse_body(json.dumps({"model": "m", "messages": [{"role": "user", "content": "w1"}], "logprobs": True,
                                   "top_logprobs": 4}).encode(), "chat", "m", 100, 16, 16)
     assert (chat.body.top(), chat.params.logprobs) == (4, 4)
+
+
+def test_lm_evaluation_harness_reads_echo_responses_as_transformers_scores(engine, tiny_hf):
+    """The body lm-evaluation-harness's ``local-completions`` model sends for a loglikelihood request (the context
+    and continuation tokens, ``echo``, ``max_tokens: 1``, ``logprobs: 1``), answered as the Serve app answers it,
+    read by lm-evaluation-harness's own parser: the continuation's log-likelihood and greediness equal a
+    transformers computation. (tests/test_serve_eval.py runs the whole task over HTTP.)"""
+    import json
+
+    lm_eval_api = pytest.importorskip("lm_eval.models.openai_completions")
+    from eagle_ray.serve.choices import ChoiceShape, prepare
+    from eagle_ray.serve.logprobs import TokenText
+    from eagle_ray.serve.openai_api import parse_body
+    shape_text = TokenText(engine.tokenizer)
+    greedy = engine.generate(engine.encode("w3 w9 w4"), SamplingParams(max_new_tokens=2))[0].token_ids
+    for question, choice in [("w3 w9 w4", " w10"), ("w3 w9 w4", " " + engine.tokenizer.decode(greedy)),
+                             ("w5 w6", " w20 w21")]:
+        ctx, cont = encode_pair(engine.tokenizer, question, choice)
+        body = {"model": "m", "prompt": [ctx + cont], "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
+                "echo": True}
+        parsed = parse_body(json.dumps(body).encode(), "completion", "m", 100, 16)
+        prompt, = prepare(engine, parsed, "cmpl-1", True)
+        for seq in prompt.seqs:
+            engine.add_request(seq)
+        while engine.has_unfinished():
+            engine.step()
+        outs = [engine.output(s) for s in prompt.seqs]
+        shape = ChoiceShape("completion", True, 1, shape_text)
+        response = {"choices": [shape.choice(0, prompt, outs[0], "length")]}
+        (logprob, is_greedy), = lm_eval_api.LocalCompletionsAPI.parse_logprobs(response, ctxlens=[len(ctx)])
+        rows = log_softmax_rows(tiny_hf, ctx + cont)[len(ctx) - 1:-1]
+        assert logprob == pytest.approx(float(rows.gather(-1, torch.tensor(cont).view(-1, 1)).sum()), abs=1e-4)
+        assert is_greedy == bool((rows.argmax(-1) == torch.tensor(cont)).all())

@@ -240,3 +240,30 @@ def test_lm_evaluation_harness_reads_echo_responses_as_transformers_scores(engin
         rows = log_softmax_rows(tiny_hf, ctx + cont)[len(ctx) - 1:-1]
         assert logprob == pytest.approx(float(rows.gather(-1, torch.tensor(cont).view(-1, 1)).sum()), abs=1e-4)
         assert is_greedy == bool((rows.argmax(-1) == torch.tensor(cont)).all())
+
+
+def test_completions_token_texts_join_to_the_choice_text_and_offsets_index_it():
+    """A completions token's text is what it adds after the tokens before it, as the engine detokenizes the
+    output: joined they are the text (a word-level tokenizer's spaces, a byte-level one's half characters), each
+    ``text_offset`` is where its token starts, and a streamed chunk's tokens read the same as the whole."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from eagle_ray.engine.text import Detokenizer
+    from eagle_ray.serve.logprobs import TokenText, completion_logprobs
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())  # one token per byte: characters span tokens
+    tok = Tokenizer(models.BPE({c: i for i, c in enumerate(alphabet)}, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
+    prompt, ids = fast("say:")["input_ids"], fast(" naïve café 東京 ok")["input_ids"]
+    d = Detokenizer(fast, prompt)
+    d.add(ids)
+    lp = TokenLogprobs([-1.0] * len(ids), [[(t, -1.0)] for t in ids])
+    whole = completion_logprobs(lp, ids, 1, TokenText(fast), 0, (), prompt)
+    assert "".join(whole["tokens"]) == d.text == " naïve café 東京 ok"
+    assert whole["text_offset"] == [len("".join(whole["tokens"][:i])) for i in range(len(ids))]
+    cut = 8   # inside "ï": the chunk after it starts by completing the character
+    head = completion_logprobs(lp.slice(0, cut), ids[:cut], 1, TokenText(fast), 0, (), prompt)
+    tail = completion_logprobs(lp.slice(cut, len(ids)), ids[cut:], 1, TokenText(fast), 0, ids[:cut], prompt)
+    assert head["tokens"] + tail["tokens"] == whole["tokens"]

@@ -30,7 +30,8 @@ def test_the_openai_client_reads_chat_and_completion_logprobs(server, client):
                                   extra_body={"ignore_eos": True})
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6 and lp.text_offset[0] == 0
-    assert "".join(lp.tokens).split() == r.choices[0].text.split()
+    assert "".join(lp.tokens) == r.choices[0].text        # each token's text is what it adds: offsets index it
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(6)]
     assert all(max(top.values()) == v for top, v in zip(lp.top_logprobs, lp.token_logprobs))
 
 

@@ -183,7 +183,8 @@ class EagleServer:
             if upto <= st.tokens or lp is None:
                 return None
             part = lp.slice(st.tokens, upto)
-            out = shape.output_logprobs(part, ids[st.tokens:upto], st.offset)
+            out = shape.output_logprobs(part, ids[st.tokens:upto], st.offset, prompts[index // n].prompt_ids,
+                                        ids[:st.tokens])
             if kind != "chat":
                 st.offset = out["text_offset"][-1] + len(out["tokens"][-1]) if out["tokens"] else st.offset
             st.tokens = upto

@@ -66,20 +66,23 @@ class ChoiceShape:
         lp = echoed(prompt.prompt_logprobs(), prompt.prompt_ids, 1)
         return prompt.text, completion_logprobs(lp, prompt.prompt_ids, self.k, self.text)
 
-    def output_logprobs(self, lp: TokenLogprobs | None, ids: list[int], offset: int) -> dict | None:
+    def output_logprobs(self, lp: TokenLogprobs | None, ids: list[int], offset: int, prompt_ids: list[int],
+                        before: list[int] = ()) -> dict | None:
+        """``before`` and ``prompt_ids``: the output's tokens ahead of ``ids`` (a streamed chunk's) and its
+        prompt's, which decide the completions texts of ``ids``."""
         if self.k is None or lp is None:
             return None
         if self.kind == "chat":
             return chat_logprobs(lp, ids, self.k, self.text)
-        return completion_logprobs(lp, ids, self.k, self.text, offset)
+        return completion_logprobs(lp, ids, self.k, self.text, offset, before, prompt_ids)
 
     def choice(self, index: int, prompt: PromptChoices, out, reason: str | None) -> dict:
         """A whole choice of a response that is not streamed."""
         if self.kind == "chat":
             return {"index": index, "message": {"role": "assistant", "content": out.text}, "finish_reason": reason,
-                    "logprobs": self.output_logprobs(out.logprobs, out.token_ids, 0)}
+                    "logprobs": self.output_logprobs(out.logprobs, out.token_ids, 0, prompt.prompt_ids)}
         text, lp = self.echo_part(prompt) if self.echo else ("", None)
-        own = self.output_logprobs(out.logprobs, out.token_ids, len(text))
+        own = self.output_logprobs(out.logprobs, out.token_ids, len(text), prompt.prompt_ids)
         if self.k is not None:
             lp = merge_completion(lp, own or completion_logprobs(TokenLogprobs(), [], 0, self.text))
         return {"index": index, "text": text + out.text, "finish_reason": reason, "logprobs": lp}

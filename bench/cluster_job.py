@@ -3,6 +3,7 @@ that its Ray stays apart from any other: a head with no resources (as in infra/)
 logical GPU each, one engine per node (``actors.num_gpus: 1``, one thread).
 
     python bench/cluster_job.py node_loss --target DIR --draft DIR --workdir DIR [--out RESULT.json]
+    python bench/cluster_job.py node_loss --target embedded --workdir DIR [--out RESULT.json]
 
 ``node_loss``
     Three workers, two actors, 48 rows. Once rows are committed, the node of the actor that wrote the first one is
@@ -35,10 +36,12 @@ def rows(n: int) -> list[dict]:
 
 
 def job_config(target: str, head: str, inp: str, out: str, n_actors: int):
+    """``target`` ``embedded``: the embedded pair (SmolLM2-135M-Instruct and its head), ``head`` unused."""
     from eagle_ray.batch.config import JobConfig
+    pair = {} if target == "embedded" else {"target": target, "draft": head}
     return JobConfig(**{
-        "engine": {"target": target, "draft": head, "dtype": "float32", "max_batch_size": 4, "max_model_len": 128,
-                   "threads": 1, "tree": {"total_tokens": 8, "depth": 3, "top_k": 3}},
+        "engine": pair | {"dtype": "float32", "max_batch_size": 4, "max_model_len": 128 if pair else 512,
+                          "threads": 1, "tree": {"total_tokens": 8, "depth": 3, "top_k": 3}},
         "sampling": {"max_new_tokens": 24, "ignore_eos": True},
         "input": {"uri": inp}, "output": {"uri": out, "rows_per_file": 8},
         "actors": {"num_actors": n_actors, "num_cpus": 1, "num_gpus": 1, "batch_size": 4,
@@ -163,12 +166,14 @@ if __name__ == "__main__":
     from harness import command_line, write_result
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("scenario", choices=["node_loss", "bad_start"])
-    p.add_argument("--target", required=True)
-    p.add_argument("--draft", required=True)
+    p.add_argument("--target", required=True, help="a target's folder, or `embedded` for the embedded pair")
+    p.add_argument("--draft", default=None, help="the head's folder (not with `--target embedded`)")
+    p.add_argument("--notes", default=None, help="said in the result file (e.g. what else ran on the machine)")
     p.add_argument("--workdir", required=True)
     p.add_argument("--out", default=None)
     a = p.parse_args()
     outcome = main(a.scenario, a.target, a.draft, a.workdir)
     write_result(a.out, {k: v for k, v in outcome.items() if k != "ids"} |
-                 {"ids_written": len(outcome["ids"]), "ids_distinct": len(set(outcome["ids"]))},
+                 {"ids_written": len(outcome["ids"]), "ids_distinct": len(set(outcome["ids"]))} |
+                 ({"notes": a.notes} if a.notes else {}),
                  command_line("bench/cluster_job.py", sys.argv[1:]))

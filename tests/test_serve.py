@@ -265,60 +265,71 @@ def test_metrics_add_up_to_what_the_responses_report(server, client):
     assert grew("eagle_ray:tau_count") == len(resps)
 
 
-def test_cancelled_streams_count_as_aborted_requests(server):
-    """Clients that leave mid-stream: /metrics counts their requests with ``finished_reason="abort"`` and the
-    tokens they made (no counter moved before)."""
-    from test_metrics import samples
-    base = server[0]
-    body = {"model": MODEL, "prompt": "w3 w4", "max_tokens": 64, "temperature": 0, "stream": True,
-            "ignore_eos": True}
-    key = ("vllm:request_success_total", (("finished_reason", "abort"),))
-    before = samples(httpx.get(base + "/metrics").content)
-    for _ in range(6):
-        with httpx.stream("POST", base + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: ") and '"text": "w' in line:
-                    break   # the connection closes here
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        after = samples(httpx.get(base + "/metrics").content)
-        if after.get(key, 0) - before.get(key, 0) >= 6:
-            break
-        time.sleep(0.5)
-    assert after.get(key, 0) - before.get(key, 0) == 6
-    assert after[("vllm:generation_tokens_total", ())] - before.get(("vllm:generation_tokens_total", ()), 0) >= 6
-
-
-def test_every_scrape_of_a_two_replica_app_reads_its_totals(server):
-    """Two replicas behind one route: every scrape, whichever replica answers it, reads the app's totals (each
-    used to read its own registry, so counters went up and down between scrapes)."""
+@pytest.fixture(scope="module")
+def two_replicas(server):
+    """A second app on the same Serve: two replicas behind /two, long answers allowed (1,000 tokens)."""
     from ray import serve
-    from test_metrics import samples
 
     from eagle_ray.serve.app import build_app
-    from eagle_ray.serve.metrics import PUSH_EVERY_S
     cfg = json.loads(ServeConfig(engine={"target": server[2], "draft": server[3], "dtype": "float32",
-                                         "max_batch_size": 2, "max_model_len": 128,
+                                         "max_batch_size": 4, "max_model_len": 1024,
                                          "tree": {"total_tokens": 8, "depth": 3, "top_k": 3}},
-                                 model_name="two", num_replicas=2, num_cpus=0.25).model_dump_json())
+                                 model_name="two", num_replicas=2, num_cpus=0.25, max_tokens_cap=1000,
+                                 default_max_tokens=16).model_dump_json())
     serve.run(build_app(cfg), name="eagle-two", route_prefix="/two", blocking=False)
     base = server[0] + "/two"
-    try:
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        for i in range(8):   # spread over both replicas by Serve's router
-            r = httpx.post(base + "/v1/completions", json={"model": "two", "prompt": f"w{i} w2", "max_tokens": 4},
-                           timeout=120)
-            assert r.status_code == 200, r.text
-        time.sleep(PUSH_EVERY_S + 2)   # each replica has sent its counts since
-        key = ("vllm:request_success_total", (("finished_reason", "length"),))
-        seen = [samples(httpx.get(base + "/metrics").content).get(key) for _ in range(10)]
-    finally:
-        serve.delete("eagle-two")
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    yield base
+    serve.delete("eagle-two")
+
+
+def scrape(base: str) -> dict:
+    from test_metrics import samples
+    return samples(httpx.get(base + "/metrics", timeout=60).content)
+
+
+def test_cancelled_streams_count_as_aborted_requests(two_replicas):
+    """Clients that leave mid-stream (asking 900 tokens, gone after the first): /metrics counts their requests with
+    ``finished_reason="abort"`` and the tokens they made (no counter moved before)."""
+    base = two_replicas
+    body = {"model": "two", "prompt": "w3 w4", "max_tokens": 900, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    key = ("vllm:request_success_total", (("finished_reason", "abort"),))
+    before = scrape(base)
+    for _ in range(6):
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {") and any(c.get("text") for c in json.loads(line[6:])["choices"]):
+                    break   # the first token's text: the connection closes here
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        after = scrape(base)
+        if after.get(key, 0) - before.get(key, 0) >= 6:
+            break
+        time.sleep(1)
+    assert after.get(key, 0) - before.get(key, 0) == 6
+    assert 6 <= after[("vllm:generation_tokens_total", ())] - before.get(("vllm:generation_tokens_total", ()), 0) \
+        < 6 * 900
+
+
+def test_every_scrape_of_a_two_replica_app_reads_its_totals(two_replicas):
+    """Two replicas behind one route: every scrape, whichever replica answers it, reads the app's totals (each
+    used to read its own registry, so counters went up and down between scrapes)."""
+    from eagle_ray.serve.metrics import PUSH_EVERY_S
+    base = two_replicas
+    key = ("vllm:request_success_total", (("finished_reason", "length"),))
+    before = scrape(base).get(key, 0)
+    for i in range(8):   # spread over both replicas by Serve's router
+        r = httpx.post(base + "/v1/completions", json={"model": "two", "prompt": f"w{i} w2", "max_tokens": 4,
+                                                      "ignore_eos": True}, timeout=120)
+        assert r.status_code == 200, r.text
+    time.sleep(PUSH_EVERY_S + 2)   # each replica has sent its counts since
+    seen = [scrape(base).get(key, 0) - before for _ in range(10)]
     assert seen == [8] * 10, seen

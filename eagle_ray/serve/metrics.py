@@ -42,6 +42,7 @@ GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.
 TAU_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 PUSH_EVERY_S = 5.0
+HUB_WAIT_S = 10.0   # a scrape waits this long for the hub's totals, then answers with this replica's counts
 GAUGE_FRESH_S = 30.0
 MEAN_GAUGES = ("eagle_ray:speculating",)
 log = logging.getLogger(__name__)
@@ -188,6 +189,10 @@ class ReplicaMetrics:
         self.name = f"eagle-ray-metrics:{app}"
         self._hub = None
         self._stop = threading.Event()
+        try:
+            self.hub()   # made (or found) now: a first scrape should not wait for a new actor's process
+        except Exception:  # noqa: BLE001 - outside Ray: this replica's counts only
+            log.warning("no metrics hub; /metrics shows this replica's counts only", exc_info=True)
         threading.Thread(target=self._push_loop, name="eagle-ray-metrics-push", daemon=True).start()
 
     def hub(self):
@@ -207,9 +212,11 @@ class ReplicaMetrics:
 
     async def render(self) -> bytes:
         """The app's totals (this replica's counts where the hub cannot answer)."""
+        import asyncio
         snapshot = self.metrics.snapshot(self.engine)
         try:
-            families = await self.hub().total.remote(self.replica, snapshot)
+            families = await asyncio.wait_for(asyncio.wrap_future(self.hub().total.remote(self.replica, snapshot)
+                                                                  .future()), HUB_WAIT_S)
         except Exception:  # noqa: BLE001 - scraping must answer: this replica's own counts, said in the log
             log.warning("the metrics hub %s did not answer; /metrics shows this replica's counts only", self.name,
                         exc_info=True)

@@ -7,7 +7,7 @@ contiguous slots as a slice of the cache, key lengths rounded up on CUDA's grid 
 .kv_bucket``, set on the cache here); graphs run on the replay stand-in (``model/graphs.py``), which runs the
 captured pass as CUDA replays it. Ragged lengths: each row's committed length is drawn at random below ``--below``.
 
-    python bench/graph_reads.py --out bench/results/<hardware>/graph_reads.json
+    python bench/graph_reads.py --code before=../base --code after=. --out bench/results/<hardware>/graph_reads.json
 
 Counts, not timings: the same on any machine for the same code.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -102,22 +103,40 @@ def measure(batches=(1, 8, 32), widths=(1, 8), below: int = 700, max_len: int = 
     return rows
 
 
+def measure_code(path: str, batches, below: int) -> list[dict]:
+    """``measure`` run on the eagle_ray package under ``path`` (another checkout: the code before a change), in a
+    child process so that each version imports its own package."""
+    import json
+    import os
+    import subprocess
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(path).resolve()), str(Path(__file__).parent)]))
+    code = (f"import json, runpy; m = runpy.run_path({str(Path(__file__).resolve())!r}); "
+            f"print(json.dumps(m['measure']({tuple(batches)!r}, below={below})))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=path, check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main(argv=None) -> int:
     from harness import command_line, write_result
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--below", type=int, default=700, help="rows' lengths are drawn below this")
+    p.add_argument("--code", action="append", default=None, metavar="NAME=PATH",
+                   help="measure the eagle_ray package of each checkout (default: after=. , this one)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     argv = sys.argv[1:] if argv is None else list(argv)
-    rows = measure(tuple(int(b) for b in a.batches.split(",")), below=a.below)
-    for r in rows:
-        print(r)
+    batches = tuple(int(b) for b in a.batches.split(","))
+    codes = dict(c.split("=", 1) for c in (a.code or ["after=."]))
+    results = {name: measure_code(path, batches, a.below) for name, path in codes.items()}
+    for name, rows in results.items():
+        for r in rows:
+            print(name, r)
     write_result(a.out, {"what": "bytes of the KV cache attention reads per decode pass (2-layer fp32 target, 2 kv "
-                                 "heads x 16 dims, key lengths on a 256-column grid)", "rows": rows},
+                                 "heads x 16 dims, key lengths on a 256-column grid); counts, not timings",
+                         "code": codes, "rows": results},
                  command_line("bench/graph_reads.py", argv))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -285,3 +285,29 @@ def test_a_draft_vocabulary_changes_speed_not_output(tiny_dir, tiny_hf, tiny_hea
         assert out.token_ids == reference_greedy(tiny_hf, prompt, 30)
     logp, tok = engine.draft.topk(torch.randn(3, 32), 5)
     assert set(tok.flatten().tolist()) <= set(range(63, 23, -2))
+
+
+def test_a_restarted_engine_runs_a_prompt_chunk_and_decode_rows_in_one_target_pass(tiny_dir):
+    """A restart builds the scheduler and runner as the engine was built (engine/builder.py build_stepping): a step
+    with a new prompt's chunk beside a decoding sequence is still one target pass."""
+    engine = tiny_engine(tiny_dir, max_batch_size=2)
+    passes = []
+    run_parts = engine.target.run_parts
+
+    def counted(blocks, *args, **kwargs):
+        passes.append(len(blocks))
+        return run_parts(blocks, *args, **kwargs)
+    engine.target.run_parts = counted
+
+    def joined_step() -> list[int]:
+        first = engine.add_request([5, 6, 7, 8], SamplingParams(max_new_tokens=20, ignore_eos=True))
+        while first.in_prefill or not first.output_ids:
+            engine.step()
+        engine.add_request([9, 10, 11], SamplingParams(max_new_tokens=4, ignore_eos=True))
+        passes.clear()
+        engine.step()   # the second prompt's chunk and the first sequence's verify
+        return list(passes)
+    assert joined_step() == [2]   # one pass of two blocks
+    engine.restart()
+    assert not engine.has_unfinished()
+    assert joined_step() == [2]

@@ -1,8 +1,12 @@
 """The target's decode passes through captured graphs (model/graphs.py), held on the CPU by the replay stand-in: the
 static buffers, the bucket padding and the output's lifetime work as a CUDA graph's, and the tokens are the
 target's own."""
+import gc
+import weakref
+
 import pytest
 import torch
+from repo_scripts import load
 from test_capture_safety import Uncapturable
 from test_engine import mixed_prompts, reference_greedy
 from tiny import make_target, save_target, tiny_engine
@@ -11,7 +15,7 @@ from eagle_ray.config import SamplingParams, TreeConfig
 from eagle_ray.engine.engine import EagleEngine
 from eagle_ray.engine.host_reads import count_host_reads
 from eagle_ray.engine.draft_graphs import DraftGraphs
-from eagle_ray.model.graphs import BATCH_BUCKETS, DecodeGraphs, bucket, kv_buckets
+from eagle_ray.model.graphs import BATCH_BUCKETS, KV_STEP, DecodeGraphs, batch_buckets, bucket, kv_buckets
 from eagle_ray.model.target import TargetModel
 
 
@@ -28,8 +32,9 @@ def test_graphed_decoding_gives_the_targets_greedy_tokens(tiny_dir, tiny_hf, tin
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True), speculative=speculative)
     assert [o.token_ids for o in outs] == [reference_greedy(tiny_hf, p, 24) for p in prompts]
     assert graphs.replays >= 10
-    # batches 1..3 pad to buckets 1, 2, 4; plain blocks are one token wide, trees with lookup chains up to 24; one key-length bucket (256 columns)
-    assert {(b, w, kv) for b, w, kv, _ in graphs.graphs} <= {(b, w, 256) for b in (1, 2, 4) for w in (1, 8, 16, 24)}
+    # a pass over slots below 1, 2, 3 takes the batch bucket 1, 2 or 3 (the last bucket is the slot count: a graph's
+    # rows are slots); plain blocks are one token wide, trees with lookup chains up to 24; one key-length bucket
+    assert {(b, w, kv) for b, w, kv, _ in graphs.graphs} <= {(b, w, 256) for b in (1, 2, 3) for w in (1, 8, 16, 24)}
 
 
 def test_graphs_are_captured_at_load_largest_batch_first_and_decoding_replays_them(tiny_dir, tiny_hf, tiny_head):
@@ -42,7 +47,7 @@ def test_graphs_are_captured_at_load_largest_batch_first_and_decoding_replays_th
     assert engine.capture_graphs() == len(graphs.graphs) + len(drafts.graphs) == 3 * 3 + 3
     batches = [b for b, *_ in graphs.graphs]   # in the order captured
     assert batches == sorted(batches, reverse=True) and [b for b, *_ in drafts.graphs] == [4, 2, 1]
-    assert set(graphs.graphs) == {(b, w, 256, False) for b in (1, 2, 4) for w in (1, 16, 24)}
+    assert set(graphs.graphs) == {(b, w, 256, False) for b in (1, 2, 3) for w in (1, 16, 24)}
     assert not engine.target.cache.lengths.any() and not engine.draft.cache.lengths.any()
     prompts = mixed_prompts(5, seed=3)
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True))
@@ -113,7 +118,8 @@ def test_graphed_outputs_equal_eager_and_the_replay_reads_nothing_back():
 
 def test_buckets():
     assert [bucket(n, BATCH_BUCKETS) for n in (1, 3, 5, 17, 33, 65, 257)] == [1, 4, 8, 24, 48, 96, None]
-    assert kv_buckets(2048) == [256, 512, 1024, 2048, 2049]
+    assert batch_buckets(3) == (1, 2, 3) and batch_buckets(64) == (1, 2, 4, 8, 16, 24, 32, 48, 64)
+    assert kv_buckets(2048) == [256, 512, 768, 1024, 1280, 1536, 1792, 2048, 2049]   # eager's grid on CUDA
     assert kv_buckets(100) == [101]
 
 
@@ -151,8 +157,10 @@ def test_a_graphed_draft_loop_and_verify_give_the_targets_greedy_tokens(tiny_dir
 
 
 def test_a_graphed_draft_loop_grows_the_eager_trees(tiny_dir, tiny_head):
-    """At a batch that is its own bucket (no padding rows), the captured loop grows exactly the eager trees."""
+    """At a batch that is its own bucket (no padding rows), the captured loop grows exactly the eager trees, eager
+    reading key lengths on the graphs' grid (as on CUDA: a softmax over other key columns rounds other last bits)."""
     engine = tiny_engine(tiny_dir, tiny_head, max_batch_size=2)
+    engine.draft.cache.kv_bucket = KV_STEP
     seqs = [engine.add_request(p, SamplingParams(max_new_tokens=40, ignore_eos=True)) for p in mixed_prompts(2, 6)]
     for _ in range(3):
         engine.step()
@@ -168,3 +176,34 @@ def test_a_graphed_draft_loop_grows_the_eager_trees(tiny_dir, tiny_head):
             graphed = runner.grow_from(ready, torch.stack([s.draft_hidden for s in ready]), cfg, None)
         for name in ("tokens", "parents", "depth", "valid", "ancestors", "scores"):
             assert torch.equal(getattr(graphed, name), getattr(eager, name)), name
+
+
+@pytest.mark.parametrize("width", [1, 8], ids=["plain", "tree"])
+def test_a_replayed_decode_pass_reads_the_keys_eager_attention_reads(width):
+    """Rows in slots 0..B-1 with ragged lengths (bench/graph_reads.py): at batches 1, 8 and 32 a replayed pass reads
+    as many bytes of the cache as eager attention (slices of it, key lengths on the same 256-column grid) and gathers
+    none; a pass over scattered slots 0, 2, 5 reads the 8 slots of its bucket as one slice, where eager gathers."""
+    rows = load("bench/graph_reads.py").measure(batches=(1, 8, 32), widths=(width,))
+    assert [(r["case"], r["graph_bytes"] == r["eager_bytes"], r["graph_gathered"]) for r in rows] == [
+        ("batch 1", True, 0), ("batch 8", True, 0), ("batch 32", True, 0), ("scattered 0,2,5", False, 0)]
+    scattered = rows[-1]
+    assert scattered["graph_key"][0] == 8 and scattered["eager_gathered"] > 0
+    assert scattered["graph_bytes"] == 8 * scattered["eager_bytes"] // 3 // 2   # eager: 3 rows read twice
+
+
+def test_deleting_an_engine_frees_its_kv_caches_without_a_garbage_collection(tiny_dir):
+    """The target holds its graphs and nothing holds the target back (nor the head its draft graphs): with the
+    collector off, ``del engine`` frees the target's and the head's KV caches at once."""
+    engine = tiny_engine(tiny_dir, max_batch_size=2)
+    with_graphs(engine)
+    with_draft_graphs(engine)
+    engine.generate(mixed_prompts(2, seed=2), SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert engine.target.graphs.replays and engine.runner.draft_graphs.replays
+    caches = [weakref.ref(engine.target.cache.kv), weakref.ref(engine.draft.cache.kv)]
+    gc.collect()
+    gc.disable()
+    try:
+        del engine
+        assert [cache() is None for cache in caches] == [True, True]
+    finally:
+        gc.enable()

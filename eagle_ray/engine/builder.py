@@ -3,7 +3,8 @@ configs once (a head that does not fit its target fails before any weight loads)
 not fit fails before anything is allocated), then load the weights.
 
 ``EagleEngine.from_config`` runs :func:`load_pair` and builds the engine from what it returns; tuning the trees
-needs a running engine, so the engine does that last (``TreePolicy.adopt``).
+needs a running engine, so the engine does that last (``TreePolicy.adopt``). The engine's scheduler and model runner
+are made by :func:`build_stepping`, once when it is built and again when it restarts, so both run the same options.
 """
 from __future__ import annotations
 
@@ -13,13 +14,18 @@ from pathlib import Path
 import torch
 
 from eagle_ray.config import EngineConfig
+from eagle_ray.engine.model_runner import ModelRunner
+from eagle_ray.engine.scheduler import Feeding, Scheduler
 from eagle_ray.engine.sizing import size_engine
+from eagle_ray.engine.tree_policy import TreePolicy
 from eagle_ray.model.checkpoint import HeadCheckpoint
 from eagle_ray.model.device import pick_device, pick_dtype
 from eagle_ray.model.draft_head import DraftHead
 from eagle_ray.model.eagle3_head import Eagle3Head
 from eagle_ray.model.heads import check_head, load_head
 from eagle_ray.model.loading import resolve_draft, resolve_target, target_config_and_tokenizer
+from eagle_ray.model.memory import max_pending_pairs, pending_pair_bytes
+from eagle_ray.model.numerics import defaults_for, step_tokens
 from eagle_ray.model.target import TargetModel
 
 RANDOM_HEADS = ("random", "random-eagle3")  # untrained heads (EAGLE-2, EAGLE-3): lossless-test fixtures
@@ -108,3 +114,20 @@ def load_draft(draft: str | None, ckpts: Checkpoints, target: TargetModel, dtype
     head = (Eagle3Head if draft == "random-eagle3" else DraftHead).for_target(target.config)
     head.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight)
     return head.to(device=device, dtype=dtype).eval()
+
+
+def build_stepping(target: TargetModel, draft, config: EngineConfig, policy: TreePolicy,
+                   draft_graphs=None) -> tuple[Scheduler, ModelRunner]:
+    """An engine's scheduler and model runner, as ``config`` and the device say (the step's token budget, the head's
+    feeding, one target pass a step), both empty; ``draft_graphs``: the runner's captured draft loops, if any."""
+    budget = step_tokens(config.cache.max_step_tokens, target.device, config.cache.step_goal)
+    extend_budget = max(budget, 512)   # padded tokens a head pass takes
+    runner = ModelRunner(target, draft, extend_budget, context_vocab=config.speculation.context_vocab)
+    runner.draft_graphs = draft_graphs
+    feeding = None
+    if draft is not None:
+        pair = pending_pair_bytes(draft.feature_size, target.dtype, target.numerics.fp32_activations)
+        feeding = Feeding(extend_budget, max_pending_pairs(pair, target.max_len))
+    scheduler = Scheduler(config.cache.max_batch_size, budget, policy, feeding,
+                          one_pass=defaults_for(target.device).one_target_pass)
+    return scheduler, runner

@@ -4,12 +4,15 @@ frontier's bookkeeping) and the rerank into the tree, one graph per (batch, key 
 Eager, a depth-3 tree costs about 80 operations a level plus the rerank: several hundred kernel launches a step, as
 many as a captured target pass saves again. The loop's shapes depend only on the batch, the tree's ``top_k`` and
 ``depth`` and the key length, so it replays like the target's decode pass (``model/graphs.py``: static buffers,
-buckets, one pool). Rows past the batch are padding: their head K/V go to the scratch position (``n_valid`` 0).
+buckets, one pool, one warm-up stream per device; nothing in it refers back to itself, so it dies with its owner
+without a garbage collection). Rows past the batch are padding: their head K/V go to the scratch position
+(``n_valid`` 0).
 Context tokens (``speculative/context_vocab.py``) are padded to the configured count with ``-1`` (never drafted).
 Static trees, chains, the lookup graft and the verify cap stay eager (their shapes come from the host).
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, fields
 
 import torch
@@ -51,6 +54,7 @@ class DraftGraphs:
         return cfg.mode == "dynamic" and B <= self.max_batch and (
             context is None or context.shape[1] <= self.context_vocab)
 
+    @torch.inference_mode()
     def capture_at_load(self, tree_of) -> int:
         """Capture the draft loop of every batch bucket up to ``max_batch`` (``tree_of(batch)``: the tree a step of
         that many sequences grows; plain, static and chain trees have no graph), largest first, at the first
@@ -84,7 +88,7 @@ class DraftGraphs:
             entry = self._buffers(key[0], root_hidden, context is not None)
         self._fill(entry, slots, lengths, root_hidden, roots, context)
         if fresh:
-            entry.out = entry.graph.capture(lambda: self._loop(entry, key[1], cfg))
+            entry.out = entry.graph.capture(_loop_of(self, entry, key[1], cfg))
             self.graphs[key] = entry
         entry.graph.replay()
         self.replays += 1
@@ -131,6 +135,13 @@ class DraftGraphs:
         if entry.context is not None:
             entry.context.fill_(-1)
             entry.context[:B, : context.shape[1]] = context
+
+
+def _loop_of(graphs: DraftGraphs, entry: DraftBuffers, kv_len: int, cfg: TreeConfig):
+    """The loop a graph captures (and the replay stand-in reruns), holding its owner and buffers weakly: the
+    stand-in keeps this function in the buffers, which must not keep themselves, the graphs or the head alive."""
+    owner, buffers = weakref.ref(graphs), weakref.ref(entry)
+    return lambda: owner()._loop(buffers(), kv_len, cfg)
 
 
 def _up(values, device) -> torch.Tensor:

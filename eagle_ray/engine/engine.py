@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 
 from eagle_ray.config import EngineConfig, SamplingParams, is_plain
-from eagle_ray.engine.builder import load_pair
+from eagle_ray.engine.builder import build_stepping, load_pair
 from eagle_ray.engine.draft_graphs import DraftGraphs
-from eagle_ray.engine.model_runner import ModelRunner, StepOutput
+from eagle_ray.engine.model_runner import StepOutput
 from eagle_ray.engine.samples import copy_prefix, samples_of
-from eagle_ray.engine.scheduler import Feeding, Scheduler, StepPlan
+from eagle_ray.engine.scheduler import StepPlan
 from eagle_ray.engine.scoring import Score, score_of, scoring_sequences
 from eagle_ray.engine.sequence import Sequence
 from eagle_ray.engine.text import Detokenizer, StopStrings, TextCodec
@@ -31,8 +31,6 @@ from eagle_ray.engine.tuning import autotune
 from eagle_ray.errors import InvalidRequestError, PromptTooLongError
 from eagle_ray.model.compiled import compile_forwards
 from eagle_ray.model.draft_head import DraftHead
-from eagle_ray.model.memory import max_pending_pairs, pending_pair_bytes
-from eagle_ray.model.numerics import defaults_for, step_tokens
 from eagle_ray.model.target import TargetModel
 from eagle_ray.speculative.logprobs import TokenLogprobs
 from eagle_ray.speculative.tree import prepare_trees
@@ -65,16 +63,7 @@ class EagleEngine:
         self._ids = itertools.count()
         self.driving = threading.Lock()   # held by the one caller that steps the engine (generate, a RequestQueue)
         self.driven_by: int | None = None   # that caller's thread, while it steps (see check_driver)
-        budget = step_tokens(config.cache.max_step_tokens, target.device, config.cache.step_goal)
-        extend_budget = max(budget, 512)   # padded tokens a head pass takes
-        self.runner = ModelRunner(target, draft, extend_budget, context_vocab=config.speculation.context_vocab)
-        feeding = None
-        if draft is not None:
-            pair = pending_pair_bytes(draft.feature_size, target.dtype, target.numerics.fp32_activations)
-            feeding = Feeding(extend_budget, max_pending_pairs(pair, target.max_len))
-        self.scheduler = Scheduler(config.cache.max_batch_size, budget, self.policy, feeding,
-                                   one_pass=defaults_for(target.device).one_target_pass)
-        self._feeding, self._step_budget = feeding, budget
+        self.scheduler, self.runner = build_stepping(target, draft, config, self.policy)
         # lifetime counters: decode passes, sequences they carried (mean verify batch = sequences / passes)
         self.counters = {"decode_passes": 0, "drafted_passes": 0, "decode_sequences": 0, "verify_tokens": 0,
                          "tree_nodes": 0, "prefill_passes": 0, "prefill_sequences": 0, "decode_step_s": 0.0,
@@ -129,6 +118,7 @@ class EagleEngine:
         engine.capture_graphs()
         return engine
 
+    @torch.inference_mode()
     def capture_graphs(self) -> int:
         """With ``compile: cuda-graphs``, before the first request and after the tuner has chosen the trees: the
         target's decode passes for every batch bucket (plain roots, and each tree's verify widths) and the head's
@@ -153,10 +143,8 @@ class EagleEngine:
         if getattr(self.target, "tp", None) is not None:   # a split target: its other ranks start again
             self.target.rebind(self.target.tp.restarted())
         self.target.cache.lengths[:] = 0
-        self.scheduler = Scheduler(self.config.cache.max_batch_size, self._step_budget, self.policy, self._feeding)
-        graphs = self.runner.draft_graphs
-        self.runner = ModelRunner(self.target, self.draft, self.runner.extend_budget, self.runner.context_vocab)
-        self.runner.draft_graphs = graphs
+        self.scheduler, self.runner = build_stepping(self.target, self.draft, self.config, self.policy,
+                                                     self.runner.draft_graphs)
         if self.draft is not None:
             self._allocate_draft_cache(fresh=True)
 

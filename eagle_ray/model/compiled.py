@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from eagle_ray.model.guarded_compile import RECOMPILE_LIMIT
+
 MODES = ("off", "inductor", "cuda-graphs")
 
 
@@ -27,7 +29,7 @@ def compile_forwards(target, draft, mode: str, backend: str = "inductor") -> Non
         raise ValueError("compiled forwards need dense weights: Inductor cannot lower oneDNN-packed ones; use "
                          "cpu_linears: input_major (what cpu_linears: auto picks when model.compile is on)")
     # a graph per (contiguous slots or not) x (one row or more) x (one sequence or more) x (EAGLE-3 capture)
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     torch.fx.experimental._config.use_duck_shape = False   # equal sizes by chance are not a rule
     options = {"fullgraph": True, "dynamic": True, "backend": backend}
     for model in (target, draft):

@@ -83,6 +83,7 @@ class TargetModel:
         self.cache.kv_bucket = defaults_for(self.device).kv_bucket
         self.fused = [fuse_layer(layer, tp) for layer in self.layers] if self.numerics.fused_layers else None
         self.graphs = None   # DecodeGraphs (model/graphs.py) where compile is cuda-graphs
+        self.flex_attend = None   # flex tree attention's kernel (tree_attention.py's default: compiled on CUDA)
 
     def rebind(self, tp) -> None:
         """Run on group ``tp`` from now on (rank 0, after the other ranks restarted: ``Group.restarted``)."""
@@ -145,7 +146,7 @@ class TargetModel:
             self.tp.send("forward", tokens, slots, self.cache.lengths[slots].copy(), depth, block_mask, n_valid,
                          capture, graphed)
         if graphed and self.graphs is not None:
-            if self.graphs.fits(B, T, block_mask.shape[-1], 0):
+            if self.graphs.fits(max(slots) + 1, T, block_mask.shape[-1], 0):
                 return self.graphs.run(tokens.to(self.device), slots, depth.to(self.device), block_mask, n_valid,
                                        bool(capture))
             self.graphs.skipped += 1
@@ -222,7 +223,8 @@ class TargetModel:
         (its block mask built here, once), or SDPA over the rows' keys read with the forward's mask."""
         if self.numerics.tree_attention == "flex" and meta.key_mask.shape[2] <= FLEX_MAX_BLOCK:
             block_mask = tree_block_mask(meta, self.cache)
-            return lambda q, i: flex_tree_attention(q, self.cache, i, meta, block_mask, scale)
+            attend = self.flex_attend
+            return lambda q, i: flex_tree_attention(q, self.cache, i, meta, block_mask, scale, attend)
         return lambda q, i: masked_sdpa(q, *self.cache.read(i, meta.slots, meta.kv_len), meta, scale)
 
     @torch.inference_mode()

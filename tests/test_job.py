@@ -272,7 +272,7 @@ def test_rows_that_failed_on_an_engine_failure_are_run_again_on_resume(ray_local
             r.update(output=None, turn_outputs=None, error="KeyError: 'x'", error_kind="internal_error")
     for p in committed_parts(_local(), str(out)):
         os.remove(p)
-    writer = PartWriter(_local(), str(out), 100, set())
+    writer = PartWriter(_local(), str(out), 100, len(table))
     writer.add(table)
     writer.close()
     summary = run_job(cfg, print_fn=lambda *_: None)

@@ -132,10 +132,13 @@ class JobConfig(ProcessorConfig):
 
 
 def reads_path(input_uri: str, path: str) -> bool:
-    """Whether reading ``input_uri`` (a file, a directory read whole, or a glob whose matches are read whole)
-    would read ``path`` or a file under it."""
+    """Whether reading ``input_uri`` (a file, a directory read whole, or a glob whose matches are read whole) could
+    read ``path`` or a file under it. A name holding ``*``, ``?`` or ``[`` is read as written where it exists and
+    as a glob where it does not (``rows.py``); which one cannot be known before the run, so both count."""
+    if path == input_uri or path.startswith(input_uri + "/"):
+        return True
     if not any(c in input_uri for c in "*?["):
-        return path == input_uri or path.startswith(input_uri + "/")
+        return False
     from fsspec.utils import glob_translate   # the pattern as fsspec's glob reads it (``**`` spans 0+ folders)
     pattern = re.compile(glob_translate(input_uri))
     parts = path.split("/")

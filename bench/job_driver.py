@@ -69,12 +69,19 @@ def one_run(a) -> int:
     import eagle_ray
     assert Path(eagle_ray.__file__).resolve().is_relative_to(Path(a.code).resolve()), eagle_ray.__file__
     cfg = JobConfig(**json.loads(a.config))
-    lines: list[tuple[float, int]] = []
+    if a.block_rows:
+        import eagle_ray.batch.job as job
+        job.rows_per_block = lambda cfg: a.block_rows
+    lines: list[tuple[float, int, float]] = []
+
+    def cpu() -> float:
+        u = resource.getrusage(resource.RUSAGE_SELF)
+        return u.ru_utime + u.ru_stime
 
     def progress(line: str) -> None:
         m = PROGRESS.match(line)
         if m:
-            lines.append((time.perf_counter(), int(m.group(1))))
+            lines.append((time.perf_counter(), int(m.group(1)), cpu(), time.thread_time()))
 
     ray_s = 0.0
     if a.phase == "job":
@@ -87,21 +94,26 @@ def one_run(a) -> int:
     t0 = time.perf_counter()
     summary = run_job(cfg, print_fn=progress)
     wall = time.perf_counter() - t0
-    flowing = [(t, n) for t, n in lines if n > 0]
-    rate = None
-    if len(flowing) >= 2 and flowing[-1][0] > flowing[0][0]:
-        rate = (flowing[-1][1] - flowing[0][1]) / (flowing[-1][0] - flowing[0][0])
+    flowing = [x for x in lines if x[1] > 0]
+    rate = cpu_per_row = main_per_row = None
+    if len(flowing) >= 2 and flowing[-1][1] > flowing[0][1]:
+        (t0_, n0, c0, m0), (t1, n1, c1, m1) = flowing[0], flowing[-1]
+        rate, cpu_per_row, main_per_row = (n1 - n0) / (t1 - t0_), (c1 - c0) / (n1 - n0), (m1 - m0) / (n1 - n0)
     print(json.dumps({"phase": a.phase, "wall_s": round(wall, 2), "ray_init_s": round(ray_s, 2),
                       "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
                       "rows": summary["rows"], "written_this_run": summary["written_this_run"],
                       "errors": summary["errors"], "tau_p50": summary["tau_p50"],
                       "rows_per_s_flowing": None if rate is None else round(rate, 1),
+                      "driver_cpu_us_per_row_flowing": None if cpu_per_row is None else round(cpu_per_row * 1e6, 1),
+                      "main_thread_cpu_us_per_row_flowing": None if main_per_row is None else round(main_per_row * 1e6,
+                                                                                                    1),
+                      "driver_cpu_s": round(cpu(), 2),
                       "first_row_after_s": round(flowing[0][0] - t0, 2) if flowing else None,
                       "last_row_to_end_s": round(t0 + wall - flowing[-1][0], 2) if flowing else None}))
     return 0
 
 
-def child(code: str, shape: str, rows: int, work: Path, phase: str, a) -> dict:
+def child(code: str, shape: str, rows: int, work: Path, phase: str, a, block_rows: int | None = None) -> dict:
     """One run in a fresh process (its own peak RSS), its stdout's last line parsed."""
     inp = write_input(work / f"in-{rows}.jsonl", rows)
     out = work / f"out-{Path(code).resolve().name}-{shape}-{rows}"
@@ -109,7 +121,8 @@ def child(code: str, shape: str, rows: int, work: Path, phase: str, a) -> dict:
         shutil.rmtree(out)
     cfg = job_config(inp, out, a.batch_size)
     cmd = [sys.executable, str(HERE / "job_driver.py"), "one", "--code", code, "--shape", shape, "--phase", phase,
-           "--config", json.dumps(cfg), "--ray-cpus", str(a.ray_cpus)]
+           "--config", json.dumps(cfg), "--ray-cpus", str(a.ray_cpus)] + \
+        (["--block-rows", str(block_rows)] if block_rows else [])
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PYTHONPATH")}
     env.update(PYTHONPATH=os.pathsep.join([code, str(HERE)]), RAY_USAGE_STATS_ENABLED="0")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -124,6 +137,10 @@ def codes(a) -> dict[str, str]:
         name, _, path = spec.partition("=")
         out[name] = str(Path(path or name).resolve())
     return out
+
+
+def blocks(a) -> dict[str, int]:
+    return {name: int(rows) for name, _, rows in (spec.partition("=") for spec in a.block)}
 
 
 def cmd_scale(a) -> int:
@@ -154,8 +171,8 @@ def cmd_throughput(a) -> int:
     runs = []
     for r in range(a.rounds):
         for name in names if r % 2 == 0 else names[::-1]:
-            job = child(codes(a)[name], a.shape, a.rows, work, "job", a)
-            runs.append({"round": r, "code": name, **job})
+            job = child(codes(a)[name], a.shape, a.rows, work, "job", a, blocks(a).get(name))
+            runs.append({"round": r, "code": name, "block_rows": blocks(a).get(name), **job})
             print(json.dumps(runs[-1]), flush=True)
     by = {n: [x["rows_per_s_flowing"] for x in runs if x["code"] == n] for n in names}
     result = {"what": "rows/s of the batch job's pipeline with an instant engine, from the first progress line "
@@ -174,6 +191,8 @@ def add_commands(sub) -> None:
         p.add_argument("--ray-cpus", type=int, default=4, help="logical CPUs of the local Ray")
         p.add_argument("--batch-size", type=int, default=16, help="actors.batch_size")
         p.add_argument("--work", default=None, help="folder for inputs and outputs (default: a new temp folder)")
+        p.add_argument("--block", action="append", default=[], metavar="NAME=ROWS",
+                       help="rows per input block of the checkout NAME (one that has rows_per_block)")
 
     p = subcommand(sub, "scale", cmd_scale, "driver peak RSS and wall time of a job and of its no-op resume")
     common(p)
@@ -189,6 +208,8 @@ def add_commands(sub) -> None:
     p.add_argument("--phase", required=True, choices=["job", "resume"])
     p.add_argument("--config", required=True)
     p.add_argument("--ray-cpus", type=int, default=4)
+    p.add_argument("--block-rows", type=int, default=None, help="rows per input block (a checkout that has "
+                   "rows_per_block)")
     p.set_defaults(run=one_run)
 
 

@@ -10,8 +10,8 @@ rewrites their part without them and runs them again.
 The driver's path is columnar and its memory does not grow with the output: result batches arrive as Arrow tables,
 are deduplicated by their input row's position (a bit per input row), written as they are, and folded into the
 summary (``summary.py``) as each part commits; a resume reads only the columns it needs of each part, once. Input
-goes to Ray as Arrow blocks of ``actors.batch_size`` rows, so a block is one batch: what a killed actor's retry
-redoes, and the grain of the job's tail.
+goes to Ray as Arrow blocks of a few actor batches (:func:`rows_per_block`): what a killed actor's retry redoes, and
+the grain of the job's tail.
 
 The driver stops promptly on SIGTERM (what ``ray job stop`` and Kubernetes send): it commits the rows that are
 finished, writes the summary and exits with status 143; a re-run resumes. A run whose output another run took
@@ -398,11 +398,14 @@ def run_job(cfg: JobConfig, print_fn=print) -> dict:
         lease.release()
 
 
+BATCHES_PER_BLOCK = 4   # what Ray Data runs at once of an async stage's batches within one call (its default)
+
+
 def rows_per_block(cfg: JobConfig) -> int:
-    """Rows of each block the job hands Ray: one actor batch. A block is what Ray retries when an actor dies
-    (the rows it redoes) and the grain of the job's tail (the last blocks run on a few actors), so it is as small as
-    one call of the actor takes."""
-    return cfg.actors.batch_size
+    """Rows of each block the job hands Ray: the batches one actor call runs at once. A block is what Ray redoes
+    when an actor dies and the grain of the job's tail, so it is no larger; each costs Ray (and the driver's
+    scheduling thread) a task, so it is no smaller."""
+    return cfg.actors.batch_size * BATCHES_PER_BLOCK
 
 
 def run_leased(cfg: JobConfig, inputs: pa.Table, out_fs, out_root: str, lease: OutputLease, recorded: dict | None,
@@ -456,7 +459,9 @@ def run_leased(cfg: JobConfig, inputs: pa.Table, out_fs, out_root: str, lease: O
             from eagle_ray.batch.processor import Processor
             n = rows_per_block(cfg)
             blocks = [runnable.slice(i, n) for i in range(0, runnable.num_rows, n)]
-            ds = Processor(ProcessorConfig.of(cfg)).generate(ray.data.from_arrow(blocks))
+            # blocks as they are, their metadata read here (from_arrow asks a task per block for it)
+            from_blocks = getattr(ray.data, "from_blocks", ray.data.from_arrow)
+            ds = Processor(ProcessorConfig.of(cfg)).generate(from_blocks(blocks))
             progress = Progress(runnable.num_rows, cfg.progress_every_s, print_fn)
             for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
                 progress.add(writer.add(batch))

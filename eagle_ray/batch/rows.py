@@ -43,7 +43,7 @@ def error_kind(err: BaseException) -> str:
     return INTERNAL_ERROR
 
 
-@dataclass
+@dataclass(slots=True)
 class InputRow:
     row_index: int | None
     id: str

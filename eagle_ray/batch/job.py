@@ -274,7 +274,9 @@ class PartWriter:
         if self.stopped:
             return
         table = pa.concat_tables(self.buffer, promote_options="default") if len(self.buffer) > 1 else self.buffer[0]
-        part = table.slice(0, n).select(OUTPUT_SCHEMA.names).cast(OUTPUT_SCHEMA)
+        part = table.slice(0, n)
+        if part.schema != OUTPUT_SCHEMA:
+            part = part.select(OUTPUT_SCHEMA.names).cast(OUTPUT_SCHEMA)
         self.committing = True
         try:
             try:
@@ -456,6 +458,8 @@ def run_leased(cfg: JobConfig, inputs: pa.Table, out_fs, out_root: str, lease: O
                                                      int(cfg.actors.pool[1] * cfg.actors.num_cpus))))
             if _main_thread():  # ray.init may install its own handler
                 signal.signal(signal.SIGTERM, _on_sigterm(writer))
+            import ray.data
+
             from eagle_ray.batch.processor import Processor
             n = rows_per_block(cfg)
             blocks = [runnable.slice(i, n) for i in range(0, runnable.num_rows, n)]

@@ -94,8 +94,27 @@ class JobSummary:
         self.actors: dict[str, list] = {}         # worker -> [rows, tokens, first started, last finished]
         self.first_started = self.last_finished = None
         self.order = FinishOrder()
+        self._pending: list[pa.Table] = []
+        self._pending_rows = 0
+
+    FOLD_ROWS = 1 << 14   # this run's rows are folded this many at a time (each fold costs some 30 compute calls)
 
     def add(self, table: pa.Table, this_run: bool = False) -> None:
+        if this_run:   # only the columns the summary reads, held until a fold's worth has come
+            self._pending.append(table.select(RUN_COLUMNS))
+            self._pending_rows += table.num_rows
+            if self._pending_rows >= self.FOLD_ROWS:
+                self._fold_pending()
+        else:
+            self._fold(table, False)
+
+    def _fold_pending(self) -> None:
+        if self._pending:
+            table = pa.concat_tables(self._pending, promote_options="default")
+            self._pending, self._pending_rows = [], 0
+            self._fold(table, True)
+
+    def _fold(self, table: pa.Table, this_run: bool) -> None:
         if table.num_rows == 0:
             return
         self.rows += table.num_rows
@@ -154,6 +173,7 @@ class JobSummary:
         return None   # not reached: the bins count every row
 
     def result(self, written_this_run: int, wall: float) -> dict:
+        self._fold_pending()
         gen = self.generated
         span = (self.last_finished - self.first_started).total_seconds() if self.first_started and \
             self.last_finished else None

@@ -36,8 +36,9 @@ class ActorsConfig(StrictModel):
                             "engines of a small target on one GPU, each planning its memory from its share; a "
                             "target split over N GPUs (engine.tensor_parallel N) takes N")
     batch_size: int = Field(16, ge=1, description="rows per Ray Data batch handed to an actor")
-    max_concurrent_batches: int = Field(4, ge=1, description="batches in flight per actor, all feeding one "
-                                        "continuously batched engine")
+    max_concurrent_batches: int = Field(4, ge=1, description="calls in flight per actor, all feeding one "
+                                        "continuously batched engine (a call of the job holds a block of four "
+                                        "batches, run together)")
     row_retries: int = Field(1, ge=1, description="after the engine fails under a batch, each of its unfinished "
                              "rows runs alone on a restarted engine up to this many times; a row that still fails "
                              "is an engine_failed error row")

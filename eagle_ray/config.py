@@ -91,6 +91,12 @@ class SamplingParams(StrictModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    # what a request gets back besides its text: log-probabilities, and several samples of one prompt
+    logprobs: int | None = Field(None, ge=0, le=20, description="per output token, the target's raw "
+                                 "log-probability (before temperature, top-k and top-p) and the k most probable "
+                                 "alternatives; 0: the chosen token's alone; None: off")
+    n: int = Field(1, ge=1, le=1024, description="samples of the prompt, each one sequence; the prompt is "
+                   "prefilled once for all of them (engine/samples.py)")
 
     @model_validator(mode="before")
     @classmethod

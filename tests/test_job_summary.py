@@ -123,7 +123,7 @@ def finished_output(tmp_path, n: int = 100, rows_per_file: int = 10):
 
 
 def test_a_resume_of_a_finished_output_reads_each_part_once_and_only_the_columns_it_needs(tmp_path, monkeypatch):
-    """Nothing to run: no Ray, no model; each part is opened once for its ids, inputs, errors and taus."""
+    """Nothing to run: no Ray, no model; each part is opened once for its ids, samples, inputs, errors and taus."""
     import eagle_ray.engine.engine as engine
     cfg, rows = finished_output(tmp_path)
     reads = []
@@ -132,7 +132,8 @@ def test_a_resume_of_a_finished_output_reads_each_part_once_and_only_the_columns
     monkeypatch.setattr(engine.EagleEngine, "from_config", lambda *a, **k: pytest.fail("a model was loaded"))
     monkeypatch.setattr(job_module, "ensure_ray", lambda *a: pytest.fail("Ray started"))
     summary = run_job(cfg, print_fn=lambda *_: None)
-    assert len(reads) == 10 and all(set(c) == {"id", "input", "error", "error_kind", "tau"} for c in reads)
+    assert len(reads) == 10 and all(set(c) == {"id", "input", "sample_index", "sampling_params", "error", "error_kind",
+                                              "tau"} for c in reads)
     want = reference(rows, set())
     assert (summary["rows"], summary["errors"], summary["error_kinds"], summary["written_this_run"]) == \
         (100, want["errors"], want["error_kinds"], 0)

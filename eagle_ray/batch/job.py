@@ -84,14 +84,15 @@ def committed_parts(fs, root: str) -> list[str]:
 
 def read_part(fs, path: str, columns: list[str] | tuple[str, ...] | None = None) -> pa.Table:
     """A committed part, whole or only ``columns`` (the others are not read; a column an older part lacks is
-    null)."""
+    null; ``sampling_params``, mostly one value repeated, is read as a dictionary)."""
     try:
         with fs.open(path, "rb") as f:
             if columns is None:
                 return pq.read_table(f)
             have = set(pq.ParquetFile(f).schema_arrow.names)
             f.seek(0)
-            table = pq.read_table(f, columns=[c for c in columns if c in have])
+            table = pq.read_table(f, columns=[c for c in columns if c in have],
+                                  read_dictionary=[c for c in ("sampling_params",) if c in columns and c in have])
     except (pa.ArrowException, OSError) as e:
         raise ConfigError(f"output part {path} is not readable Parquet ({e}); move it out of the output "
                           "directory and run again: its rows will be generated again") from None
@@ -130,6 +131,11 @@ def check_output_identity(fs, root: str, cfg: JobConfig) -> dict | None:
     path, mine = f"{root}/{JOB_FILE}", output_identity(cfg)
     if fs.exists(path) and committed_parts(fs, root):   # a first run that wrote no row binds nothing
         theirs = json.loads(fs.cat_file(path))
+        try:   # sampling fields added since it was written take their defaults, which it ran with
+            from eagle_ray.config import SamplingParams
+            theirs["sampling"] = SamplingParams(**theirs["sampling"]).model_dump(mode="json")
+        except (ConfigError, TypeError, KeyError):
+            pass
         changed = [k for k in STRICT_IDENTITY if k in theirs and theirs[k] != mine[k]]
         if isinstance(theirs.get("max_model_len"), int) and mine["max_model_len"] < theirs["max_model_len"]:
             changed.append("max_model_len")
@@ -146,14 +152,35 @@ def check_output_identity(fs, root: str, cfg: JobConfig) -> dict | None:
 
 @dataclass
 class Resumed:
-    """What a resume found: the ids already done, and how many rows it dropped to run again, by why."""
-    done: pa.ChunkedArray
+    """What a resume found: the ids already done (every sample there, or an error row), the (id, sample) pairs
+    already there of rows not done (a stop between two parts left some of a row's ``n`` samples out), every id
+    kept, and how many rows it dropped to run again, by why."""
+    done: pa.Array
+    partial: pa.Table
+    ids: pa.Array
     retried: int = 0        # failed with the engine or on a bug
     changed: int = 0        # their id now stands for another input row
     roomier: int = 0        # refused or cut by a smaller max_model_len than this run's
 
+    @classmethod
+    def nothing(cls) -> "Resumed":
+        empty = pa.array([], pa.string())
+        return cls(empty, pa.table({"id": empty, "sample_index": pa.array([], pa.int64())}), empty)
+
 
 RESUME_GROUP_ROWS, RESUME_GROUP_BYTES = 1 << 18, 64 << 20   # parts checked against the input together
+_N_ASKED = r'[{,]\s*"n"\s*:\s*(?P<n>[0-9]+)'   # ``n`` in a row's ``sampling_params`` (a JSON object)
+
+
+def samples_asked(params: pa.ChunkedArray) -> pa.Array:
+    """Each row's ``n`` (1 where not recorded), read from ``sampling_params`` (read as a dictionary: a job's rows
+    mostly share theirs, so each distinct value is matched once)."""
+    out = []
+    for chunk in params.chunks:
+        values, indices = (chunk.dictionary, chunk.indices) if pa.types.is_dictionary(chunk.type) else (chunk, None)
+        n = pc.cast(pc.struct_field(pc.extract_regex(values, _N_ASKED), [0]), pa.int64())
+        out.append(pc.fill_null(n if indices is None else pc.take(n, indices), 1))
+    return pa.concat_arrays(out) if out else pa.array([], pa.int64())
 
 
 def resume_output(fs, root: str, inputs: pa.Table, summary: JobSummary, roomier_than: int | None = None,
@@ -165,10 +192,10 @@ def resume_output(fs, root: str, inputs: pa.Table, summary: JobSummary, roomier_
     was written with and this run's is larger, those it refused (``prompt_too_long``) or cut at the context's end;
     fold the rest into ``summary``. Parts are matched to the input a group at a time (up to ``RESUME_GROUP_ROWS``
     rows or ``RESUME_GROUP_BYTES``), so that the input's ids are hashed once a group, not once a part."""
-    columns = ["id", "input", *SUMMARY_COLUMNS]
+    columns = ["id", "input", "sample_index", "sampling_params", *SUMMARY_COLUMNS]
     if roomier_than is not None:
         columns += ["finish_reason", "output_token_ids", "max_new_tokens"]
-    out, done, group = Resumed(pa.chunked_array([], pa.string())), [], []
+    out, done, ids, samples, group = Resumed.nothing(), [], [], [], []
 
     def check(group: list[tuple[str, pa.Table]]) -> None:
         table = pa.concat_tables([t for _, t in group])
@@ -188,7 +215,19 @@ def resume_output(fs, root: str, inputs: pa.Table, summary: JobSummary, roomier_
                     write_parquet_atomic(fs, path, read_part(fs, path).filter(pc.invert(mask)))
         kept = table.filter(pc.invert(drop))
         summary.add(kept.select(SUMMARY_COLUMNS))
-        done.append(kept.column("id").combine_chunks())
+        kept_ids = kept.column("id").combine_chunks()
+        ids.append(kept_ids)
+        # a row is done by itself where it asked one sample or failed; a row of n samples once all n are there
+        asked = samples_asked(kept.column("sampling_params"))
+        failed = pc.fill_null(pc.greater(pc.utf8_length(kept.column("error")), 0), False).combine_chunks()
+        alone = pc.or_(failed, pc.less_equal(asked, 1))
+        done.append(kept_ids.filter(alone))
+        if not pc.all(alone).as_py():
+            several = pc.invert(alone)
+            samples.append(pa.table({"id": kept_ids.filter(several),
+                                     "sample_index": pc.fill_null(kept.column("sample_index"), 0)
+                                     .combine_chunks().filter(several),
+                                     "n": asked.filter(several)}))
 
     rows = size = 0
     for path in committed_parts(fs, root):
@@ -200,7 +239,17 @@ def resume_output(fs, root: str, inputs: pa.Table, summary: JobSummary, roomier_
             group, rows, size = [], 0, 0
     if group:
         check(group)
-    out.done = pa.chunked_array(done, pa.string())
+    out.ids = pa.concat_arrays(ids) if ids else out.ids
+    done = pa.concat_arrays(done) if done else out.done
+    if samples:
+        several = pa.concat_tables(samples)
+        per = several.group_by("id").aggregate([("sample_index", "count_distinct"), ("n", "max")])
+        all_there = per.column("id").filter(pc.greater_equal(per.column("sample_index_count_distinct"),
+                                                              per.column("n_max")))
+        done = pa.concat_arrays([done, all_there.combine_chunks()])
+        out.partial = several.filter(pc.invert(pc.is_in(several.column("id"), value_set=done))) \
+            .select(["id", "sample_index"])
+    out.done = done
     return out
 
 
@@ -223,16 +272,21 @@ def rerun_mask(table: pa.Table, inputs: pa.Table, roomier: bool) -> tuple[pa.Arr
     return drop.combine_chunks() if isinstance(drop, pa.ChunkedArray) else drop, why
 
 
+SAMPLE_BITS = 10   # sample indices below 1024 (``sampling_params.n`` is at most 1024)
+
+
 class PartWriter:
     """Buffers result rows (Arrow tables) and commits them ``rows_per_file`` at a time, each row once: rows are
-    keyed by their input row's position (``row_index``, one bit each of ``slots``), so a batch that Ray retried
-    adds nothing twice. ``before_commit()`` runs before every part is written (the lease's check: it raises to stop
+    keyed by their input row's position (``row_index``, one bit each of ``slots``) and their ``sample_index`` (a
+    row of ``n`` samples writes ``n``; samples past the first are kept in a set), so a batch that Ray retried adds
+    nothing twice. ``before_commit()`` runs before every part is written (the lease's check: it raises to stop
     the run), ``after_commit(table)`` after (the summary's fold)."""
 
     def __init__(self, fs, root: str, rows_per_file: int, slots: int, run: str | None = None,
                  before_commit=lambda: None, after_commit=lambda table: None):
         self.fs, self.root, self.rows_per_file = fs, root.rstrip("/"), rows_per_file
-        self.seen = np.zeros(slots, dtype=bool)
+        self.seen = np.zeros(slots, dtype=bool)     # sample 0 (a row's only one without n) of each input row
+        self.samples: set[int] = set()               # further samples: row_index << SAMPLE_BITS | sample_index
         self.before_commit, self.after_commit = before_commit, after_commit
         self.run = run or new_run_id()
         self.buffer: list[pa.Table] = []
@@ -245,17 +299,41 @@ class PartWriter:
         if isinstance(fs, LocalFileSystem):
             fs.makedirs(self.root, exist_ok=True)
 
+    def mark(self, row_index: np.ndarray, sample_index: np.ndarray) -> np.ndarray:
+        """Mark these (input row, sample) pairs as written; returns which of them were not before (a pair twice in
+        the arrays: its first)."""
+        at, sample = row_index.astype(np.int64), sample_index.astype(np.int64)
+        key = (at << SAMPLE_BITS) | sample
+        first = np.zeros(len(at), dtype=bool)
+        first[np.unique(key, return_index=True)[1]] = True
+        new = first & ~self.seen[at]
+        more = sample > 0
+        if more.any():   # a row's further samples: by key (an eval job's n samples; rare, and few per row)
+            for i in np.flatnonzero(more & first):
+                k = int(key[i])
+                new[i] = k not in self.samples
+                self.samples.add(k)
+        self.seen[at[new & ~more]] = True
+        return new
+
+    def written_before(self, pairs: pa.Table, inputs: pa.Table) -> None:
+        """Mark (``id``, ``sample_index``) ``pairs`` already in the output (a resume's samples of rows not done:
+        :attr:`Resumed.partial`) as written; ``inputs`` maps this run's ids to their ``row_index``."""
+        if pairs.num_rows:
+            at = pc.index_in(pairs.column("id"), value_set=inputs.column("id"))
+            there = pc.is_valid(at)
+            self.mark(pc.take(inputs.column("row_index"), at.filter(there)).to_numpy(),
+                      pc.fill_null(pairs.column("sample_index"), 0).filter(there).to_numpy())
+
     def add(self, rows: pa.Table | list[dict]) -> pa.Table:
         """Buffer the rows not seen before and commit every full part; returns the rows taken."""
         table = rows if isinstance(rows, pa.Table) else to_table(rows)
         index = table.column("row_index")
         if index.null_count:
             raise ValueError("every row the job writes has its input row's position (row_index)")
-        at = index.to_numpy()
-        first = np.zeros(len(at), dtype=bool)
-        first[np.unique(at, return_index=True)[1]] = True      # a row twice in one batch: its first
-        new = first & ~self.seen[at]
-        self.seen[at[new]] = True
+        sample = pc.fill_null(table.column("sample_index"), 0) if "sample_index" in table.column_names else \
+            pa.array(np.zeros(table.num_rows, dtype=np.int64))
+        new = self.mark(index.to_numpy(), np.asarray(sample.to_numpy(zero_copy_only=False)))
         if not new.all():
             table = table.filter(pa.array(new))
         if table.num_rows:
@@ -311,8 +389,10 @@ class Progress:
         self.step_tokens = 0.0
 
     def add(self, rows: pa.Table) -> None:
-        """Count a table of result rows (column sums, no row loop)."""
-        self.rows += rows.num_rows
+        """Count a table of result rows (column sums, no row loop; an input row's samples count once)."""
+        sample = rows.column("sample_index") if "sample_index" in rows.column_names else None
+        self.rows += rows.num_rows - (pc.sum(pc.fill_null(pc.greater(sample, 0), False).cast(pa.int64())).as_py()
+                                      or 0 if sample is not None else 0)
         self.tokens += pc.sum(rows.column("output_tokens")).as_py() or 0
         steps = rows.column("verify_steps")
         self.steps += pc.sum(steps).as_py() or 0
@@ -421,13 +501,14 @@ def run_leased(cfg: JobConfig, inputs: pa.Table, out_fs, out_root: str, lease: O
         resumed = resume_output(out_fs, out_root, inputs.select(["id", "payload"]), summary, roomier_than,
                                 lease.check)
     else:
-        resumed = Resumed(pa.chunked_array([], pa.string()))
+        resumed = Resumed.nothing()
     if recorded is not None and recorded != mine:   # now that the rows it no longer binds are dropped
         lease.check()
         put_atomic(out_fs, f"{out_root}/{JOB_FILE}", json.dumps(mine, indent=1).encode())
-    done = resumed.done
+    done, ids = resumed.done, resumed.ids
     todo = inputs.filter(pc.invert(pc.is_in(inputs.column("id"), value_set=done))) if len(done) else inputs
-    unmatched = len(done) - (pc.sum(pc.is_in(done, value_set=inputs.column("id"))).as_py() or 0) if len(done) else 0
+    unmatched = pc.count_distinct(ids.filter(pc.invert(pc.is_in(ids, value_set=inputs.column("id"))))).as_py() \
+        if len(ids) else 0
     again = ", ".join(f"{n} {why}" for n, why in ((resumed.retried, "failed rows to retry"),
                                                   (resumed.roomier, f"rows refused or cut by max_model_len {was}"))
                       if n)
@@ -444,6 +525,7 @@ def run_leased(cfg: JobConfig, inputs: pa.Table, out_fs, out_root: str, lease: O
     started = now()
     writer = PartWriter(out_fs, out_root, cfg.output.rows_per_file, inputs.num_rows, run=lease.mine["run"],
                         before_commit=lease.check, after_commit=lambda table: summary.add(table, this_run=True))
+    writer.written_before(resumed.partial, inputs)
     interrupted = False
     previous = signal.signal(signal.SIGTERM, _on_sigterm(writer)) if _main_thread() else None
     try:

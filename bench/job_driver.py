@@ -20,6 +20,15 @@ and the rows/s the pipeline moves once rows flow.
         python bench/job_driver.py throughput --code before=/path/to/base --code after=. --rows 100000 --rounds 2 \
             --out bench/results/<hardware>/job_driver_throughput.json
 
+``resume``
+    The no-op resume alone at each shape and rows count, on one finished output written straight to Parquet (the
+    rows an instant-engine job writes, ``rows_per_file`` 256, no Ray): each checkout in turn resumes it in a fresh
+    process (nothing to run: its peak RSS and wall time are the resume's and the summary's). For sizes whose job
+    would take long on a small machine.
+
+        python bench/job_driver.py resume --code before=/path/to/base --code after=. \
+            --shape short:1000000 --shape long:100000 --out bench/results/<hardware>/job_driver_resume.json
+
 Every subcommand writes JSON naming the hardware, torch version, threads and command line (``harness.py``).
 """
 from __future__ import annotations
@@ -63,6 +72,11 @@ def job_config(inp: Path, out: Path, batch_size: int) -> dict:
 
 def one_run(a) -> int:
     """In a fresh process: the job (or its resume) once; prints its figures as JSON."""
+    # the harness put this repository first and imported its eagle_ray: the checkout's replaces both
+    import repo_root
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != repo_root.ROOT]
+    for name in [m for m in sys.modules if m == "eagle_ray" or m.startswith("eagle_ray.")]:
+        del sys.modules[name]
     sys.path.insert(0, a.code)
     from eagle_ray.batch.config import JobConfig
     from eagle_ray.batch.job import run_job
@@ -84,6 +98,12 @@ def one_run(a) -> int:
             lines.append((time.perf_counter(), int(m.group(1)), cpu(), time.thread_time()))
 
     ray_s = 0.0
+    if a.phase == "resume":   # nothing may run: a resume that finds rows to send fails rather than starting Ray
+        import eagle_ray.batch.job as job
+
+        def no_ray(*args):
+            raise RuntimeError("the resume found rows to run")
+        job.ensure_ray = no_ray
     if a.phase == "job":
         import ray
         from instant_engine import ray_runtime_env
@@ -131,6 +151,55 @@ def child(code: str, shape: str, rows: int, work: Path, phase: str, a, block_row
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def write_finished_output(inp: Path, out: Path, shape: str, rows_per_file: int = 256) -> int:
+    """The output an instant-engine job of ``inp`` leaves (this checkout's schema and answers), written part by part
+    straight to Parquet; returns its rows."""
+    from datetime import datetime, timezone
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from instant_engine import instant_answer
+
+    from eagle_ray.batch.config import JobConfig
+    from eagle_ray.batch.rows import OUTPUT_SCHEMA, read_input
+    from eagle_ray.batch.store import write_parquet_atomic
+    from fsspec.implementations.local import LocalFileSystem
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    fs, tokens = LocalFileSystem(), SHAPES[shape]
+    rows = read_input(str(inp), fs)
+    cfg = JobConfig(**job_config(inp, out, 16))
+    import zlib
+    fixed = {"target_model": "instant", "draft_model": "instant", "speculative": True, "temperature": 0.0,
+             "top_p": 1.0, "top_k": 0, "max_new_tokens": tokens, "sampling_params": cfg.sampling.model_dump_json(),
+             "tree": json.dumps({"instant": True}), "head_version": 0, "sample_index": 0}
+    # a row's answer depends on its id only through tau's 400 values: one answer row each, taken by index
+    answers = [instant_answer(rid, tokens) for rid in (next(f"x{i}" for i in range(10**6)
+                                                            if zlib.crc32(f"x{i}".encode()) % 400 == k)
+                                                       for k in range(400))]
+    per_row = [f for f in OUTPUT_SCHEMA if f.name in answers[0] or f.name in fixed]
+    answer_table = pa.table({f.name: pa.array([fixed[f.name] if f.name in fixed else x[f.name] for x in answers],
+                                              f.type) for f in per_row})
+    stamp = datetime.now(timezone.utc)
+    for n, start in enumerate(range(0, len(rows), rows_per_file)):
+        chunk = rows[start:start + rows_per_file]
+        which = pa.array([zlib.crc32(r.id.encode("utf-8", "surrogatepass")) % 400 for r in chunk])
+        taken = answer_table.take(which)
+        own = {"id": pa.array([r.id for r in chunk], pa.string()),
+               "row_index": pa.array([r.row_index for r in chunk], pa.int64()),
+               "input": pa.array([r.payload for r in chunk], pa.string()),
+               "started_at": pa.array([stamp] * len(chunk), OUTPUT_SCHEMA.field("started_at").type),
+               "finished_at": pa.array([stamp] * len(chunk), OUTPUT_SCHEMA.field("finished_at").type),
+               "worker_id": pa.array([f"instant-{i % 2}" for i in range(len(chunk))], pa.string())}
+        table = pa.table({f.name: own[f.name] if f.name in own else taken.column(f.name) if f.name in
+                          taken.column_names else pa.nulls(len(chunk), f.type) for f in OUTPUT_SCHEMA},
+                         schema=OUTPUT_SCHEMA)
+        write_parquet_atomic(fs, str(out / f"part-finished-{n:06d}.parquet"), table)
+    assert pq.ParquetFile(next(out.iterdir())).schema_arrow.names == OUTPUT_SCHEMA.names
+    return len(rows)
+
+
 def codes(a) -> dict[str, str]:
     out = {}
     for spec in a.code:
@@ -160,6 +229,41 @@ def cmd_scale(a) -> int:
                       "of it, each in a fresh process (peak_rss_mb: the driver's ru_maxrss)",
               "checkouts": codes(a), "ray_cpus": a.ray_cpus, "actors": 2, "batch_size": a.batch_size,
               "runs": results}
+    write_result(a.out, result, a.command)
+    return 0
+
+
+def cmd_resume(a) -> int:
+    work = Path(a.work or tempfile.mkdtemp(prefix="bench-job-driver-"))
+    work.mkdir(parents=True, exist_ok=True)
+    results, names = [], list(codes(a))
+    for spec in a.shape:
+        shape, _, rows = spec.partition(":")
+        inp = write_input(work / f"in-{rows}.jsonl", int(rows))
+        finished = work / f"finished-{shape}-{rows}"
+        t = time.perf_counter()
+        written = write_finished_output(inp, finished, shape)
+        made_s = time.perf_counter() - t
+        for r in range(a.rounds):
+            for name in names if r % 2 == 0 else names[::-1]:
+                for extra in ("_job.json", "summary.json"):   # each checkout records its own settings
+                    (finished / extra).unlink(missing_ok=True)
+                out = work / f"out-{Path(codes(a)[name]).name}-{shape}-{rows}"
+                shutil.rmtree(out, ignore_errors=True)
+                shutil.copytree(finished, out)
+                resume = child(codes(a)[name], shape, int(rows), work, "resume", a)
+                shutil.rmtree(out, ignore_errors=True)
+                results.append({"round": r, "code": name, "shape": shape, "answer_tokens": SHAPES[shape],
+                                "rows": int(rows), "output_written_s": round(made_s, 1), "resume": resume})
+                print(json.dumps(results[-1]), flush=True)
+                if resume["rows"] != written or resume["written_this_run"]:
+                    raise RuntimeError(f"{name}: the resume did not find the {written} rows finished: {resume}")
+        shutil.rmtree(finished, ignore_errors=True)
+    result = {"what": "a no-op resume of a finished output (written straight to Parquet as an instant-engine job "
+                      "leaves it, 256 rows per part), each checkout in turn in a fresh process: peak_rss_mb is the "
+                      "driver's ru_maxrss, wall_s the resume and the summary",
+              "checkouts": codes(a), "runs": results,
+              "notes": "the machine (2 cores) was shared with other work while this ran; the checkouts took turns"}
     write_result(a.out, result, a.command)
     return 0
 
@@ -197,6 +301,10 @@ def add_commands(sub) -> None:
     p = subcommand(sub, "scale", cmd_scale, "driver peak RSS and wall time of a job and of its no-op resume")
     common(p)
     p.add_argument("--shape", action="append", default=[], metavar="SHAPE:ROWS", help="short:N or long:N")
+    p = subcommand(sub, "resume", cmd_resume, "driver peak RSS and wall time of a no-op resume, checkouts in turn")
+    common(p)
+    p.add_argument("--shape", action="append", default=[], metavar="SHAPE:ROWS", help="short:N or long:N")
+    p.add_argument("--rounds", type=int, default=1)
     p = subcommand(sub, "throughput", cmd_throughput, "pipeline rows/s with the instant engine, checkouts in turn")
     common(p)
     p.add_argument("--shape", default="short", choices=list(SHAPES))

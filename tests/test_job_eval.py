@@ -69,7 +69,7 @@ INPUTS = pa.table({"row_index": pa.array([0, 1, 2], pa.int64()), "id": ["a", "b"
 def resumed(root) -> tuple[set[str], set[tuple[str, int]]]:
     """What a resume of ``root`` finds: the ids done, and the (id, sample) pairs there of rows not done."""
     found = resume_output(FS, str(root), INPUTS.select(["id", "payload"]), JobSummary())
-    return set(found.done.to_pylist()), set(zip(*(found.partial.column(c).to_pylist() for c in found.partial.column_names)))
+    return set(found.done.to_pylist()), set(zip(*(found.partial.column(c).to_pylist() for c in ("id", "sample_index"))))
 
 
 def test_the_output_holds_each_sample_once_and_a_row_is_done_when_all_its_samples_are(tmp_path):
@@ -109,3 +109,13 @@ def test_an_output_written_before_the_eval_fields_resumes_with_the_same_sampling
     writer.add([sample_row("a", 0, 0, 1)])
     writer.close()
     check_output_identity(FS, str(tmp_path), cfg)   # resumes: nothing it ran with has changed
+
+
+def test_the_progress_line_counts_an_input_row_once_however_many_samples_it_has():
+    from eagle_ray.batch.job import Progress
+    lines = []
+    progress = Progress(2, every_s=1e9, print_fn=lines.append, clock=lambda: 1.0)
+    progress.add(pa.Table.from_pylist([{"sample_index": i, "output_tokens": 4, "verify_steps": 2, "tau": 2.0}
+                                       for i in range(3)] + [{"sample_index": None, "output_tokens": 4,
+                                                              "verify_steps": 2, "tau": 2.0}]))
+    assert progress.rows == 2 and progress.tokens == 16 and lines[-1].startswith("eagle-ray job: 2/2 rows (100%)")

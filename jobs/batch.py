@@ -12,6 +12,7 @@ import yaml
 
 from eagle_ray.batch.config import JobConfig
 from eagle_ray.batch.job import run_job
+from eagle_ray.batch.lease import LeaseLostError
 from eagle_ray.errors import CheckpointError, ConfigError
 
 
@@ -47,6 +48,9 @@ def main(argv=None) -> int:
     except (ConfigError, CheckpointError) as e:   # what the user gave is wrong: one line
         print(f"eagle-ray: {e}", file=sys.stderr)
         return 2
+    except LeaseLostError as e:   # another run took the output over: this one stopped committing
+        print(f"eagle-ray: {e}", file=sys.stderr)
+        return 1
     if summary.get("interrupted"):
         return 143
     return 0 if summary["rows"] else 1

@@ -111,7 +111,7 @@ def test_the_progress_line_says_rows_rates_tau_and_time_left_at_a_steady_cadence
     progress = Progress(200, every_s=10, print_fn=lines.append, clock=lambda: now[0])
     for step in range(1, 11):
         now[0] = 4.0 * step
-        progress.add([{"output_tokens": 50, "verify_steps": 20, "tau": 2.5}] * 20)
+        progress.add(pa.Table.from_pylist([{"output_tokens": 50, "verify_steps": 20, "tau": 2.5}] * 20))
     assert len(lines) == 4   # at 12, 24 and 36 s, and the last row at 40 s
     assert lines[0] == "eagle-ray job: 60/200 rows (30%), 5.00 rows/s, 250.0 tok/s, tau 2.50, ETA 28 s"
     assert lines[-1].startswith("eagle-ray job: 200/200 rows (100%)") and lines[-1].endswith("ETA 0 s")

@@ -272,7 +272,7 @@ def test_rows_that_failed_on_an_engine_failure_are_run_again_on_resume(ray_local
             r.update(output=None, turn_outputs=None, error="KeyError: 'x'", error_kind="internal_error")
     for p in committed_parts(_local(), str(out)):
         os.remove(p)
-    writer = PartWriter(_local(), str(out), 100, set())
+    writer = PartWriter(_local(), str(out), 100, len(table))
     writer.add(table)
     writer.close()
     summary = run_job(cfg, print_fn=lambda *_: None)
@@ -358,3 +358,72 @@ def test_the_job_joins_a_running_head_and_ignores_a_stale_record_of_one(pair, tm
     log, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0 and "started a local Ray" in log, log[-3000:]
     assert read_output(_local(), str(tmp_path / "out2")).num_rows == 6
+
+
+def _paused_after_first_part(tmp_path, pair, stale_s: float, rows: int = 80):
+    """A real driver process (jobs/batch.py) on the session's Ray, stopped with SIGSTOP once it has committed a part:
+    its config, output folder and process."""
+    import ray
+    write_jsonl(tmp_path / "in.jsonl", prompts(rows))
+    out = tmp_path / "out"
+    cfg = config(pair, str(tmp_path / "in.jsonl"), str(out), sampling__max_new_tokens=24, output__rows_per_file=10,
+                 lease_stale_s=stale_s)
+    env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address)
+    proc = _job_process(tmp_path, cfg, env)
+    deadline = time.time() + 300
+    while time.time() < deadline and not list(out.glob("part-*.parquet")):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGSTOP)
+    return cfg, out, proc
+
+
+def test_a_paused_driver_keeps_its_output_and_a_second_run_is_refused(ray_local, pair, tmp_path):
+    """Run A stopped past lease_stale_s is alive on this host: run B is refused (it used to take the output over and
+    finish, and A, resumed, committed its rows a second time); A resumed finishes every row exactly once."""
+    cfg, out, proc = _paused_after_first_part(tmp_path, pair, stale_s=2)
+    try:
+        time.sleep(3)   # past lease_stale_s
+        with pytest.raises(ConfigError, match="is in use by run .* alive [0-9]+ s ago"):
+            run_job(cfg, print_fn=lambda *_: None)
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    log, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, log[-2000:]
+    ids = read_output(_local(), str(out)).column("id").to_pylist()
+    assert sorted(ids) == sorted(f"q{i}" for i in range(80))
+
+
+def test_a_driver_whose_output_was_taken_over_stops_and_commits_nothing_more(ray_local, pair, tmp_path):
+    """Taken over from elsewhere while it was silent (another host's run judged it by its heartbeat): resumed, the
+    paused driver commits no further part and no summary, and says why (exit status 1). (A part whose write was
+    under way when it was paused, past the lease's check, lands when it resumes: at most that one.)"""
+    cfg, out, proc = _paused_after_first_part(tmp_path, pair, stale_s=2)
+    try:
+        time.sleep(1)
+        (out / "_lease.json").write_text(json.dumps({"run": "run-elsewhere", "host": "another-host", "pid": 1,
+                                                     "heartbeat": time.time()}))
+        parts = {p.name for p in out.glob("part-*.parquet")}
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    log, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 1 and "taken over by run run-elsewhere on another-host" in log, log[-2000:]
+    after = {p.name for p in out.glob("part-*.parquet")}
+    assert parts <= after and len(after - parts) <= 1 and not (out / "summary.json").exists()
+    assert json.loads((out / "_lease.json").read_text())["run"] == "run-elsewhere"
+    assert read_output(_local(), str(out)).num_rows < 80
+
+
+def test_an_s3_output_in_a_bucket_that_does_not_exist_fails_before_any_model_loads(s3, tmp_path, monkeypatch):
+    """Writing into it would create it, in the store's default region: the job names the bucket instead."""
+    import eagle_ray.batch.job as job
+    import eagle_ray.engine.engine as engine
+    fs, opts = s3
+    write_jsonl(tmp_path / "in.jsonl", prompts(3))
+    monkeypatch.setattr(engine.EagleEngine, "from_config", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(job, "ensure_ray", lambda *a: pytest.fail("Ray started"))
+    cfg = JobConfig(input={"uri": str(tmp_path / "in.jsonl")}, output={"uri": "s3://no-such-bucket-here/out"},
+                    s3={"endpoint_url": opts["endpoint_url"]})
+    with pytest.raises(ConfigError, match="the bucket 'no-such-bucket-here' does not exist"):
+        run_job(cfg, print_fn=lambda *_: None)
+    fs.invalidate_cache()
+    assert not fs.exists("no-such-bucket-here")

@@ -8,8 +8,9 @@ import pytest
 from fsspec.implementations.local import LocalFileSystem
 from test_job_output import multi_turn_stage, run_rows
 
-from eagle_ray.batch.job import PartWriter, committed_rows, read_output
+from eagle_ray.batch.job import PartWriter, read_output, resume_output
 from eagle_ray.batch.rows import OUTPUT_SCHEMA, empty_row, to_table
+from eagle_ray.batch.summary import JobSummary
 
 FS = LocalFileSystem()
 
@@ -55,33 +56,45 @@ def test_bad_eval_fields_are_invalid_request_rows_naming_the_field(tiny_dir, tmp
     assert out["output"] is None and out["continuation_logprobs"] is None
 
 
-def sample_row(rid: str, index: int | None, n: int, error: str | None = None) -> dict:
-    row = empty_row({"id": rid, "row_index": 0, "payload": "{}"})
+def sample_row(rid: str, at: int, index: int | None, n: int, error: str | None = None) -> dict:
+    row = empty_row({"id": rid, "row_index": at, "payload": "{}"})
     row.update(sample_index=index, sampling_params=json.dumps({"n": n}), error=error,
                error_kind="invalid_request" if error else None)
     return row
 
 
+INPUTS = pa.table({"row_index": pa.array([0, 1, 2], pa.int64()), "id": ["a", "b", "c"], "payload": ["{}"] * 3})
+
+
+def resumed(root) -> tuple[set[str], set[tuple[str, int]]]:
+    """What a resume of ``root`` finds: the ids done, and the (id, sample) pairs there of rows not done."""
+    found = resume_output(FS, str(root), INPUTS.select(["id", "payload"]), JobSummary())
+    return set(found.done.to_pylist()), set(zip(*(found.partial.column(c).to_pylist() for c in ("id", "sample_index"))))
+
+
 def test_the_output_holds_each_sample_once_and_a_row_is_done_when_all_its_samples_are(tmp_path):
-    writer = PartWriter(FS, str(tmp_path), 2, set())
-    writer.add([sample_row("a", 0, 3), sample_row("a", 1, 3), sample_row("a", 1, 3), sample_row("b", 0, 1)])
+    writer = PartWriter(FS, str(tmp_path), 2, 3)
+    writer.add([sample_row("a", 0, 0, 3), sample_row("a", 0, 1, 3), sample_row("a", 0, 1, 3), sample_row("b", 1, 0, 1)])
     writer.close()
     assert sorted((r["id"], r["sample_index"]) for r in read_output(FS, str(tmp_path)).to_pylist()) == \
         [("a", 0), ("a", 1), ("b", 0)]
-    keys, done = committed_rows(FS, str(tmp_path))
-    assert keys == {("a", 0), ("a", 1), ("b", 0)} and done == {"b"}   # a's third sample is missing: a runs again
-    resumed = PartWriter(FS, str(tmp_path), 10, keys)
-    resumed.add([sample_row("a", 0, 3), sample_row("a", 1, 3), sample_row("a", 2, 3), sample_row("c", None, 4, "bad")])
-    resumed.close()
-    assert resumed.written == 2 and committed_rows(FS, str(tmp_path))[1] == {"a", "b", "c"}
+    assert resumed(tmp_path) == ({"b"}, {("a", 0), ("a", 1)})   # a's third sample is missing: a runs again
+    again = PartWriter(FS, str(tmp_path), 10, 3)
+    again.written_before(resume_output(FS, str(tmp_path), INPUTS.select(["id", "payload"]), JobSummary()).partial,
+                         INPUTS)
+    again.add([sample_row("a", 0, 0, 3), sample_row("a", 0, 1, 3), sample_row("a", 0, 2, 3),
+               sample_row("c", 2, None, 4, "bad")])
+    again.close()
+    assert again.written == 2 and resumed(tmp_path) == ({"a", "b", "c"}, set())
 
 
 def test_an_output_written_before_samples_existed_resumes(tmp_path):
     """Parts without the sample columns read them as null: every row is sample 0 of one."""
     import pyarrow.parquet as pq
-    pq.write_table(pa.table({"id": ["x"], "error": pa.array([None], pa.string())}), tmp_path / "part-old-0.parquet")
+    pq.write_table(pa.table({"id": ["a"], "input": ["{}"], "error": pa.array([None], pa.string())}),
+                   tmp_path / "part-old-0.parquet")
     assert "sample_index" in OUTPUT_SCHEMA.names
-    assert committed_rows(FS, str(tmp_path)) == ({("x", 0)}, {"x"})
+    assert resumed(tmp_path) == ({"a"}, set())
 
 
 def test_an_output_written_before_the_eval_fields_resumes_with_the_same_sampling(tmp_path):
@@ -92,7 +105,17 @@ def test_an_output_written_before_the_eval_fields_resumes_with_the_same_sampling
     for field in ("logprobs", "n"):
         del old["sampling"][field]
     (tmp_path / JOB_FILE).write_text(json.dumps(old))
-    writer = PartWriter(FS, str(tmp_path), 10, set())
-    writer.add([sample_row("a", 0, 1)])
+    writer = PartWriter(FS, str(tmp_path), 10, 1)
+    writer.add([sample_row("a", 0, 0, 1)])
     writer.close()
     check_output_identity(FS, str(tmp_path), cfg)   # resumes: nothing it ran with has changed
+
+
+def test_the_progress_line_counts_an_input_row_once_however_many_samples_it_has():
+    from eagle_ray.batch.job import Progress
+    lines = []
+    progress = Progress(2, every_s=1e9, print_fn=lines.append, clock=lambda: 1.0)
+    progress.add(pa.Table.from_pylist([{"sample_index": i, "output_tokens": 4, "verify_steps": 2, "tau": 2.0}
+                                       for i in range(3)] + [{"sample_index": None, "output_tokens": 4,
+                                                              "verify_steps": 2, "tau": 2.0}]))
+    assert progress.rows == 2 and progress.tokens == 16 and lines[-1].startswith("eagle-ray job: 2/2 rows (100%)")

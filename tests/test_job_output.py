@@ -2,6 +2,8 @@
 answers that still belong to their ids and settings, one run at a time holds an output, paths are used as written,
 and an output that cannot be written fails before any model loads. No Ray needed."""
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -10,8 +12,9 @@ import pytest
 from fsspec.implementations.local import LocalFileSystem
 
 from eagle_ray.batch.config import JobConfig
-from eagle_ray.batch.job import (OutputLease, PartWriter, check_output_identity, drop_changed_rows, filesystem,
-                                 read_output, run_job)
+from eagle_ray.batch.job import (OutputLease, PartWriter, check_output_identity, filesystem, input_table,
+                                 read_output, resume_output, run_job)
+from eagle_ray.batch.summary import JobSummary
 from eagle_ray.batch.rows import empty_row, read_input
 from eagle_ray.errors import ConfigError
 
@@ -23,7 +26,7 @@ def job(inp="in.jsonl", out="out", **kw) -> JobConfig:
 
 
 def write_rows(root, payloads: dict[str, str]) -> None:
-    w = PartWriter(FS, str(root), 10, set())
+    w = PartWriter(FS, str(root), 10, len(payloads))
     w.add([empty_row({"id": i, "row_index": n, "payload": p}) for n, (i, p) in enumerate(payloads.items())])
     w.close()
 
@@ -34,11 +37,12 @@ def test_a_resume_reruns_the_ids_that_now_stand_for_another_request(tmp_path):
     old = ['{"prompt": "a"}', '{"prompt": "b"}', '{"prompt": "c"}']
     write_rows(tmp_path, {f"row-{i}": p for i, p in enumerate(old)})
     (tmp_path / "in.jsonl").write_text("\n".join(['{"prompt": "new"}'] + old) + "\n")
-    now = {r.id: r.payload for r in read_input(str(tmp_path / "in.jsonl"), FS)}
-    assert drop_changed_rows(FS, str(tmp_path), now) == 3
+    now = input_table(read_input(str(tmp_path / "in.jsonl"), FS))
+    assert resume_output(FS, str(tmp_path), now, JobSummary()).changed == 3
     assert read_output(FS, str(tmp_path)).num_rows == 0
     write_rows(tmp_path, {"row-0": '{"prompt": "new"}'})
-    assert drop_changed_rows(FS, str(tmp_path), now) == 0   # an answer that still fits its id stays
+    resumed = resume_output(FS, str(tmp_path), now, JobSummary())
+    assert resumed.changed == 0 and resumed.done.to_pylist() == ["row-0"]   # an answer that still fits its id stays
 
 
 def test_a_resume_with_other_settings_is_refused_naming_each(tmp_path):
@@ -70,6 +74,130 @@ def test_a_lease_whose_run_died_is_taken_over(tmp_path):
                                                       "heartbeat": time.time() - 200}))
     lease.acquire()   # silent for longer than stale_s: a run that died elsewhere
     lease.release()
+
+
+def _this_namespace() -> dict:
+    """What names this process's PID space (as a lease records it)."""
+    return {"pid_ns": os.readlink("/proc/self/ns/pid"),
+            "boot_id": open("/proc/sys/kernel/random/boot_id").read().strip()}
+
+
+@pytest.fixture()
+def paused_process():
+    """A live process of this host, stopped (SIGSTOP) as a paused driver is; yields its pid."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    os.kill(proc.pid, signal.SIGSTOP)
+    yield proc.pid
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def test_a_paused_run_on_this_host_keeps_its_output_however_long_its_heartbeat_is_silent(tmp_path, paused_process):
+    """A driver stopped past lease_stale_s (SIGSTOP, a long swap) is alive: taking its output over would let both
+    runs commit every row once it goes on."""
+    import socket
+    (tmp_path / "_lease.json").write_text(json.dumps({"run": "run-paused", "host": socket.gethostname(),
+                                                      "pid": paused_process, "heartbeat": time.time() - 1000,
+                                                      **_this_namespace()}))
+    with pytest.raises(ConfigError, match="is in use by run run-paused"):
+        OutputLease(FS, str(tmp_path), "run-b", stale_s=2).acquire()
+
+
+def test_a_lease_from_another_pid_namespace_is_judged_by_its_heartbeat_alone(tmp_path):
+    """Two containers with host networking share a host name, not PIDs: the other's pid may name nothing here."""
+    import socket
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    other = {"run": "run-next-door", "host": socket.gethostname(), "pid": int(gone.stdout),
+             **_this_namespace(), "pid_ns": "pid:[1]"}
+    (tmp_path / "_lease.json").write_text(json.dumps(other | {"heartbeat": time.time()}))
+    with pytest.raises(ConfigError, match="is in use by run run-next-door"):
+        OutputLease(FS, str(tmp_path), "run-b", stale_s=30).acquire()
+    (tmp_path / "_lease.json").write_text(json.dumps(other | {"heartbeat": time.time() - 31}))
+    lease = OutputLease(FS, str(tmp_path), "run-b", stale_s=30)
+    lease.acquire()   # silent past stale_s: taken over
+    lease.release()
+
+
+def test_a_run_whose_output_was_taken_over_commits_nothing_more(tmp_path):
+    from eagle_ray.batch.lease import LeaseLostError
+    lease = OutputLease(FS, str(tmp_path), "run-a", stale_s=0.4)
+    lease.acquire()
+    writer = PartWriter(FS, str(tmp_path), 2, 10, before_commit=lease.check)
+    writer.add([empty_row({"id": f"r{i}", "row_index": i, "payload": "{}"}) for i in range(2)])   # one part
+    taken = {"run": "run-b", "host": "elsewhere", "pid": 1, "heartbeat": time.time()}
+    (tmp_path / "_lease.json").write_text(json.dumps(taken))
+    with pytest.raises(LeaseLostError, match="taken over by run run-b on elsewhere"):
+        writer.add([empty_row({"id": f"r{i}", "row_index": i, "payload": "{}"}) for i in range(2, 4)])
+    writer.close()
+    time.sleep(0.3)   # past a renewal: it no longer writes the lease
+    lease.release()
+    assert read_output(FS, str(tmp_path)).column("id").to_pylist() == ["r0", "r1"]
+    assert json.loads((tmp_path / "_lease.json").read_text()) == taken
+
+
+def test_the_lease_is_replaced_whole_never_rewritten_in_place(tmp_path):
+    """A reader (another run's start) sees the old lease or the new one, never an empty or half-written file."""
+    lease = OutputLease(FS, str(tmp_path), "run-a", stale_s=0.4)
+    lease.acquire()
+    with open(tmp_path / "_lease.json") as reader:   # a reader holding the lease as it was
+        time.sleep(0.35)   # a few renewals
+        assert os.fstat(reader.fileno()).st_nlink == 0   # replaced by a new file, not truncated and rewritten
+        assert json.loads(reader.read())["run"] == "run-a"
+    assert json.loads((tmp_path / "_lease.json").read_text())["heartbeat"] > 0
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]
+    lease.release()
+
+
+@pytest.mark.parametrize("folder", ["my data [final]", "runs?", "in[1]"])
+@pytest.mark.parametrize("scheme", ["local", "s3"])
+def test_an_output_inside_an_input_folder_whose_name_reads_as_a_glob_is_refused(tmp_path, folder, scheme):
+    """The input path exists as written, so it is read as written (not as a glob): the output under it would be
+    read back as input by the next run."""
+    base = str(tmp_path) if scheme == "local" else "s3://bucket/data"
+    with pytest.raises(ValueError, match="lies inside input.uri"):
+        job(f"{base}/{folder}", f"{base}/{folder}/out")
+    with pytest.raises(ValueError, match="lies inside input.uri"):
+        job(f"{base}/{folder}/", f"{base}/{folder}/answers/run1")
+    job(f"{base}/{folder}", f"{base}/elsewhere/out")   # beside it: fine
+
+
+def _parquet_with_bytes(path, column: str, values: list[bytes]) -> None:
+    """A Parquet file whose string column ``column`` holds ``values`` as they are, UTF-8 or not (as some writers
+    store them: Parquet does not check)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    offsets = [0]
+    for v in values:
+        offsets.append(offsets[-1] + len(v))
+    raw = pa.Array.from_buffers(pa.string(), len(values),
+                                [None, pa.py_buffer(pa.array(offsets, pa.int32()).buffers()[1]),
+                                 pa.py_buffer(b"".join(values))])
+    table = {"id": [f"r{i}" for i in range(len(values))], "prompt": ["w1 w2"] * len(values), "note": ["n"] * len(values)}
+    table[column] = raw
+    pq.write_table(pa.table(table), path)
+
+
+def test_non_utf8_bytes_in_a_parquet_string_column_make_an_error_row_not_a_crash(tmp_path):
+    _parquet_with_bytes(tmp_path / "read.parquet", "prompt", [b"w1 w2", b"caf\xe9 \xff", b"w3"])
+    rows = read_input(str(tmp_path / "read.parquet"), FS)
+    assert [(r.id, r.kind) for r in rows] == [("r0", ""), ("r1", "invalid_utf8"), ("r2", "")]
+    assert "column 'prompt' is not UTF-8 text" in rows[1].error
+    assert json.loads(rows[2].payload) == {"id": "r2", "prompt": "w3", "note": "n"}
+    _parquet_with_bytes(tmp_path / "unread.parquet", "note", [b"fine", b"\xff\xfe"])   # a column no request reads
+    rows = read_input(str(tmp_path / "unread.parquet"), FS)
+    assert [(r.id, r.kind, json.loads(r.payload)["prompt"]) for r in rows] == [("r0", "", "w1 w2"), ("r1", "", "w1 w2")]
+
+
+def test_the_output_records_max_model_len_and_split_special_tokens_and_refuses_a_change_that_mixes_answers(tmp_path):
+    check_output_identity(FS, str(tmp_path), job(engine={"max_model_len": 256}))
+    recorded = json.loads((tmp_path / "_job.json").read_text())
+    assert recorded["max_model_len"] == 256 and recorded["split_special_tokens"] is False
+    write_rows(tmp_path, {"row-0": '{"prompt": "a"}'})
+    with pytest.raises(ConfigError, match="split_special_tokens: False there, True now"):
+        check_output_identity(FS, str(tmp_path), job(engine={"max_model_len": 256}, split_special_tokens=True))
+    with pytest.raises(ConfigError, match="max_model_len: 256 there, 128 now.*keep max_model_len at least"):
+        check_output_identity(FS, str(tmp_path), job(engine={"max_model_len": 128}))
+    assert check_output_identity(FS, str(tmp_path), job(engine={"max_model_len": 512}))["max_model_len"] == 256
 
 
 @pytest.mark.parametrize("name", ["my data [final]/p.jsonl", "in[1]/p.jsonl", "a?.jsonl"])

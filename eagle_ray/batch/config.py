@@ -36,8 +36,9 @@ class ActorsConfig(StrictModel):
                             "engines of a small target on one GPU, each planning its memory from its share; a "
                             "target split over N GPUs (engine.tensor_parallel N) takes N")
     batch_size: int = Field(16, ge=1, description="rows per Ray Data batch handed to an actor")
-    max_concurrent_batches: int = Field(4, ge=1, description="batches in flight per actor, all feeding one "
-                                        "continuously batched engine")
+    max_concurrent_batches: int = Field(4, ge=1, description="calls in flight per actor, all feeding one "
+                                        "continuously batched engine (a call of the job holds a block of four "
+                                        "batches, run together)")
     row_retries: int = Field(1, ge=1, description="after the engine fails under a batch, each of its unfinished "
                              "rows runs alone on a restarted engine up to this many times; a row that still fails "
                              "is an engine_failed error row")
@@ -136,10 +137,13 @@ class JobConfig(ProcessorConfig):
 
 
 def reads_path(input_uri: str, path: str) -> bool:
-    """Whether reading ``input_uri`` (a file, a directory read whole, or a glob whose matches are read whole)
-    would read ``path`` or a file under it."""
+    """Whether reading ``input_uri`` (a file, a directory read whole, or a glob whose matches are read whole) could
+    read ``path`` or a file under it. A name holding ``*``, ``?`` or ``[`` is read as written where it exists and
+    as a glob where it does not (``rows.py``); which one cannot be known before the run, so both count."""
+    if path == input_uri or path.startswith(input_uri + "/"):
+        return True
     if not any(c in input_uri for c in "*?["):
-        return path == input_uri or path.startswith(input_uri + "/")
+        return False
     from fsspec.utils import glob_translate   # the pattern as fsspec's glob reads it (``**`` spans 0+ folders)
     pattern = re.compile(glob_translate(input_uri))
     parts = path.split("/")

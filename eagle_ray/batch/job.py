@@ -7,8 +7,15 @@ retries its batch) or of the driver (re-run the job) ends with every row exactly
 the engine failed or on a bug (``error_kind`` ``engine_failed`` / ``internal_error``) are not done: a re-run
 rewrites their part without them and runs them again.
 
+The driver's path is columnar and its memory does not grow with the output: result batches arrive as Arrow tables,
+are deduplicated by their input row's position (a bit per input row), written as they are, and folded into the
+summary (``summary.py``) as each part commits; a resume reads only the columns it needs of each part, once. Input
+goes to Ray as Arrow blocks of a few actor batches (:func:`rows_per_block`): what a killed actor's retry redoes, and
+the grain of the job's tail.
+
 The driver stops promptly on SIGTERM (what ``ray job stop`` and Kubernetes send): it commits the rows that are
-finished, writes the summary and exits with status 143; a re-run resumes.
+finished, writes the summary and exits with status 143; a re-run resumes. A run whose output another run took
+over (``lease.py``) stops with :class:`LeaseLostError`, committing nothing more.
 """
 from __future__ import annotations
 
@@ -16,19 +23,25 @@ import json
 import logging
 import os
 import signal
-import statistics
 import time
-from datetime import datetime
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
 from eagle_ray.batch.config import SUMMARY_FILE, JobConfig, ProcessorConfig, new_run_id, part_file
-from eagle_ray.cluster import ensure_ray
-from eagle_ray.batch.rows import OUTPUT_SCHEMA, RETRIED_ON_RESUME, empty_row, output_key, read_input, to_table
+from eagle_ray.batch.lease import LEASE_FILE, LeaseLostError, OutputLease  # noqa: F401 - LEASE_FILE: public name
+from eagle_ray.batch.rows import (OUTPUT_SCHEMA, PROMPT_TOO_LONG, RETRIED_ON_RESUME, InputRow, empty_row, read_input,
+                                  to_table)
 from eagle_ray.batch.stage import now
+from eagle_ray.batch.store import put_atomic, write_parquet_atomic
+from eagle_ray.batch.summary import COLUMNS as SUMMARY_COLUMNS, JobSummary, format_summary
+from eagle_ray.cluster import ensure_ray
+from eagle_ray.engine.request import storable
 from eagle_ray.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -46,6 +59,20 @@ def filesystem(uri: str, cfg: JobConfig):
     return LocalFileSystem(), os.path.abspath(os.path.expanduser(path))
 
 
+def prepare_output(fs, root: str, uri: str) -> None:
+    """Make the output folder where folders exist; on S3 the bucket must exist already: writing into a missing one
+    would create it (in the store's default region, with its default policies), so it fails here, naming it."""
+    if isinstance(fs, LocalFileSystem):
+        fs.makedirs(root, exist_ok=True)
+        return
+    bucket = root.split("/", 1)[0]
+    try:
+        fs.info(bucket)
+    except FileNotFoundError:
+        raise ConfigError(f"output.uri {uri}: the bucket {bucket!r} does not exist (or these credentials cannot "
+                          "see it); create it, with the region and policies it needs, or name another") from None
+
+
 def committed_parts(fs, root: str) -> list[str]:
     if not fs.exists(root):
         return []
@@ -55,16 +82,20 @@ def committed_parts(fs, root: str) -> list[str]:
                   and p.endswith(".parquet"))
 
 
-def read_part(fs, path: str, columns: list[str] | None = None) -> pa.Table:
+def read_part(fs, path: str, columns: list[str] | tuple[str, ...] | None = None) -> pa.Table:
+    """A committed part, whole or only ``columns`` (the others are not read; a column an older part lacks is
+    null; ``sampling_params``, mostly one value repeated, is read as a dictionary)."""
     try:
         with fs.open(path, "rb") as f:
-            table = pq.read_table(f)
+            if columns is None:
+                return pq.read_table(f)
+            have = set(pq.ParquetFile(f).schema_arrow.names)
+            f.seek(0)
+            table = pq.read_table(f, columns=[c for c in columns if c in have],
+                                  read_dictionary=[c for c in ("sampling_params",) if c in columns and c in have])
     except (pa.ArrowException, OSError) as e:
         raise ConfigError(f"output part {path} is not readable Parquet ({e}); move it out of the output "
                           "directory and run again: its rows will be generated again") from None
-    if columns is None:
-        return table
-    have = set(table.column_names)
     return pa.table({c: table[c] if c in have else pa.nulls(table.num_rows, OUTPUT_SCHEMA.field(c).type)
                      for c in columns})
 
@@ -77,46 +108,26 @@ def read_output(fs, root: str, columns: list[str] | None = None) -> pa.Table:
     return pa.concat_tables(tables, promote_options="default")
 
 
-def drop_rows(fs, root: str, drop) -> int:
-    """Rewrite every part holding rows for which ``drop(row)`` is true without them, one atomic replace per part,
-    so that this run does them again. Returns how many."""
-    dropped = 0
-    for path in committed_parts(fs, root):
-        table = read_part(fs, path)
-        keep = [not drop(r) for r in table.select([c for c in ("id", "input", "error_kind")
-                                                   if c in table.column_names]).to_pylist()]
-        if all(keep):
-            continue
-        dropped += keep.count(False)
-        _write_atomic(fs, path, table.filter(pa.array(keep)))
-    return dropped
-
-
-def drop_retryable_rows(fs, root: str) -> int:
-    """Drop the rows that failed for a reason other than the row itself (the engine failed, a bug)."""
-    return drop_rows(fs, root, lambda r: r.get("error_kind") in RETRIED_ON_RESUME)
-
-
-def drop_changed_rows(fs, root: str, inputs: dict[str, str]) -> int:
-    """Drop the rows whose id now stands for another request: the input row with that id is not the one they
-    answered (an inserted row shifts every later ``row-<index>`` id; an edited prompt keeps its id)."""
-    return drop_rows(fs, root, lambda r: r["id"] in inputs and r.get("input") != inputs[r["id"]])
-
-
-JOB_FILE, LEASE_FILE = "_job.json", "_lease.json"
+JOB_FILE = "_job.json"
+STRICT_IDENTITY = ("target", "draft", "dtype", "speculative", "sampling", "split_special_tokens")
 
 
 def output_identity(cfg: JobConfig) -> dict:
     """What the output's rows depend on besides each row's own request: a resume into an output written with other
-    values would mix answers of two configurations."""
+    values would mix answers of two configurations (``max_model_len`` may grow: see :func:`check_output_identity`)."""
     m = cfg.engine.model
     return {"target": m.target, "draft": m.draft, "dtype": m.dtype, "speculative": cfg.speculative,
-            "sampling": cfg.sampling.model_dump(mode="json")}
+            "sampling": cfg.sampling.model_dump(mode="json"), "split_special_tokens": cfg.split_special_tokens,
+            "max_model_len": cfg.engine.cache.max_model_len}
 
 
-def check_output_identity(fs, root: str, cfg: JobConfig) -> None:
-    """Refuse to resume into an output written with another target, head, dtype, speculation or sampling
-    defaults; record them for the first run."""
+def check_output_identity(fs, root: str, cfg: JobConfig) -> dict | None:
+    """Refuse to resume into an output written with another target, head, dtype, speculation, sampling defaults
+    or ``split_special_tokens``, or a smaller ``max_model_len`` (rows answered with more room than this run has
+    would sit beside rows refused or cut for the lack of it); record them for the first run. A larger
+    ``max_model_len`` resumes: the rows the smaller one refused or cut run again (:func:`resume_output`). Returns
+    the identity the output records (None for a first run). A record from before a field was recorded binds
+    nothing for that field."""
     path, mine = f"{root}/{JOB_FILE}", output_identity(cfg)
     if fs.exists(path) and committed_parts(fs, root):   # a first run that wrote no row binds nothing
         theirs = json.loads(fs.cat_file(path))
@@ -125,147 +136,242 @@ def check_output_identity(fs, root: str, cfg: JobConfig) -> None:
             theirs["sampling"] = SamplingParams(**theirs["sampling"]).model_dump(mode="json")
         except (ConfigError, TypeError, KeyError):
             pass
-        changed = [k for k in mine if theirs.get(k) != mine[k]]
+        changed = [k for k in STRICT_IDENTITY if k in theirs and theirs[k] != mine[k]]
+        if isinstance(theirs.get("max_model_len"), int) and mine["max_model_len"] < theirs["max_model_len"]:
+            changed.append("max_model_len")
         if changed:
             raise ConfigError(f"output.uri {cfg.output.uri} was written with other settings ("
                               + "; ".join(f"{k}: {theirs.get(k)!r} there, {mine[k]!r} now" for k in changed)
-                              + "): resuming would mix answers of two configurations; write to a new output")
-    else:
-        fs.pipe_file(path, json.dumps(mine, indent=1).encode())
+                              + "): resuming would mix answers of two configurations; write to a new output"
+                              + (" (or keep max_model_len at least the one it was written with)"
+                                 if "max_model_len" in changed else ""))
+        return theirs
+    put_atomic(fs, path, json.dumps(mine, indent=1).encode())
+    return None
 
 
-class OutputLease:
-    """One run at a time per output: a run holds ``_lease.json`` (renewed every ``stale_s / 4`` seconds) and a
-    second run refuses while it is fresh, since both would run and commit every row. A lease older than
-    ``stale_s`` is a run that died: it is taken over, as is at once the lease of a run on this host whose process
-    is gone (a killed driver resumed right away). On S3 two runs starting in the same second may both write it;
-    each reads it back, and the one whose write did not last refuses."""
+@dataclass
+class Resumed:
+    """What a resume found: the ids already done (every sample there, or an error row), the (id, sample) pairs
+    already there of rows not done (a stop between two parts left some of a row's ``n`` samples out), every id
+    kept, and how many rows it dropped to run again, by why."""
+    done: pa.Array
+    partial: pa.Table
+    ids: pa.Array
+    retried: int = 0        # failed with the engine or on a bug
+    changed: int = 0        # their id now stands for another input row
+    roomier: int = 0        # refused or cut by a smaller max_model_len than this run's
 
-    def __init__(self, fs, root: str, run: str, stale_s: float = 120.0):
-        import socket
-        self.fs, self.path, self.stale_s = fs, f"{root}/{LEASE_FILE}", stale_s
-        self.mine = {"run": run, "host": socket.gethostname(), "pid": os.getpid()}
-        self._stop = None
-
-    def held(self) -> dict | None:
-        try:
-            return json.loads(self.fs.cat_file(self.path))
-        except (FileNotFoundError, ValueError):
-            return None
-
-    def _write(self) -> None:
-        self.fs.pipe_file(self.path, json.dumps(self.mine | {"heartbeat": time.time()}).encode())
-
-    def alive(self, held: dict) -> bool:
-        """Whether the run holding the lease may still be running."""
-        if held.get("run") == self.mine["run"] or time.time() - held.get("heartbeat", 0) >= self.stale_s:
-            return False
-        if held.get("host") == self.mine["host"] and isinstance(held.get("pid"), int):
-            try:
-                os.kill(held["pid"], 0)
-            except ProcessLookupError:
-                return False   # its process is gone
-            except OSError:
-                pass
-        return True
-
-    def acquire(self) -> None:
-        held = self.held()
-        if held and self.alive(held):
-            raise ConfigError(f"output.uri {self.path.rsplit('/', 1)[0]} is in use by run {held.get('run')} on "
-                              f"{held.get('host')} (pid {held.get('pid')}), alive {time.time() - held['heartbeat']:.0f}"
-                              f" s ago: two runs on one output would both write every row; wait for it to end, or "
-                              f"remove {self.path} if it died")
-        self._write()
-        time.sleep(0.2)
-        if (self.held() or {}).get("run") != self.mine["run"]:
-            raise ConfigError(f"output.uri {self.path.rsplit('/', 1)[0]}: another run took it at the same moment")
-        import threading
-        self._stop = threading.Event()
-        threading.Thread(target=self._renew, name="eagle-ray-lease", daemon=True).start()
-
-    def _renew(self) -> None:
-        while not self._stop.wait(self.stale_s / 4):
-            try:
-                self._write()
-            except Exception:  # noqa: BLE001 - any store's error: retried next time; the lease outlives a few
-                pass
-
-    def release(self) -> None:
-        if self._stop is not None:
-            self._stop.set()
-            if (self.held() or {}).get("run") == self.mine["run"]:
-                self.fs.rm(self.path)
+    @classmethod
+    def nothing(cls) -> "Resumed":
+        empty = pa.array([], pa.string())
+        return cls(empty, pa.table({"id": empty, "sample_index": pa.array([], pa.int64())}), empty)
 
 
-def _write_atomic(fs, path: str, table: pa.Table) -> None:
-    """Write a Parquet file so that it appears whole or not at all (a local rename; an object store's single
-    PUT)."""
-    if isinstance(fs, LocalFileSystem):
-        tmp = path.rsplit("/", 1)[0] + "/.tmp-" + path.rsplit("/", 1)[1]
-        with fs.open(tmp, "wb") as f:
-            pq.write_table(table, f)
-        os.replace(tmp, path)
-    else:
-        buf = pa.BufferOutputStream()
-        pq.write_table(table, buf)
-        fs.pipe_file(path, buf.getvalue().to_pybytes())
+RESUME_GROUP_ROWS, RESUME_GROUP_BYTES = 1 << 18, 64 << 20   # parts checked against the input together
+_N_ASKED = r'[{,]\s*"n"\s*:\s*(?P<n>[0-9]+)'   # ``n`` in a row's ``sampling_params`` (a JSON object)
 
 
-def committed_rows(fs, root: str) -> tuple[set[tuple[str, int]], set[str]]:
-    """What the output holds: each row's (id, sample index), and the ids that are done. A row with ``n`` samples
-    (``sampling_params.n``) is done once all of its samples are there, or an error row for it (a retried batch, or
-    a run stopped between two parts, may have left some of its samples out: the row runs again and only the
-    missing ones are written)."""
-    table = read_output(fs, root, ["id", "sample_index", "sampling_params", "error"])
-    keys, samples, asked, failed = set(), {}, {}, set()
-    for r in table.to_pylist():
-        key = output_key(r)
-        keys.add(key)
-        samples.setdefault(r["id"], set()).add(key[1])
-        if r["error"]:
-            failed.add(r["id"])
-        try:
-            asked[r["id"]] = int(json.loads(r["sampling_params"] or "{}").get("n") or 1)
-        except (ValueError, TypeError, AttributeError):
-            asked[r["id"]] = 1
-    done = {i for i, got in samples.items() if i in failed or len(got) >= asked.get(i, 1)}
-    return keys, done
+def samples_asked(params: pa.ChunkedArray) -> pa.Array:
+    """Each row's ``n`` (1 where not recorded), read from ``sampling_params`` (read as a dictionary: a job's rows
+    mostly share theirs, so each distinct value is matched once)."""
+    out = []
+    for chunk in params.chunks:
+        values, indices = (chunk.dictionary, chunk.indices) if pa.types.is_dictionary(chunk.type) else (chunk, None)
+        n = pc.cast(pc.struct_field(pc.extract_regex(values, _N_ASKED), [0]), pa.int64())
+        out.append(pc.fill_null(n if indices is None else pc.take(n, indices), 1))
+    return pa.concat_arrays(out) if out else pa.array([], pa.int64())
+
+
+def resume_output(fs, root: str, inputs: pa.Table, summary: JobSummary, roomier_than: int | None = None,
+                  before_commit=lambda: None) -> Resumed:
+    """One pass over the committed parts, reading only the columns it needs of each: drop (one atomic rewrite of
+    the part) the rows this run does again: those that failed with the engine or on a bug, those whose id now
+    stands for another input row (``inputs``: this run's ``id`` and ``payload``; an inserted row shifts every later
+    ``row-<index>``, an edited prompt keeps its id) and, where ``roomier_than`` is the ``max_model_len`` the output
+    was written with and this run's is larger, those it refused (``prompt_too_long``) or cut at the context's end;
+    fold the rest into ``summary``. Parts are matched to the input a group at a time (up to ``RESUME_GROUP_ROWS``
+    rows or ``RESUME_GROUP_BYTES``), so that the input's ids are hashed once a group, not once a part."""
+    columns = ["id", "input", "sample_index", "sampling_params", *SUMMARY_COLUMNS]
+    if roomier_than is not None:
+        columns += ["finish_reason", "output_token_ids", "max_new_tokens"]
+    out, done, ids, samples, group = Resumed.nothing(), [], [], [], []
+
+    def check(group: list[tuple[str, pa.Table]]) -> None:
+        table = pa.concat_tables([t for _, t in group])
+        drop, why = rerun_mask(table, inputs, roomier_than is not None)
+        for name, mask in why.items():
+            setattr(out, name, getattr(out, name) + (pc.sum(mask).as_py() or 0))
+        offset = 0
+        for path, part in group:
+            mask = drop.slice(offset, part.num_rows)
+            offset += part.num_rows
+            dropped = pc.sum(mask).as_py() or 0
+            if dropped:
+                before_commit()
+                if dropped == part.num_rows:
+                    fs.rm(path)
+                else:
+                    write_parquet_atomic(fs, path, read_part(fs, path).filter(pc.invert(mask)))
+        kept = table.filter(pc.invert(drop))
+        summary.add(kept.select(SUMMARY_COLUMNS))
+        kept_ids = kept.column("id").combine_chunks()
+        ids.append(kept_ids)
+        # a row is done by itself where it asked one sample or failed; a row of n samples once all n are there
+        asked = samples_asked(kept.column("sampling_params"))
+        failed = pc.fill_null(pc.greater(pc.utf8_length(kept.column("error")), 0), False).combine_chunks()
+        alone = pc.or_(failed, pc.less_equal(asked, 1))
+        done.append(kept_ids.filter(alone))
+        if not pc.all(alone).as_py():
+            several = pc.invert(alone)
+            samples.append(pa.table({"id": kept_ids.filter(several),
+                                     "sample_index": pc.fill_null(kept.column("sample_index"), 0)
+                                     .combine_chunks().filter(several),
+                                     "n": asked.filter(several)}))
+
+    rows = size = 0
+    for path in committed_parts(fs, root):
+        part = read_part(fs, path, columns)
+        group.append((path, part))
+        rows, size = rows + part.num_rows, size + part.nbytes
+        if rows >= RESUME_GROUP_ROWS or size >= RESUME_GROUP_BYTES:
+            check(group)
+            group, rows, size = [], 0, 0
+    if group:
+        check(group)
+    out.ids = pa.concat_arrays(ids) if ids else out.ids
+    done = pa.concat_arrays(done) if done else out.done
+    if samples:
+        several = pa.concat_tables(samples)
+        per = several.group_by("id").aggregate([("sample_index", "count_distinct"), ("n", "max")])
+        all_there = per.column("id").filter(pc.greater_equal(per.column("sample_index_count_distinct"),
+                                                              per.column("n_max")))
+        done = pa.concat_arrays([done, all_there.combine_chunks()])
+        out.partial = several.filter(pc.invert(pc.is_in(several.column("id"), value_set=done))) \
+            .select(["id", "sample_index"])
+    out.done = done
+    return out
+
+
+def rerun_mask(table: pa.Table, inputs: pa.Table, roomier: bool) -> tuple[pa.Array, dict[str, pa.Array]]:
+    """Which written rows run again (see :func:`resume_output`), and each reason's rows (counted once, in the order
+    ``retried``, ``changed``, ``roomier``)."""
+    retry = pc.fill_null(pc.is_in(table.column("error_kind"), value_set=pa.array(RETRIED_ON_RESUME)), False)
+    at = pc.index_in(table.column("id"), value_set=inputs.column("id"))
+    asked_now = pc.take(inputs.column("payload"), at)
+    changed = pc.and_(pc.is_valid(at), pc.fill_null(pc.not_equal(table.column("input"), asked_now), True))
+    why = {"retried": retry, "changed": pc.and_(changed, pc.invert(retry))}
+    drop = pc.or_(retry, changed)
+    if roomier:
+        cut = pc.and_(pc.equal(table.column("finish_reason"), "length"),
+                      pc.less(pc.list_value_length(table.column("output_token_ids")), table.column("max_new_tokens")))
+        limited = pc.or_(pc.fill_null(pc.equal(table.column("error_kind"), PROMPT_TOO_LONG), False),
+                         pc.fill_null(cut, False))
+        why["roomier"] = pc.and_(limited, pc.invert(drop))
+        drop = pc.or_(drop, limited)
+    return drop.combine_chunks() if isinstance(drop, pa.ChunkedArray) else drop, why
+
+
+SAMPLE_BITS = 10   # sample indices below 1024 (``sampling_params.n`` is at most 1024)
 
 
 class PartWriter:
-    """Buffers result rows and commits them ``rows_per_file`` at a time, skipping (id, sample) pairs already
-    committed."""
+    """Buffers result rows (Arrow tables) and commits them ``rows_per_file`` at a time, each row once: rows are
+    keyed by their input row's position (``row_index``, one bit each of ``slots``) and their ``sample_index`` (a
+    row of ``n`` samples writes ``n``; samples past the first are kept in a set), so a batch that Ray retried adds
+    nothing twice. ``before_commit()`` runs before every part is written (the lease's check: it raises to stop
+    the run), ``after_commit(table)`` after (the summary's fold)."""
 
-    def __init__(self, fs, root: str, rows_per_file: int, committed: set[tuple[str, int]]):
+    def __init__(self, fs, root: str, rows_per_file: int, slots: int, run: str | None = None,
+                 before_commit=lambda: None, after_commit=lambda table: None):
         self.fs, self.root, self.rows_per_file = fs, root.rstrip("/"), rows_per_file
-        self.committed = committed
-        self.run = new_run_id()
-        self.buffer: list[dict] = []
+        self.seen = np.zeros(slots, dtype=bool)     # sample 0 (a row's only one without n) of each input row
+        self.samples: set[int] = set()               # further samples: row_index << SAMPLE_BITS | sample_index
+        self.before_commit, self.after_commit = before_commit, after_commit
+        self.run = run or new_run_id()
+        self.buffer: list[pa.Table] = []
+        self.buffered = 0
         self.parts = 0
         self.written = 0
-        fs.makedirs(self.root, exist_ok=True)
+        self.stopped = False          # committing nothing more (the lease was lost)
+        self.committing = False       # a part is being written: SIGTERM waits for it (``pending_stop``)
+        self.pending_stop = False
+        if isinstance(fs, LocalFileSystem):
+            fs.makedirs(self.root, exist_ok=True)
 
-    def add(self, rows: list[dict]) -> None:
-        for row in rows:
-            key = output_key(row)
-            if key in self.committed:
-                continue  # a retried batch re-emitted it
-            self.committed.add(key)
-            self.buffer.append(row)
-        while len(self.buffer) >= self.rows_per_file:
-            self._commit(self.buffer[: self.rows_per_file])
-            self.buffer = self.buffer[self.rows_per_file:]
+    def mark(self, row_index: np.ndarray, sample_index: np.ndarray) -> np.ndarray:
+        """Mark these (input row, sample) pairs as written; returns which of them were not before (a pair twice in
+        the arrays: its first)."""
+        at, sample = row_index.astype(np.int64), sample_index.astype(np.int64)
+        key = (at << SAMPLE_BITS) | sample
+        first = np.zeros(len(at), dtype=bool)
+        first[np.unique(key, return_index=True)[1]] = True
+        new = first & ~self.seen[at]
+        more = sample > 0
+        if more.any():   # a row's further samples: by key (an eval job's n samples; rare, and few per row)
+            for i in np.flatnonzero(more & first):
+                k = int(key[i])
+                new[i] = k not in self.samples
+                self.samples.add(k)
+        self.seen[at[new & ~more]] = True
+        return new
+
+    def written_before(self, pairs: pa.Table, inputs: pa.Table) -> None:
+        """Mark (``id``, ``sample_index``) ``pairs`` already in the output (a resume's samples of rows not done:
+        :attr:`Resumed.partial`) as written; ``inputs`` maps this run's ids to their ``row_index``."""
+        if pairs.num_rows:
+            at = pc.index_in(pairs.column("id"), value_set=inputs.column("id"))
+            there = pc.is_valid(at)
+            self.mark(pc.take(inputs.column("row_index"), at.filter(there)).to_numpy(),
+                      pc.fill_null(pairs.column("sample_index"), 0).filter(there).to_numpy())
+
+    def add(self, rows: pa.Table | list[dict]) -> pa.Table:
+        """Buffer the rows not seen before and commit every full part; returns the rows taken."""
+        table = rows if isinstance(rows, pa.Table) else to_table(rows)
+        index = table.column("row_index")
+        if index.null_count:
+            raise ValueError("every row the job writes has its input row's position (row_index)")
+        sample = pc.fill_null(table.column("sample_index"), 0) if "sample_index" in table.column_names else \
+            pa.array(np.zeros(table.num_rows, dtype=np.int64))
+        new = self.mark(index.to_numpy(), np.asarray(sample.to_numpy(zero_copy_only=False)))
+        if not new.all():
+            table = table.filter(pa.array(new))
+        if table.num_rows:
+            self.buffer.append(table)
+            self.buffered += table.num_rows
+        while self.buffered >= self.rows_per_file:
+            self._commit(self.rows_per_file)
+        return table
 
     def close(self) -> None:
-        if self.buffer:
-            self._commit(self.buffer)
-            self.buffer = []
+        """Commit what is buffered (nothing once stopped)."""
+        if self.buffered and not self.stopped:
+            self._commit(self.buffered, stop_after=False)
 
-    def _commit(self, rows: list[dict]) -> None:
-        _write_atomic(self.fs, f"{self.root}/{part_file(self.run, self.parts)}", to_table(rows))
-        self.parts += 1
-        self.written += len(rows)
+    def _commit(self, n: int, stop_after: bool = True) -> None:
+        if self.stopped:
+            return
+        table = pa.concat_tables(self.buffer, promote_options="default") if len(self.buffer) > 1 else self.buffer[0]
+        part = table.slice(0, n)
+        if part.schema != OUTPUT_SCHEMA:
+            part = part.select(OUTPUT_SCHEMA.names).cast(OUTPUT_SCHEMA)
+        self.committing = True
+        try:
+            try:
+                self.before_commit()
+            except LeaseLostError:
+                self.stopped = True
+                raise
+            write_parquet_atomic(self.fs, f"{self.root}/{part_file(self.run, self.parts)}", part)
+            self.parts += 1
+            self.written += n
+            rest = table.slice(n)
+            self.buffer, self.buffered = ([rest] if rest.num_rows else []), rest.num_rows
+            self.after_commit(part)
+        finally:
+            self.committing = False
+        if stop_after and self.pending_stop:
+            raise JobInterrupted()
 
 
 class JobInterrupted(Exception):
@@ -279,15 +385,18 @@ class Progress:
     def __init__(self, total: int, every_s: float, print_fn=print, clock=time.monotonic):
         self.total, self.every_s, self.print_fn, self.clock = total, every_s, print_fn, clock
         self.start = self.last = clock()
-        self.rows = self.tokens = self.steps = self.step_tokens = 0
+        self.rows = self.tokens = self.steps = 0
+        self.step_tokens = 0.0
 
-    def add(self, rows: list[dict]) -> None:
-        for r in rows:
-            self.rows += not r.get("sample_index")   # an input row's samples count once
-            self.tokens += r.get("output_tokens") or 0
-            if r.get("verify_steps"):
-                self.steps += r["verify_steps"]
-                self.step_tokens += r["tau"] * r["verify_steps"]
+    def add(self, rows: pa.Table) -> None:
+        """Count a table of result rows (column sums, no row loop; an input row's samples count once)."""
+        sample = rows.column("sample_index") if "sample_index" in rows.column_names else None
+        self.rows += rows.num_rows - (pc.sum(pc.fill_null(pc.greater(sample, 0), False).cast(pa.int64())).as_py()
+                                      or 0 if sample is not None else 0)
+        self.tokens += pc.sum(rows.column("output_tokens")).as_py() or 0
+        steps = rows.column("verify_steps")
+        self.steps += pc.sum(steps).as_py() or 0
+        self.step_tokens += pc.sum(pc.multiply(rows.column("tau"), pc.cast(steps, pa.float64()))).as_py() or 0.0
         now = self.clock()
         if now - self.last >= self.every_s or self.rows == self.total:
             self.last = now
@@ -302,8 +411,14 @@ class Progress:
                 f"ETA {'-' if left is None else f'{left:.0f} s'}")
 
 
-def _raise_interrupted(signum, frame):
-    raise JobInterrupted()
+def _on_sigterm(writer: PartWriter):
+    """SIGTERM's handler: stop now, or once the part being written is committed."""
+    def handler(signum, frame):
+        if writer.committing:
+            writer.pending_stop = True
+        else:
+            raise JobInterrupted()
+    return handler
 
 
 def check_local_models(cfg: JobConfig) -> None:
@@ -330,6 +445,15 @@ def check_local_models(cfg: JobConfig) -> None:
             check_head(draft_dir, target_config_and_tokenizer(target_dir)[0])
 
 
+def input_table(rows: list[InputRow]) -> pa.Table:
+    """The input rows as columns (what a work item holds: ``InputRow.as_item``)."""
+    return pa.table({"row_index": pa.array([r.row_index for r in rows], pa.int64()),
+                     "id": pa.array([r.id for r in rows], pa.string()),
+                     "payload": pa.array([r.payload for r in rows], pa.string()),
+                     "error": pa.array([storable(r.error) for r in rows], pa.string()),
+                     "error_kind": pa.array([r.kind for r in rows], pa.string())})
+
+
 def run_job(cfg: JobConfig, print_fn=print) -> dict:
     """Run the job to completion (resuming into an existing output) and return the summary (``interrupted`` is
     true when SIGTERM stopped it early: what finished is committed)."""
@@ -338,67 +462,95 @@ def run_job(cfg: JobConfig, print_fn=print) -> dict:
     check_local_models(cfg)
     in_fs, in_path = filesystem(cfg.input.uri, cfg)
     out_fs, out_root = filesystem(cfg.output.uri, cfg)
-    rows = read_input(in_path, in_fs, cfg.input.format, cfg.input.limit)
+    out_root = out_root.rstrip("/")
+    inputs = input_table(read_input(in_path, in_fs, cfg.input.format, cfg.input.limit))
     if committed_parts(out_fs, out_root) and not cfg.resume:   # an output that is a file fails here, naming it
         raise ConfigError(f"output.uri {cfg.output.uri} already holds results and resume is false; "
                           "choose an empty output or set resume: true")
     try:   # the first writes: an output that cannot be written fails here, before any model loads
-        writer = PartWriter(out_fs, out_root, cfg.output.rows_per_file, set())
-        lease = OutputLease(out_fs, out_root.rstrip("/"), writer.run, cfg.lease_stale_s)
+        prepare_output(out_fs, out_root, cfg.output.uri)
+        lease = OutputLease(out_fs, out_root, new_run_id(), cfg.lease_stale_s)
         lease.acquire()
     except OSError as e:
         raise ConfigError(f"output.uri {cfg.output.uri} cannot be written: {type(e).__name__}: {e}") from None
     try:
-        check_output_identity(out_fs, out_root.rstrip("/"), cfg)
-    except BaseException:
-        lease.release()
-        raise
-    try:
-        return run_leased(cfg, rows, out_fs, out_root, writer, print_fn)
+        recorded = check_output_identity(out_fs, out_root, cfg)
+        return run_leased(cfg, inputs, out_fs, out_root, lease, recorded, print_fn)
     finally:
         lease.release()
 
 
-def run_leased(cfg: JobConfig, rows, out_fs, out_root: str, writer: "PartWriter", print_fn) -> dict:
+BATCHES_PER_BLOCK = 4   # what Ray Data runs at once of an async stage's batches within one call (its default)
+
+
+def rows_per_block(cfg: JobConfig) -> int:
+    """Rows of each block the job hands Ray: the batches one actor call runs at once. A block is what Ray redoes
+    when an actor dies and the grain of the job's tail, so it is no larger; each costs Ray (and the driver's
+    scheduling thread) a task, so it is no smaller."""
+    return cfg.actors.batch_size * BATCHES_PER_BLOCK
+
+
+def run_leased(cfg: JobConfig, inputs: pa.Table, out_fs, out_root: str, lease: OutputLease, recorded: dict | None,
+               print_fn) -> dict:
     import ray
-    retried = drop_retryable_rows(out_fs, out_root) if cfg.resume else 0
-    changed = drop_changed_rows(out_fs, out_root, {r.id: r.payload for r in rows}) if cfg.resume else 0
-    keys, done = committed_rows(out_fs, out_root) if cfg.resume else (set(), set())
-    writer.committed = keys
-    todo = [r for r in rows if r.id not in done]
-    print_fn(f"eagle-ray job: {len(rows)} input rows, {len(rows) - len(todo)} already in {cfg.output.uri}"
-             f"{f' ({retried} failed rows to retry)' if retried else ''}, {len(todo)} to run on "
+    summary = JobSummary()
+    mine = output_identity(cfg)
+    was = (recorded or {}).get("max_model_len")
+    roomier_than = was if isinstance(was, int) and was < mine["max_model_len"] else None
+    if cfg.resume:
+        resumed = resume_output(out_fs, out_root, inputs.select(["id", "payload"]), summary, roomier_than,
+                                lease.check)
+    else:
+        resumed = Resumed.nothing()
+    if recorded is not None and recorded != mine:   # now that the rows it no longer binds are dropped
+        lease.check()
+        put_atomic(out_fs, f"{out_root}/{JOB_FILE}", json.dumps(mine, indent=1).encode())
+    done, ids = resumed.done, resumed.ids
+    todo = inputs.filter(pc.invert(pc.is_in(inputs.column("id"), value_set=done))) if len(done) else inputs
+    unmatched = pc.count_distinct(ids.filter(pc.invert(pc.is_in(ids, value_set=inputs.column("id"))))).as_py() \
+        if len(ids) else 0
+    again = ", ".join(f"{n} {why}" for n, why in ((resumed.retried, "failed rows to retry"),
+                                                  (resumed.roomier, f"rows refused or cut by max_model_len {was}"))
+                      if n)
+    print_fn(f"eagle-ray job: {inputs.num_rows} input rows, {inputs.num_rows - todo.num_rows} already in "
+             f"{cfg.output.uri}{f' ({again})' if again else ''}, {todo.num_rows} to run on "
              f"{'-'.join(map(str, sorted(set(cfg.actors.pool))))} actor(s)")
-    if changed:
-        print_fn(f"eagle-ray job: {changed} rows in {cfg.output.uri} answered another request than the input row "
-                 "now holding their id (rows inserted, removed or edited); they run again")
-    unmatched = len({k for k, _ in keys} - {r.id for r in rows})
+    if resumed.changed:
+        print_fn(f"eagle-ray job: {resumed.changed} rows in {cfg.output.uri} answered another request than the input "
+                 "row now holding their id (rows inserted, removed or edited); they run again")
     if unmatched:   # kept as they are; said aloud, since the same prompt may now run again under another id
         print_fn(f"eagle-ray job: {unmatched} rows already in {cfg.output.uri} match no input row id (the input, "
                  "its ids or input.limit changed since they were written); they are kept")
     t0 = time.time()
     started = now()
+    writer = PartWriter(out_fs, out_root, cfg.output.rows_per_file, inputs.num_rows, run=lease.mine["run"],
+                        before_commit=lease.check, after_commit=lambda table: summary.add(table, this_run=True))
+    writer.written_before(resumed.partial, inputs)
     interrupted = False
-    previous = signal.signal(signal.SIGTERM, _raise_interrupted) if _main_thread() else None
+    previous = signal.signal(signal.SIGTERM, _on_sigterm(writer)) if _main_thread() else None
     try:
-        pre_failed = [r for r in todo if r.error]
-        if pre_failed:  # unreadable lines and duplicate ids need no model: write their error rows now
-            writer.add([empty_row(r.as_item()) | {"started_at": started, "finished_at": started}
-                        for r in pre_failed])
-        runnable = [r.as_item() for r in todo if not r.error]
-        if runnable:
+        failed = pc.fill_null(pc.greater(pc.utf8_length(todo.column("error")), 0), False)
+        pre_failed = todo.filter(failed)
+        for i in range(0, pre_failed.num_rows, 10_000):  # unreadable lines and duplicate ids need no model
+            writer.add([empty_row(item) | {"started_at": started, "finished_at": started}
+                        for item in pre_failed.slice(i, 10_000).to_pylist()])
+        runnable = todo.filter(pc.invert(failed))
+        if runnable.num_rows:
             print_fn(ensure_ray(cfg.ray_address, max(os.cpu_count() or 1,
                                                      int(cfg.actors.pool[1] * cfg.actors.num_cpus))))
             if _main_thread():  # ray.init may install its own handler
-                signal.signal(signal.SIGTERM, _raise_interrupted)
+                signal.signal(signal.SIGTERM, _on_sigterm(writer))
+            import ray.data
+
             from eagle_ray.batch.processor import Processor
-            blocks = max(1, min(len(runnable) // cfg.actors.batch_size, 1000))
-            ds = Processor(ProcessorConfig.of(cfg)).generate(ray.data.from_items(runnable, override_num_blocks=blocks))
-            progress = Progress(len(runnable), cfg.progress_every_s, print_fn)
+            n = rows_per_block(cfg)
+            blocks = [runnable.slice(i, n) for i in range(0, runnable.num_rows, n)]
+            # blocks as they are, their metadata read here (from_arrow asks a task per block for it)
+            from_blocks = getattr(ray.data, "from_blocks", ray.data.from_arrow)
+            ds = Processor(ProcessorConfig.of(cfg)).generate(from_blocks(blocks))
+            progress = Progress(runnable.num_rows, cfg.progress_every_s, print_fn)
             for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
-                rows = batch.to_pylist()
-                writer.add(rows)
-                progress.add(rows)
+                progress.add(writer.add(batch))
     except JobInterrupted:
         interrupted = True
         print_fn("eagle-ray job: SIGTERM received; committing the finished rows and stopping")
@@ -407,83 +559,17 @@ def run_leased(cfg: JobConfig, rows, out_fs, out_root: str, writer: "PartWriter"
             signal.signal(signal.SIGTERM, previous)
         writer.close()
     wall = time.time() - t0
-    summary = summarize(read_output(out_fs, out_root), writer, wall, started)
-    summary["interrupted"] = interrupted
-    summary["rows_matching_no_input"] = unmatched
-    with out_fs.open(f"{out_root.rstrip('/')}/{SUMMARY_FILE}", "w") as f:
-        json.dump(summary, f, indent=1, default=str)
-    print_fn(format_summary(summary))
+    lease.check()   # a run taken over writes no summary: the run that took over writes its own
+    result = summary.result(writer.written, wall)
+    result["interrupted"] = interrupted
+    result["rows_matching_no_input"] = unmatched
+    put_atomic(out_fs, f"{out_root}/{SUMMARY_FILE}", json.dumps(result, indent=1, default=str).encode())
+    print_fn(format_summary(result))
     if interrupted and ray.is_initialized():
         ray.shutdown()
-    return summary
+    return result
 
 
 def _main_thread() -> bool:
     import threading
     return threading.current_thread() is threading.main_thread()
-
-
-def summarize(table: pa.Table, writer: PartWriter, wall: float, run_started: datetime) -> dict:
-    rows = table.to_pylist()
-    ok = [r for r in rows if not r["error"]]
-    this_run = [r for r in ok if r["started_at"] is not None and r["started_at"] >= run_started]
-    taus = sorted(r["tau"] for r in ok if r["tau"])
-    gen = sum(r["output_tokens"] or 0 for r in this_run)
-
-    def pct(q):
-        return taus[min(len(taus) - 1, int(q * len(taus)))] if taus else None
-
-    actors = {}
-    for r in this_run:
-        a = actors.setdefault(r["worker_id"], {"rows": 0, "tokens": 0, "first": r["started_at"], "last": r["finished_at"]})
-        a["rows"] += 1
-        a["tokens"] += r["output_tokens"] or 0
-        a["first"], a["last"] = min(a["first"], r["started_at"]), max(a["last"], r["finished_at"])
-    per_actor = {w: {"rows": a["rows"], "tokens": a["tokens"],
-                     "tokens_per_s": a["tokens"] / max((a["last"] - a["first"]).total_seconds(), 1e-9)}
-                 for w, a in actors.items()}
-    gen_span = None
-    over_time = []   # tau of this run's rows in tenths, in the order they finished (online adaptation raises it)
-    done = sorted((r for r in this_run if r["tau"]), key=lambda r: r["finished_at"])
-    block = max(1, -(-len(done) // 10))
-    for i in range(0, len(done), block):
-        part = done[i:i + block]
-        over_time.append({"rows": len(part), "tau": round(statistics.mean(r["tau"] for r in part), 4),
-                          "head_versions": sorted({r.get("head_version") or 0 for r in part})})
-    if this_run:
-        gen_span = (max(r["finished_at"] for r in this_run) - min(r["started_at"] for r in this_run)).total_seconds()
-    return {
-        "rows": len(rows), "errors": len(rows) - len(ok), "written_this_run": writer.written,
-        "error_kinds": _error_kinds(rows),
-        "tau_mean": statistics.mean(taus) if taus else None, "tau_p50": pct(0.5), "tau_p90": pct(0.9),
-        "generated_tokens_this_run": gen, "wall_s": wall,
-        "generated_tokens_per_s": gen / wall if wall > 0 else None,
-        "generation_span_s": gen_span,
-        "generation_tokens_per_s": gen / gen_span if gen_span else None,
-        "per_actor": per_actor, "tau_over_time": over_time,
-    }
-
-
-def _error_kinds(rows: list[dict]) -> dict:
-    kinds: dict[str, int] = {}
-    for r in rows:
-        if r["error"]:
-            k = r.get("error_kind") or "unknown"
-            kinds[k] = kinds.get(k, 0) + 1
-    return kinds
-
-
-def format_summary(s: dict) -> str:
-    def f(x, spec=".2f"):
-        return "-" if x is None else format(x, spec)
-    lines = ["", "eagle-ray job summary", "---------------------",
-             f"rows            {s['rows']}", f"errors          {s['errors']}  {s['error_kinds'] or ''}",
-             f"tau mean/p50/p90 {f(s['tau_mean'])} / {f(s['tau_p50'])} / {f(s['tau_p90'])}",
-             f"generated tokens {s['generated_tokens_this_run']} in {s['wall_s']:.1f} s = "
-             f"{f(s['generated_tokens_per_s'], '.1f')} tok/s (generation only: {f(s['generation_tokens_per_s'], '.1f')})",
-             "per actor:"]
-    for w, a in s["per_actor"].items():
-        lines.append(f"  {w:<40} rows {a['rows']:>6}  tokens {a['tokens']:>8}  {a['tokens_per_s']:.1f} tok/s")
-    if s.get("tau_over_time"):
-        lines.append("tau over time    " + " ".join(f"{b['tau']:.2f}" for b in s["tau_over_time"]))
-    return "\n".join(lines)

@@ -44,7 +44,7 @@ def error_kind(err: BaseException) -> str:
     return INTERNAL_ERROR
 
 
-@dataclass
+@dataclass(slots=True)
 class InputRow:
     row_index: int | None
     id: str
@@ -299,11 +299,16 @@ def parquet_records(table: pa.Table) -> list[dict]:
     """A Parquet table's rows as dicts, a map as the object it stands for (as Spark and pandas write dicts). A
     row whose map holds a key twice keeps that map as (key, value) pairs, which no request field accepts. A date
     or time that Python cannot hold (a timestamp of 2**62 microseconds, a common "never") makes its column's dates
-    and times text, so a column the job does not read never spoils a row."""
+    and times text, and a ``string`` value that is not UTF-8 (Parquet writers do not check) makes every text column
+    bytes, decoded value by value (:func:`parquet_row`: an ``invalid_utf8`` row where a request field is not
+    UTF-8), so a column the job does not read never spoils a row, nor a bad row the file."""
     try:
         return _pylist(table)
+    except UnicodeDecodeError:
+        return parquet_records(_retyped(table, lambda t: pa.binary() if pa.types.is_string(t) else
+                                        pa.large_binary() if pa.types.is_large_string(t) else None))
     except (OverflowError, ValueError):
-        return _pylist(table.cast(pa.schema([f.with_type(_temporal_as_text(f.type)) for f in table.schema])))
+        return _pylist(_retyped(table, lambda t: pa.string() if pa.types.is_temporal(t) else None))
 
 
 def _pylist(table: pa.Table) -> list[dict]:
@@ -322,18 +327,23 @@ def _pylist(table: pa.Table) -> list[dict]:
         return out
 
 
-def _temporal_as_text(t: pa.DataType) -> pa.DataType:
-    """``t`` with every date, time, timestamp and duration inside it (lists, structs, maps) made a string."""
-    if pa.types.is_temporal(t):
-        return pa.string()
+def _retyped(table: pa.Table, leaf) -> pa.Table:
+    """``table`` cast so that every type ``leaf`` maps (to a type; None: kept) is that type, inside lists, structs
+    and maps too."""
+    return table.cast(pa.schema([f.with_type(_retype(f.type, leaf)) for f in table.schema]))
+
+
+def _retype(t: pa.DataType, leaf) -> pa.DataType:
+    if leaf(t) is not None:
+        return leaf(t)
     if pa.types.is_map(t):
-        return pa.map_(_temporal_as_text(t.key_type), _temporal_as_text(t.item_type))
+        return pa.map_(_retype(t.key_type, leaf), _retype(t.item_type, leaf))
     if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
-        item = t.value_field.with_type(_temporal_as_text(t.value_type))
+        item = t.value_field.with_type(_retype(t.value_type, leaf))
         return (pa.list_(item, t.list_size) if pa.types.is_fixed_size_list(t)
                 else pa.large_list(item) if pa.types.is_large_list(t) else pa.list_(item))
     if pa.types.is_struct(t):
-        return pa.struct([t.field(i).with_type(_temporal_as_text(t.field(i).type)) for i in range(t.num_fields)])
+        return pa.struct([t.field(i).with_type(_retype(t.field(i).type, leaf)) for i in range(t.num_fields)])
     return t
 
 
@@ -410,11 +420,6 @@ def logprob_columns(lp) -> dict:
         return {}
     return {"output_logprobs": list(lp.values),
             "output_top_logprobs": [[{"token_id": i, "logprob": v} for i, v in top] for top in lp.top]}
-
-
-def output_key(row: dict) -> tuple[str, int]:
-    """What the output holds once: a row's id and sample (an error row of a row with samples counts as sample 0)."""
-    return row["id"], row.get("sample_index") or 0
 
 
 def to_table(rows: list[dict]) -> pa.Table:

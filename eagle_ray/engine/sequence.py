@@ -9,6 +9,7 @@ import torch
 from eagle_ray.config import SamplingParams
 from eagle_ray.engine.text import Detokenizer, StopStrings
 from eagle_ray.speculative.context_vocab import ContextTokens
+from eagle_ray.speculative.grammar import Guide
 from eagle_ray.speculative.lookup import TokenHistory
 from eagle_ray.stats import RequestStats
 
@@ -70,6 +71,7 @@ class Sequence:
     stats: RequestStats = field(default_factory=RequestStats)
     start_time: float = 0.0
     stops: StopStrings | None = None
+    guide: Guide | None = None                  # its grammar's matcher, for structured output (speculative/grammar.py)
 
     @property
     def finished(self) -> bool:
@@ -97,8 +99,8 @@ class Sequence:
         """Append emitted tokens up to the first stop token or ``max_new_tokens``; returns how many were kept."""
         for n, tok in enumerate(tokens, 1):
             self.output_ids.append(tok)
-            if tok in self.stop_ids:
-                self.finish_reason = "stop"
+            if tok in self.stop_ids or (self.guide is not None and self.guide.advance(tok)):
+                self.finish_reason = "stop"    # a stop token, or a grammar that can take nothing more
                 return n
             if len(self.output_ids) >= self.params.max_new_tokens:
                 self.finish_reason = "length"

@@ -155,6 +155,7 @@ class SamplingParams(StrictModel):
 
 
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+JSON_OBJECT = {"type": "object"}   # the schema of OpenAI's ``response_format: json_object``: any JSON object
 
 
 def checked_schema(value) -> dict:

@@ -98,8 +98,11 @@ class Sequence:
     def append(self, tokens: list[int]) -> int:
         """Append emitted tokens up to the first stop token or ``max_new_tokens``; returns how many were kept."""
         for n, tok in enumerate(tokens, 1):
+            if self.guide is not None and not self.guide.accept(tok):   # a grammar's dead end: nothing fits
+                self.finish_reason = "stop"
+                return n - 1
             self.output_ids.append(tok)
-            if tok in self.stop_ids or (self.guide is not None and self.guide.advance(tok)):
+            if tok in self.stop_ids or (self.guide is not None and self.guide.finished()):
                 self.finish_reason = "stop"    # a stop token, or a grammar that can take nothing more
                 return n
             if len(self.output_ids) >= self.params.max_new_tokens:

@@ -13,7 +13,7 @@ pass (:func:`prune_tree`), so a forbidden node is never verified. At acceptance 
 are masked with that node's mask (:func:`mask_logits`), the bonus token's included, so every emitted token is the
 constrained target's own choice: greedy output equals constrained plain decoding token for token, sampled output has
 the constrained distribution. The end-of-sequence token is allowed only where the grammar accepts termination, and
-a sequence whose grammar can take nothing more ends there (``Guide.advance``).
+a sequence whose grammar can take nothing more ends there (``Guide.finished``).
 """
 from __future__ import annotations
 
@@ -164,11 +164,13 @@ class Guide:
         masks, self.masks = self.masks, None
         return self.state_mask() if masks is None else masks
 
-    def advance(self, token: int) -> bool:
-        """Accept an emitted token; True when the grammar is finished: it took a stop token, or it is complete
-        and allows nothing more but one."""
-        if not self.matcher.accept_token(token):
-            raise RuntimeError(f"the grammar refused token {token}, which was chosen under its own mask")
+    def accept(self, token: int) -> bool:
+        """Take an emitted token; False where the grammar refuses it: a dead end, where a vocabulary has no token
+        to continue what it allowed (then every logit was masked), and the sequence ends before it."""
+        return self.matcher.accept_token(token)
+
+    def finished(self) -> bool:
+        """The grammar took a stop token, or it is complete and allows nothing more but one."""
         if self.matcher.is_terminated():
             return True
         if not self.matcher.is_completed():

@@ -24,7 +24,7 @@ import statistics
 import time
 
 import torch
-from harness import check_out, interleaved, run_entry, subcommand, write_result
+from harness import check_out, interleaved, run_entry, subcommand, timed, write_result
 from workloads import bbc_articles, embedded_tokenizer
 
 SCRIPT = "bench/structured.py"
@@ -191,43 +191,52 @@ def valid(text: str, schema: dict) -> bool:
         return False
 
 
+def extraction_summary(outs: dict, walls: dict, engine) -> dict:
+    modes = {}
+    for m in outs:
+        rows = [o for group in outs[m] for o in group]
+        tokens = sum(len(o.token_ids) for o in rows)
+        steps = sum(o.stats.verify_steps for o in rows)
+        modes[m] = {"rows": len(rows), "seconds": round(sum(walls[m]), 2), "tokens": tokens,
+                    "tokens_per_s": round(tokens / sum(walls[m]), 2),
+                    "tau": round(sum(o.stats.step_tokens for o in rows) / steps, 3) if steps else None,
+                    "valid": sum(valid(o.text, EXTRACTION_SCHEMA) for o in rows),
+                    "finish_stop": sum(o.finish_reason == "stop" for o in rows)}
+    spec = [o for g in outs["eagle"] for o in g]
+    plain = [o for g in outs["plain"] for o in g]
+    modes["eagle"]["equal_to_plain"] = sum(s.token_ids == p.token_ids for s, p in zip(spec, plain))
+    modes["eagle"]["speedup"] = round(modes["eagle"]["tokens_per_s"] / modes["plain"]["tokens_per_s"], 3)
+    return {"modes": modes, "tree": engine.policy.summary(), "examples": [o.text for o in spec[:3]]}
+
+
 def cmd_extraction(a) -> int:
     from eagle_ray import EagleEngine, SamplingParams
     check_out(a.out)
     prompts = [extraction_prompt(t) for t in bbc_articles(a.rows)]
     guided = SamplingParams(temperature=0.0, max_new_tokens=a.max_new_tokens, guided_json=EXTRACTION_SCHEMA)
     free = SamplingParams(temperature=0.0, max_new_tokens=a.max_new_tokens)
-    result = {"rows": a.rows, "schema": EXTRACTION_SCHEMA, "max_new_tokens": a.max_new_tokens, "batches": {}}
+    result = {"rows": a.rows, "schema": EXTRACTION_SCHEMA, "max_new_tokens": a.max_new_tokens, "batches": {},
+              "note": "greedy fp32, the default tree (8/2/3, lookup 5); rows in groups of the batch size, the modes "
+                      "taking turns group by group (A B, B A); tau: tokens per verify step over all rows, bonus token "
+                      "counted; written after every group, so a file may hold fewer rows than asked (see rows)"}
     for bs in a.batch_sizes:
         engine = EagleEngine.from_pretrained(max_batch_size=bs, threads=a.threads)
-        engine.generate(prompts[:bs], guided)   # warm: the tokenizer info, the grammar, the first passes
+        engine.generate("Hi", guided.model_copy(update={"max_new_tokens": 4}))   # warm: tokenizer info, grammar
         runs = {"eagle": lambda g: engine.generate(g, guided),
                 "plain": lambda g: engine.generate(g, guided, speculative=False)}
         if bs > 1 and a.free:
             runs["eagle, no schema"] = lambda g: engine.generate(g, free)
         groups = [prompts[i:i + bs] for i in range(0, len(prompts), bs)]
-        outs, walls = interleaved({m: (lambda i, f=f: f(groups[i])) for m, f in runs.items()}, len(groups))
-        modes = {}
-        for m in runs:
-            rows = [o for group in outs[m] for o in group]
-            tokens = sum(len(o.token_ids) for o in rows)
-            steps = sum(o.stats.verify_steps for o in rows)
-            modes[m] = {"seconds": round(sum(walls[m]), 2), "tokens": tokens,
-                        "tokens_per_s": round(tokens / sum(walls[m]), 2),
-                        "tau": round(sum(o.stats.step_tokens for o in rows) / steps, 3) if steps else None,
-                        "valid": sum(valid(o.text, EXTRACTION_SCHEMA) for o in rows),
-                        "finish_stop": sum(o.finish_reason == "stop" for o in rows)}
-        spec = [o for g in outs["eagle"] for o in g]
-        plain = [o for g in outs["plain"] for o in g]
-        modes["eagle"]["equal_to_plain"] = sum(s.token_ids == p.token_ids for s, p in zip(spec, plain))
-        modes["eagle"]["speedup"] = round(modes["eagle"]["tokens_per_s"] / modes["plain"]["tokens_per_s"], 3)
-        result["batches"][str(bs)] = {"modes": modes, "tree": engine.policy.summary(),
-                                      "examples": [o.text for o in spec[:3]]}
-        print(bs, json.dumps(modes, indent=1), flush=True)
-        write_result(a.out, result, a.command)   # what has run so far, should a later size not finish
-    result["note"] = ("greedy fp32; rows in groups of the batch size, modes taking turns group by group (A B, B A); "
-                      "tau: tokens per verify step over all rows, bonus token counted")
-    write_result(a.out, result, a.command)
+        outs = {m: [] for m in runs}
+        walls = {m: [] for m in runs}
+        for i, group in enumerate(groups):   # the modes in turn, group by group (A B, B A); written as it goes
+            for m in list(runs) if i % 2 == 0 else list(runs)[::-1]:
+                out, seconds = timed(runs[m], group)
+                outs[m].append(out)
+                walls[m].append(seconds)
+            result["batches"][str(bs)] = extraction_summary(outs, walls, engine)
+            write_result(a.out, result, a.command)
+        print(bs, json.dumps(result["batches"][str(bs)]["modes"], indent=1), flush=True)
     return 0
 
 

@@ -9,7 +9,8 @@ alike, and one way to write a result file that says what ran, on what, and with 
 - :func:`run_entry` and :func:`subcommand`: an entry point's main and subcommands, and its one-line errors.
 
 A module, not a command: ``bench/speed.py``, ``acceptance.py``, ``costs.py``, ``load.py`` and ``fidelity.py`` import
-it as a sibling (``python bench/<entry>.py`` puts bench/ first on the import path).
+it as a sibling (``python bench/<entry>.py`` puts bench/ first on the import path; ``repo_root`` adds the repository
+root, so nothing needs installing).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import repo_root  # noqa: F401 - the repository root on the import path, before eagle_ray is imported
 import torch
 
 from eagle_ray.errors import CheckpointError, ConfigError

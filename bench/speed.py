@@ -42,6 +42,14 @@ transformers ``generate()``, and how that moves with the tree, prompt lookup, ba
 
         python bench/speed.py table1 --num-prompts 10 --max-new-tokens 128 --out bench/results/<hardware>/table1
 
+``logprobs``
+    What asking for log-probabilities costs: one engine, the same prompts at ``--batch-size`` with ``logprobs`` off
+    and at each ``--top`` (alternatives per token), in A B B A rounds; tokens/s, tau, and whether the tokens are the
+    same (they must be: the values are read beside them).
+
+        python bench/speed.py logprobs --batch-size 8 --num-prompts 32 --max-new-tokens 64 --top 0 5 20 \
+            --out bench/results/<hardware>/logprobs_cost_b8.json
+
 Every subcommand writes JSON naming the hardware, torch version, threads and command line (``harness.py``).
 """
 from __future__ import annotations
@@ -541,6 +549,64 @@ def cmd_table1(a) -> int:
     return 0
 
 
+# ---- logprobs -----------------------------------------------------------------------------------------------------
+def cmd_logprobs(a) -> int:
+    from eagle_ray.engine.engine import EagleEngine
+    check_out(a.out)
+    prompts = workload(a.workload, a.num_prompts)
+    engine = EagleEngine.from_pretrained(a.target, a.draft, dtype=a.dtype, threads=a.threads,
+                                         max_batch_size=a.batch_size)
+    modes = {"off": None} | {f"top{k}": k for k in a.top}
+    params = {m: SamplingParams(max_new_tokens=a.max_new_tokens, ignore_eos=a.ignore_eos, logprobs=k)
+              for m, k in modes.items()}
+    engine.generate(prompts[:2], SamplingParams(max_new_tokens=8, logprobs=max(a.top, default=0)))   # warm-up
+    runs, walls = rounds({m: (lambda p=p: engine.generate(prompts, p)) for m, p in params.items()}, a.rounds)
+    summary = {}
+    for m, outs in runs.items():
+        tokens = sum(len(o.token_ids) for o in outs[0])
+        summary[m] = {"tokens_per_s": tokens * len(walls[m]) / sum(walls[m]), "tokens": tokens, "run_s": walls[m],
+                      "tau": statistics.mean(o.stats.tau for o in outs[0]),
+                      "outputs_differing_from_off": sum(x.token_ids != y.token_ids
+                                                        for x, y in zip(runs["off"][0], outs[0]))}
+    result = {"batch_size": a.batch_size, "workload": a.workload, "prompts": len(prompts),
+              "max_new_tokens": a.max_new_tokens, "rounds": a.rounds, "speculative": True,
+              "gather_ms": logprob_gather_ms(engine, a.batch_size, [0] + a.top),
+              "tree": engine.policy.summary(), "dtype": str(engine.target.dtype), "summary": summary,
+              "speed_vs_off": {m: s["tokens_per_s"] / summary["off"]["tokens_per_s"] for m, s in summary.items()}}
+    write_result(a.out, result, a.command, engine.device)
+    for m, s in summary.items():
+        print(f"logprobs {m:>6}: {s['tokens_per_s']:.1f} tok/s, tau {s['tau']:.3f}, "
+              f"{result['speed_vs_off'][m]:.3f}x off, {s['outputs_differing_from_off']} outputs differ")
+    return 0
+
+
+def logprob_gather_ms(engine, batch: int, tops: list[int], accepted: int = 4) -> dict:
+    """Median milliseconds of what a step adds with logprobs on, alone: the accepted rows' log-softmax, chosen values
+    and top-k of a ``batch x accepted`` block over the target's vocabulary (``speculative/logprobs.packed``); a
+    whole run's timing on a shared machine can hide it."""
+    from harness import median_seconds
+
+    from eagle_ray.speculative.logprobs import packed
+    logits = torch.randn(batch, accepted, engine.target.vocab_size)
+    tokens = logits.argmax(-1)
+    return {f"top{k}": 1000 * median_seconds(lambda k=k: packed(logits, tokens, k), repeats=50) for k in tops}
+
+
+def add_logprobs(sub) -> None:
+    c = subcommand(sub, "logprobs", cmd_logprobs, "tokens/s with log-probabilities off and on, side by side")
+    c.add_argument("--top", type=int, nargs="+", default=[0, 5, 20], help="alternatives per token of each 'on' run")
+    c.add_argument("--target", default=None, help="target (default: the embedded SmolLM2-135M-Instruct)")
+    c.add_argument("--draft", default=None, help="head directory (default: the embedded head)")
+    c.add_argument("--dtype", default="auto")
+    c.add_argument("--threads", type=int, default=2)
+    c.add_argument("--workload", default="mt_bench", help=f"{', '.join(NAMES)}, or name=path.jsonl")
+    c.add_argument("--num-prompts", type=int, default=32)
+    c.add_argument("--max-new-tokens", type=int, default=64)
+    c.add_argument("--ignore-eos", action="store_true", help="every answer runs to --max-new-tokens")
+    c.add_argument("--batch-size", type=int, default=8)
+    c.add_argument("--rounds", type=int, default=2, help="whole-set runs per mode, A B B A")
+
+
 # ---- the command line ---------------------------------------------------------------------------------------------
 def add_measure(sub) -> None:
     m = subcommand(sub, "measure", cmd_measure, "one configuration: tokens/s against plain decoding and generate()")
@@ -620,7 +686,7 @@ def add_table1(sub) -> None:
 
 
 def main(argv=None) -> int:
-    return run_entry(__doc__, SCRIPT, (add_measure, add_compare, add_batch, add_table1), argv)
+    return run_entry(__doc__, SCRIPT, (add_measure, add_compare, add_batch, add_table1, add_logprobs), argv)
 
 
 if __name__ == "__main__":

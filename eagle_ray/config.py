@@ -105,6 +105,12 @@ class SamplingParams(StrictModel):
     guided_choice: list[Annotated[str, Field(min_length=1)]] | None = Field(
         None, min_length=1, description="the output is exactly one of these strings")
     guided_grammar: str | None = Field(None, min_length=1, description="an EBNF (GBNF) grammar the output must match")
+    # what a request gets back besides its text: log-probabilities, and several samples of one prompt
+    logprobs: int | None = Field(None, ge=0, le=20, description="per output token, the target's raw "
+                                 "log-probability (before temperature, top-k and top-p) and the k most probable "
+                                 "alternatives; 0: the chosen token's alone; None: off")
+    n: int = Field(1, ge=1, le=1024, description="samples of the prompt, each one sequence; the prompt is "
+                   "prefilled once for all of them (engine/samples.py)")
 
     @model_validator(mode="before")
     @classmethod

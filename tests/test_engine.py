@@ -69,7 +69,7 @@ def test_prompt_chunks_fill_the_budget_oldest_first():
     from eagle_ray.engine.scheduler import plan_chunks
 
     def seqs(*lengths, done=0):
-        return [SimpleNamespace(prompt_ids=[0] * n, prefilled=done) for n in lengths]
+        return [SimpleNamespace(prompt_ids=[0] * n, prefilled=done, fork=None) for n in lengths]
 
     def plan(prompts, budget):
         return [(c.start, c.end) for c in plan_chunks(prompts, budget)]

@@ -360,7 +360,7 @@ def test_the_serve_parser_refuses_vllm_fields_it_would_ignore_and_reads_types_st
 
     def parse(body, kind="completion"):
         return parse_body(json.dumps({"model": "m", "prompt": "w1", **body}).encode(), kind, "m", 100, 16)
-    for field, value in [("min_tokens", 5), ("min_p", 0.1), ("top_logprobs", 2),
+    for field, value in [("min_tokens", 5), ("min_p", 0.1),
                          ("tool_choice", "required"), ("include_stop_str_in_output", True),
                          ("skip_special_tokens", False), ("use_beam_search", True), ("best_of", True),
                          ("continue_final_message", True), ("add_generation_prompt", False),
@@ -368,6 +368,9 @@ def test_the_serve_parser_refuses_vllm_fields_it_would_ignore_and_reads_types_st
         with pytest.raises(ApiError, match=f"^{field} is not supported") as e:
             parse({field: value})
         assert e.value.status == 400 and e.value.param == field
+    with pytest.raises(ApiError, match="^top_logprobs is a chat field") as e:   # completions count with logprobs
+        parse({"top_logprobs": 2})
+    assert e.value.status == 400 and e.value.param == "top_logprobs"
     harmless = parse({"repetition_penalty": 1.0, "min_tokens": 0, "min_p": 0, "tool_choice": "auto",
                       "skip_special_tokens": True, "best_of": 1, "continue_final_message": False,
                       "add_generation_prompt": True, "chat_template_kwargs": {}})
@@ -385,7 +388,7 @@ def test_the_serve_parser_refuses_vllm_fields_it_would_ignore_and_reads_types_st
                                 ({"stop": ["a", 5]}, "stop: Input should be a valid string", "stop"),
                                 ({"stop_token_ids": [1, "2"]}, "stop_token_ids.1: Input should be a valid integer",
                                  "stop_token_ids.1"),
-                                ({"prompt": [[1, 2], [3]]}, "one prompt per request", "prompt")]:
+                                ({"prompt": [[1]] * 65}, "at most 64 prompts per request", "prompt")]:
         with pytest.raises(ApiError, match=reason) as e:
             parse(body, "chat" if "messages" in body else "completion")
         assert e.value.status == 400 and e.value.param == param, (body, e.value.param)

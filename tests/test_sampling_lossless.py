@@ -4,7 +4,7 @@ On a target small enough to enumerate (8 tokens), the empirical joint distributi
 tokens must match the exact one computed with transformers' own warpers (chi-square, p > 0.01) for T=1,
 T=0.7 + top_p=0.9 and top_k=5, all three settings mixed in the same batches, with prompt-lookup chains grafted onto
 the trees (one-token matches, so nearly every step has one); and the same test must catch a deliberately broken
-acceptance rule.
+acceptance rule. The same holds for each of n = 8 samples of one request, which share its prefill.
 """
 import collections
 
@@ -96,3 +96,26 @@ def test_a_broken_acceptance_rule_is_caught(small_vocab, monkeypatch):
     monkeypatch.setattr(runner_module, "accept", broken)
     samples = sample_mixed(path, seed=1, n=3000)
     assert chi_square_p(samples["T=1"], exact_joint(hf, temperature=1.0)) < 1e-6
+
+
+def test_each_of_n_samples_has_the_targets_distribution(small_vocab):
+    """250 requests of n = 8 samples at T=1: pooled, the samples' joint distribution is the target's; sample by
+    sample, each index's first token is too. The samples copied their request's prompt instead of prefilling it."""
+    path, hf = small_vocab
+    torch.manual_seed(2)
+    engine = tiny_engine(path, None, TreeConfig(total_tokens=8, depth=2, top_k=3, lookup=3, lookup_ngram=1),
+                         max_batch_size=48, max_model_len=32)
+    prefilled, block = [], engine.runner.prefill_block
+    engine.runner.prefill_block = lambda chunks: prefilled.append(sum(c.end - c.start for c in chunks)) or block(chunks)
+    requests = 250
+    outs = engine.generate([PROMPT] * requests, SamplingParams(max_new_tokens=3, ignore_eos=True, temperature=1.0,
+                                                               n=8))
+    assert len(outs) == 8 * requests and sum(prefilled) < requests * 8 * len(PROMPT) / 2
+    exact = exact_joint(hf)
+    assert chi_square_p([tuple(o.token_ids) for o in outs], exact) > 0.01
+    first = collections.defaultdict(float)
+    for (a, _, _), p in exact.items():
+        first[(a,)] += p
+    for i in range(8):
+        p = chi_square_p([tuple(o.token_ids[:1]) for o in outs[i::8]], first)
+        assert p > 0.001, (i, p)

@@ -27,7 +27,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from eagle_ray.batch.config import SUMMARY_FILE, JobConfig, ProcessorConfig, new_run_id, part_file
 from eagle_ray.cluster import ensure_ray
-from eagle_ray.batch.rows import OUTPUT_SCHEMA, RETRIED_ON_RESUME, empty_row, read_input, to_table
+from eagle_ray.batch.rows import OUTPUT_SCHEMA, RETRIED_ON_RESUME, empty_row, output_key, read_input, to_table
 from eagle_ray.batch.stage import now
 from eagle_ray.errors import ConfigError
 
@@ -120,6 +120,11 @@ def check_output_identity(fs, root: str, cfg: JobConfig) -> None:
     path, mine = f"{root}/{JOB_FILE}", output_identity(cfg)
     if fs.exists(path) and committed_parts(fs, root):   # a first run that wrote no row binds nothing
         theirs = json.loads(fs.cat_file(path))
+        try:   # sampling fields added since it was written take their defaults, which it ran with
+            from eagle_ray.config import SamplingParams
+            theirs["sampling"] = SamplingParams(**theirs["sampling"]).model_dump(mode="json")
+        except (ConfigError, TypeError, KeyError):
+            pass
         changed = [k for k in mine if theirs.get(k) != mine[k]]
         if changed:
             raise ConfigError(f"output.uri {cfg.output.uri} was written with other settings ("
@@ -207,10 +212,32 @@ def _write_atomic(fs, path: str, table: pa.Table) -> None:
         fs.pipe_file(path, buf.getvalue().to_pybytes())
 
 
-class PartWriter:
-    """Buffers result rows and commits them ``rows_per_file`` at a time, skipping ids already committed."""
+def committed_rows(fs, root: str) -> tuple[set[tuple[str, int]], set[str]]:
+    """What the output holds: each row's (id, sample index), and the ids that are done. A row with ``n`` samples
+    (``sampling_params.n``) is done once all of its samples are there, or an error row for it (a retried batch, or
+    a run stopped between two parts, may have left some of its samples out: the row runs again and only the
+    missing ones are written)."""
+    table = read_output(fs, root, ["id", "sample_index", "sampling_params", "error"])
+    keys, samples, asked, failed = set(), {}, {}, set()
+    for r in table.to_pylist():
+        key = output_key(r)
+        keys.add(key)
+        samples.setdefault(r["id"], set()).add(key[1])
+        if r["error"]:
+            failed.add(r["id"])
+        try:
+            asked[r["id"]] = int(json.loads(r["sampling_params"] or "{}").get("n") or 1)
+        except (ValueError, TypeError, AttributeError):
+            asked[r["id"]] = 1
+    done = {i for i, got in samples.items() if i in failed or len(got) >= asked.get(i, 1)}
+    return keys, done
 
-    def __init__(self, fs, root: str, rows_per_file: int, committed: set[str]):
+
+class PartWriter:
+    """Buffers result rows and commits them ``rows_per_file`` at a time, skipping (id, sample) pairs already
+    committed."""
+
+    def __init__(self, fs, root: str, rows_per_file: int, committed: set[tuple[str, int]]):
         self.fs, self.root, self.rows_per_file = fs, root.rstrip("/"), rows_per_file
         self.committed = committed
         self.run = new_run_id()
@@ -221,9 +248,10 @@ class PartWriter:
 
     def add(self, rows: list[dict]) -> None:
         for row in rows:
-            if row["id"] in self.committed:
+            key = output_key(row)
+            if key in self.committed:
                 continue  # a retried batch re-emitted it
-            self.committed.add(row["id"])
+            self.committed.add(key)
             self.buffer.append(row)
         while len(self.buffer) >= self.rows_per_file:
             self._commit(self.buffer[: self.rows_per_file])
@@ -255,7 +283,7 @@ class Progress:
 
     def add(self, rows: list[dict]) -> None:
         for r in rows:
-            self.rows += 1
+            self.rows += not r.get("sample_index")   # an input row's samples count once
             self.tokens += r.get("output_tokens") or 0
             if r.get("verify_steps"):
                 self.steps += r["verify_steps"]
@@ -335,8 +363,8 @@ def run_leased(cfg: JobConfig, rows, out_fs, out_root: str, writer: "PartWriter"
     import ray
     retried = drop_retryable_rows(out_fs, out_root) if cfg.resume else 0
     changed = drop_changed_rows(out_fs, out_root, {r.id: r.payload for r in rows}) if cfg.resume else 0
-    done = set(read_output(out_fs, out_root, ["id"]).column("id").to_pylist()) if cfg.resume else set()
-    writer.committed = done
+    keys, done = committed_rows(out_fs, out_root) if cfg.resume else (set(), set())
+    writer.committed = keys
     todo = [r for r in rows if r.id not in done]
     print_fn(f"eagle-ray job: {len(rows)} input rows, {len(rows) - len(todo)} already in {cfg.output.uri}"
              f"{f' ({retried} failed rows to retry)' if retried else ''}, {len(todo)} to run on "
@@ -344,7 +372,7 @@ def run_leased(cfg: JobConfig, rows, out_fs, out_root: str, writer: "PartWriter"
     if changed:
         print_fn(f"eagle-ray job: {changed} rows in {cfg.output.uri} answered another request than the input row "
                  "now holding their id (rows inserted, removed or edited); they run again")
-    unmatched = len(done - {r.id for r in rows})
+    unmatched = len({k for k, _ in keys} - {r.id for r in rows})
     if unmatched:   # kept as they are; said aloud, since the same prompt may now run again under another id
         print_fn(f"eagle-ray job: {unmatched} rows already in {cfg.output.uri} match no input row id (the input, "
                  "its ids or input.limit changed since they were written); they are kept")

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from eagle_ray.engine.request import MAX_NESTING, PROMPT_KINDS, SAMPLING_KEYS, nesting_depth, storable
+from eagle_ray.engine.request import (CONTINUATION_KEYS, MAX_NESTING, PROMPT_KINDS, SAMPLING_KEYS, nesting_depth,
+                                     storable)
 from eagle_ray.errors import ConfigError, EngineDeadError, InvalidRequestError, PromptTooLongError
 
 # error kinds (the ``error_kind`` column and summary.json's ``error_kinds`` keys)
@@ -246,7 +247,7 @@ def _row(index: int, rec, err: str, kind: str) -> InputRow:
 
 
 # the fields a row's request is read from (:func:`eagle_ray.engine.request.parse_row`)
-READ_FIELDS = ("id", *PROMPT_KINDS, *SAMPLING_KEYS)
+READ_FIELDS = ("id", *PROMPT_KINDS, *SAMPLING_KEYS, *CONTINUATION_KEYS)
 
 
 def parquet_row(index: int, rec: dict, path: str) -> InputRow:
@@ -367,12 +368,23 @@ STAT_FIELDS = [
     ("tokens_per_s", pa.float64()), ("head_version", pa.int64()),
 ]
 
+# per token: its top alternatives, most probable first (a list of structs: pandas reads dicts, duckdb a STRUCT[])
+TOP_LOGPROBS = pa.list_(pa.list_(pa.struct([("token_id", pa.int64()), ("logprob", pa.float32())])))
+EVAL_FIELDS = [
+    ("sample_index", pa.int64()),                                  # which of the row's n samples (0 without n)
+    ("output_logprobs", pa.list_(pa.float32())), ("output_top_logprobs", TOP_LOGPROBS),   # sampling_params.logprobs
+    ("continuation_logprobs", pa.list_(pa.float64())),   # a scoring row: per continuation, its summed logprob,
+    ("continuation_tokens", pa.list_(pa.int64())),       # its token count,
+    ("continuation_greedy", pa.list_(pa.bool_())),       # and whether every token is the target's argmax
+]
+
 # Every column has an explicit type, so a batch of error rows (all-null outputs) writes the same schema.
 OUTPUT_SCHEMA = pa.schema([
     ("id", pa.string()), ("row_index", pa.int64()), ("input", pa.string()),
     ("output", pa.string()), ("turn_outputs", pa.list_(pa.string())), ("output_token_ids", pa.list_(pa.int64())),
     ("prompt_tokens", pa.int64()), ("output_tokens", pa.int64()), ("finish_reason", pa.string()),
     ("error", pa.string()), ("error_kind", pa.string()),
+    *EVAL_FIELDS,
     ("target_model", pa.string()), ("draft_model", pa.string()), ("speculative", pa.bool_()),
     ("temperature", pa.float64()), ("top_p", pa.float64()), ("top_k", pa.int64()), ("max_new_tokens", pa.int64()),
     ("seed", pa.int64()), ("sampling_params", pa.string()), ("tree", pa.string()),
@@ -390,6 +402,19 @@ def empty_row(item: dict) -> dict:
     if item.get("error"):
         row.update(error=item["error"], error_kind=item.get("error_kind") or INVALID_ROW)
     return row
+
+
+def logprob_columns(lp) -> dict:
+    """``output_logprobs`` and ``output_top_logprobs`` of a ``TokenLogprobs`` (None: not asked)."""
+    if lp is None:
+        return {}
+    return {"output_logprobs": list(lp.values),
+            "output_top_logprobs": [[{"token_id": i, "logprob": v} for i, v in top] for top in lp.top]}
+
+
+def output_key(row: dict) -> tuple[str, int]:
+    """What the output holds once: a row's id and sample (an error row of a row with samples counts as sample 0)."""
+    return row["id"], row.get("sample_index") or 0
 
 
 def to_table(rows: list[dict]) -> pa.Table:

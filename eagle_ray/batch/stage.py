@@ -24,7 +24,7 @@ from datetime import datetime, timezone
 import pyarrow as pa
 
 from eagle_ray.batch.config import ProcessorConfig
-from eagle_ray.batch.rows import ENGINE_FAILED, INTERNAL_ERROR, empty_row, error_kind, to_table
+from eagle_ray.batch.rows import ENGINE_FAILED, INTERNAL_ERROR, empty_row, error_kind, logprob_columns, to_table
 from eagle_ray.engine.request import RowRequest, parse_row
 from eagle_ray.errors import EagleError, EngineStalledError
 from eagle_ray.stats import RequestStats
@@ -77,6 +77,11 @@ def job_metrics(model_name: str) -> JobMetrics | None:
         return None
 
 
+def failed(rows: list[dict]) -> bool:
+    """An item's rows failed with the engine (they run again, alone)."""
+    return any(r["error_kind"] == ENGINE_FAILED for r in rows)
+
+
 class GenerateStage:
     def __init__(self, config_json: str):
         from eagle_ray.engine.engine import EagleEngine
@@ -109,9 +114,10 @@ class GenerateStage:
 
     async def __call__(self, batch: pa.Table) -> pa.Table:
         items = batch.to_pylist()
-        rows = list(await asyncio.gather(*(self.process(item) for item in items)))
-        if any(r["error_kind"] == ENGINE_FAILED for r in rows) or not self.queue.healthy:
+        rows = list(await asyncio.gather(*(self.rows_for(item) for item in items)))   # per item: its rows
+        if any(failed(r) for r in rows) or not self.queue.healthy:
             rows = await self.isolate(items, rows)
+        rows = [r for item_rows in rows for r in item_rows]
         if self.metrics is not None:
             for row in rows:
                 self.metrics.record(row)
@@ -131,21 +137,22 @@ class GenerateStage:
             log.exception("the engine could not restart in this process")
             self.die()
 
-    async def isolate(self, items: list[dict], rows: list[dict]) -> list[dict]:
+    async def isolate(self, items: list[dict], rows: list[list[dict]]) -> list[list[dict]]:
         """Rerun, one at a time on a restarted engine, the rows the engine's failure left without an answer."""
         async with self.isolating:   # one batch isolates at a time; the others wait for the restarted engine
-            alone = [i for i, r in enumerate(rows) if r["error_kind"] == ENGINE_FAILED]
+            alone = [i for i, r in enumerate(rows) if failed(r)]
             for i in alone:
                 for attempt in range(self.cfg.actors.row_retries):
-                    if rows[i]["error_kind"] != ENGINE_FAILED:
+                    if not failed(rows[i]):
                         break
                     if not self.queue.healthy:
                         self.restart_engine()
-                    rows[i] = await self.process(items[i])
-                    if rows[i]["error_kind"] == ENGINE_FAILED and not self.queue.healthy:
-                        rows[i]["error"] = (f"the engine failed on this row run alone ({attempt + 1} of "
-                                            f"{self.cfg.actors.row_retries} tries): {rows[i]['error']}")
-            if len(alone) > 1 and all(rows[i]["error_kind"] == ENGINE_FAILED for i in alone):
+                    rows[i] = await self.rows_for(items[i])
+                    if failed(rows[i]) and not self.queue.healthy:
+                        for r in rows[i]:
+                            r["error"] = (f"the engine failed on this row run alone ({attempt + 1} of "
+                                          f"{self.cfg.actors.row_retries} tries): {r['error']}")
+            if len(alone) > 1 and all(failed(rows[i]) for i in alone):
                 self.die()   # every row breaks it: the engine, not the rows, is broken; Ray restarts the actor
             if not self.queue.healthy:
                 self.restart_engine()
@@ -159,18 +166,29 @@ class GenerateStage:
         os._exit(1)
 
     async def process(self, item: dict) -> dict:
+        """The item's (first) output row."""
+        return (await self.rows_for(item))[0]
+
+    async def rows_for(self, item: dict) -> list[dict]:
+        """The item's output rows: one, or one per sample (``sampling_params.n``), or one error row."""
         row = empty_row(item)
         row.update(target_model=self.target_name, draft_model=self.draft_name, speculative=self.cfg.speculative,
                    worker_id=self.worker_id, started_at=now())
         if item.get("error"):
             row.update(error=item["error"], tree=json.dumps(self.engine.policy.summary()), finished_at=now())
-            return row
+            return [row]
+        samples = None
         try:
             req = parse_row(json.loads(item["payload"]), self.cfg.sampling)
             p = req.params
             row.update(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_new_tokens=p.max_new_tokens,
                        seed=p.seed, sampling_params=p.model_dump_json())
-            await self.run(req, row, item["id"])
+            if req.continuations is not None:
+                await self.score(req, row, item["id"])
+            elif p.n > 1:
+                samples = await self.run_samples(req, row, item["id"])
+            else:
+                await self.run(req, row, item["id"])
         except EagleError as e:
             row.update(error=str(e), error_kind=error_kind(e))
         except Exception as e:  # noqa: BLE001 - an unexpected failure still loses only this row
@@ -182,7 +200,47 @@ class GenerateStage:
             row["turn_outputs"] = row["turn_outputs"] or None
         row["tree"] = json.dumps(self.engine.policy.summary())   # what each batch size runs as this row ends
         row["finished_at"] = now()
-        return row
+        if row["error"] or samples is None:
+            return [row]
+        return [row | sample | {"tree": row["tree"], "finished_at": row["finished_at"]} for sample in samples]
+
+    async def outputs(self, seqs) -> list:
+        """Every sequence's output; where one fails, the others are cancelled and its error raised."""
+        try:
+            return list(await asyncio.gather(*(self.queue.agenerate(s) for s in seqs)))
+        except BaseException:
+            for s in seqs:
+                self.queue.cancel(s.request_id)
+            raise
+
+    async def run_samples(self, req: RowRequest, row: dict, rid: str) -> list[dict]:
+        """``n`` samples of the row's prompt (its prefill shared: ``engine/samples.py``): per sample, what its
+        output row holds besides the row's own columns."""
+        seqs = await asyncio.to_thread(self.engine.make_samples, req.prompt, req.params,
+                                       f"{rid}/{uuid.uuid4().hex[:8]}", self.cfg.speculative)
+        self.engine.check_room(len(seqs[0].prompt_ids), req.asked_tokens)
+        outs = await self.outputs(seqs)
+        return [{"output": o.text, "turn_outputs": [o.text], "output_token_ids": o.token_ids,
+                 "prompt_tokens": len(o.prompt_token_ids), "output_tokens": len(o.token_ids),
+                 "finish_reason": o.finish_reason, "sample_index": o.sample_index, **logprob_columns(o.logprobs),
+                 **{k: v for k, v in o.stats.to_dict().items() if k not in ("step_tokens", "tree_tokens")}}
+                for o in outs]
+
+    async def score(self, req: RowRequest, row: dict, rid: str) -> None:
+        """A scoring row: each continuation's log-likelihood after the prompt, nothing generated
+        (``engine/scoring.py``)."""
+        from eagle_ray.engine.scoring import score_of, scoring_sequences
+        seqs = await asyncio.to_thread(scoring_sequences, self.engine, req.prompt.value, req.continuations,
+                                       f"{rid}/{uuid.uuid4().hex[:8]}")
+        outs = await self.outputs(seqs)
+        scores = [score_of(o.prompt_logprobs, o.prompt_token_ids) for o in outs]
+        stats = RequestStats()
+        for o in outs:
+            stats.merge(o.stats)
+        row.update(continuation_logprobs=[s.logprob for s in scores], continuation_tokens=[s.tokens for s in scores],
+                   continuation_greedy=[s.greedy for s in scores], sample_index=0,
+                   prompt_tokens=len(outs[0].prompt_token_ids) - scores[0].tokens, output_tokens=0,
+                   **{k: v for k, v in stats.to_dict().items() if k not in ("step_tokens", "tree_tokens")})
 
     async def run(self, req: RowRequest, row: dict, rid: str) -> None:
         turns = req.turns or [None]
@@ -214,7 +272,7 @@ class GenerateStage:
             stats.merge(out.stats)
             finish = out.finish_reason
         row.update(output=outputs[-1], turn_outputs=outputs, output_token_ids=out.token_ids,
-                   prompt_tokens=prompt_tokens,
+                   prompt_tokens=prompt_tokens, sample_index=0, **logprob_columns(out.logprobs),
                    output_tokens=output_tokens, finish_reason=finish, **stats.to_dict())
         row.pop("step_tokens", None)
         row.pop("tree_tokens", None)

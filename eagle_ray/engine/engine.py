@@ -20,7 +20,9 @@ from eagle_ray.config import EngineConfig, SamplingParams, is_plain
 from eagle_ray.engine.builder import load_pair
 from eagle_ray.engine.draft_graphs import DraftGraphs
 from eagle_ray.engine.model_runner import ModelRunner, StepOutput
+from eagle_ray.engine.samples import copy_prefix, samples_of
 from eagle_ray.engine.scheduler import Feeding, Scheduler, StepPlan
+from eagle_ray.engine.scoring import Score, score_of, scoring_sequences
 from eagle_ray.engine.sequence import Sequence
 from eagle_ray.engine.text import Detokenizer, StopStrings, TextCodec
 from eagle_ray.engine.tree_policy import (TreePolicy, check_draft_vocab, check_prompt_room, draft_budget, draft_room,
@@ -33,6 +35,7 @@ from eagle_ray.model.memory import max_pending_pairs, pending_pair_bytes
 from eagle_ray.model.numerics import defaults_for, step_tokens
 from eagle_ray.model.target import TargetModel
 from eagle_ray.speculative.grammar import GrammarCache
+from eagle_ray.speculative.logprobs import TokenLogprobs
 from eagle_ray.speculative.tree import prepare_trees
 from eagle_ray.stats import RequestStats
 
@@ -45,6 +48,9 @@ class RequestOutput:
     text: str
     finish_reason: str
     stats: RequestStats = field(default_factory=RequestStats)
+    logprobs: TokenLogprobs | None = None          # per output token, where params.logprobs asked
+    prompt_logprobs: TokenLogprobs | None = None   # per scored prompt token (scoring, echo)
+    sample_index: int = 0                          # which of the request's n samples
 
 
 class EagleEngine:
@@ -233,7 +239,15 @@ class EagleEngine:
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
         return Sequence(request_id or str(next(self._ids)), ids, params, frozenset(stop), seed,
                         detok=Detokenizer(self.tokenizer, ids), speculative=speculative,
-                        stops=StopStrings(params.stop) if params.stop else None, guide=guide)
+                        stops=StopStrings(params.stop) if params.stop else None, guide=guide,
+                        logprobs=TokenLogprobs() if params.logprobs is not None else None)
+
+    def make_samples(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                     speculative: bool = True) -> list[Sequence]:
+        """``params.n`` sequences of one prompt (``make_sequence`` for one), tokenised once, sharing the prompt's
+        K/V once it is prefilled, each with its own seed (``engine/samples.py``)."""
+        params = params or SamplingParams()
+        return samples_of(self.make_sequence(prompt, params, request_id, speculative), params.n)
 
     # ---- the loop -------------------------------------------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
@@ -263,7 +277,8 @@ class EagleEngine:
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  speculative: bool = True) -> list[RequestOutput]:
-        """Run every prompt to completion (continuously batched); outputs come back in input order."""
+        """Run every prompt to completion (continuously batched); outputs come back in input order, with
+        ``n > 1`` the prompt's ``n`` samples in a row (``RequestOutput.sample_index``)."""
         if not isinstance(prompts, (str, list)):
             raise TypeError(f"prompts must be a prompt (a string, chat messages or token ids) or a list of prompts, "
                             f"got {type(prompts).__name__}")
@@ -275,7 +290,7 @@ class EagleEngine:
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise InvalidRequestError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
-        seqs = [self.make_sequence(p, sp, speculative=speculative) for p, sp in zip(prompts, plist)]
+        seqs = [s for p, sp in zip(prompts, plist) for s in self.make_samples(p, sp, speculative=speculative)]
         if not self.driving.acquire(blocking=False):
             raise InvalidRequestError("this engine is already running generate() on another thread, or a "
                                       "RequestQueue steps it: one caller steps an engine; share one engine between "
@@ -297,7 +312,7 @@ class EagleEngine:
         t0 = time.perf_counter()
         for src, dst in self.scheduler.defragment():  # keep running slots contiguous: KV reads stay slices
             self.runner.move_slot(src, dst)
-        plan = self.scheduler.schedule(self.target.max_len)
+        plan = self.scheduler.schedule(self.target.max_len, self._fork)
         out = None if plan.empty else self.runner.run(plan)
         touched, kept = self._postprocess(plan, out)
         for seq in self.scheduler.retire_finished():
@@ -312,6 +327,9 @@ class EagleEngine:
             self.adapter.after_step(time.perf_counter() - t0)
         return touched
 
+    def _fork(self, source: Sequence, seq: Sequence, shared: int) -> None:
+        copy_prefix(self.target, self.draft, source, seq, shared)
+
     def _postprocess(self, plan: StepPlan, out: StepOutput | None) -> tuple[list[Sequence], int]:
         """Sequences take their tokens (stop tokens, length, stop strings) and their share of the step's time.
         Returns the sequences touched and the tokens they kept."""
@@ -322,7 +340,7 @@ class EagleEngine:
         now = time.perf_counter()
         for c in plan.prefill:
             seq = c.seq
-            if c.start == 0:
+            if not seq.start_time:   # its first chunk (a sample that copied its prompt's K/V starts past 0)
                 seq.start_time = now - t.total_s
             seq.stats.prefill_s += t.prefill_s
             if c.completes:
@@ -352,12 +370,16 @@ class EagleEngine:
                 continue
             kept = seq.append(r.tokens)
             kept_total += kept
+            if seq.logprobs is not None and r.logprobs is not None:
+                seq.logprobs.extend(r.logprobs, kept, seq.params.logprobs)
             if r.tree_size:
                 seq.stats.record_step(r.accepted, r.tree_size, kept)
                 seq.stats.draft_s += t.draft_s
                 seq.stats.verify_s += t.verify_s
                 seq.stats.other_s += other
             seq.update_text()
+            if seq.logprobs is not None:   # a stop string cut the output
+                seq.logprobs.keep(len(seq.output_ids))
             touched[id(seq)] = seq
         return list(touched.values()), kept_total
 
@@ -373,4 +395,21 @@ class EagleEngine:
 
     def output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(seq.request_id, seq.prompt_ids, list(seq.output_ids), seq.text,
-                             seq.finish_reason or "length", seq.stats)
+                             seq.finish_reason or "length", seq.stats, seq.logprobs, seq.prompt_logprobs,
+                             seq.sample_index)
+
+    def score(self, requests: list[tuple[str, list[str]]]) -> list[list[Score]]:
+        """Each ``(context, continuations)``'s continuations scored after its context, nothing generated: the
+        log-likelihood lm-evaluation-harness's ``loglikelihood`` asks for (``engine/scoring.py``). The context runs
+        once per request; its continuations share its K/V."""
+        groups = [scoring_sequences(self, ctx, conts, str(next(self._ids))) for ctx, conts in requests]
+        if not self.driving.acquire(blocking=False):
+            raise InvalidRequestError("this engine is already stepped by another caller: score through one caller")
+        try:
+            for seq in (s for g in groups for s in g):
+                self._admit(seq)
+            while self.has_unfinished():
+                self.step()
+        finally:
+            self.driving.release()
+        return [[score_of(s.prompt_logprobs, s.prompt_ids) for s in g] for g in groups]

@@ -20,6 +20,7 @@ import torch
 
 from eagle_ray.config import TreeConfig
 from eagle_ray.engine.scheduler import PrefillChunk, StepPlan, extend_passes
+from eagle_ray.engine.scoring import logprob_k, prompt_rows
 from eagle_ray.engine.sequence import Sequence
 from eagle_ray.engine.clock import Clock, resolve_times
 from eagle_ray.uploads import Uploads, uploads_for
@@ -28,6 +29,7 @@ from eagle_ray.model.target import TargetModel
 from eagle_ray.speculative.accept import accept
 from eagle_ray.speculative.context_vocab import ContextTokens, context_rows
 from eagle_ray.speculative.grammar import mask_logits, prune_tree
+from eagle_ray.speculative.logprobs import TokenLogprobs, packed, unpack, width
 from eagle_ray.speculative.lookup import TokenHistory, lookup_rows
 from eagle_ray.speculative.penalties import PenaltyBatch, apply_penalties
 from eagle_ray.speculative.sampling import SamplingBatch, choose_tokens
@@ -42,6 +44,7 @@ class SeqResult:
     tokens: list[int]             # emitted: accepted drafts + bonus token, or a prompt's first token
     accepted: int = 0             # accepted draft tokens
     tree_size: int = 0            # verified tree nodes, root included (0: a prefill)
+    logprobs: TokenLogprobs | None = None   # of ``tokens``, where the sequence asks for them
 
 
 @dataclass
@@ -241,7 +244,8 @@ class ModelRunner:
             if any(not s.params.greedy for s in seqs):
                 arrays += [Uploads.float_bits(SamplingBatch.params_of(seqs)), SamplingBatch.seeds_of(seqs)]
             arrays += PenaltyBatch.arrays_of(seqs, self.target.vocab_size)
-        return arrays
+        scored = prompt_rows(block.chunks)
+        return arrays + (scored.arrays() if scored else [])
 
     def prefill_inputs(self, block: PrefillBlock) -> tuple:
         """The prefill block as ``TargetModel.forward`` takes it: causal rows, padding past each chunk."""
@@ -288,29 +292,43 @@ class ModelRunner:
         return self.finish_prefill(block, hidden, feats)
 
     def finish_prefill(self, block: PrefillBlock, hidden: torch.Tensor, feats: torch.Tensor) -> list[SeqResult]:
-        """After the prefill block's pass: the completed prompts' first tokens, the chunks committed, and the
-        speculative sequences' (feature, token) pairs queued for the head."""
+        """After the prefill block's pass: the completed prompts' first tokens (with their log-probabilities where
+        asked), the scored prompt tokens' log-probabilities (``engine/scoring.py``), all in one read; the chunks
+        committed, and the speculative sequences' (feature, token) pairs queued for the head."""
         chunks, n, done, slots = block.chunks, block.n, block.done, block.slots
         t0 = self.clock()
-        first: list[int] = []
+        reads, k, scored = [], None, prompt_rows(chunks)
         if done:
             seqs = [chunks[r].seq for r in done]
             upload = uploads_for(self.device)
             rows, last = upload.ints(done), upload.ints([n[r] - 1 for r in done])
-            logits = self.processed_logits(self.target.logits(hidden[rows, last].unsqueeze(1)), seqs)
+            raw = self.target.logits(hidden[rows, last].unsqueeze(1))
+            logits = self.processed_logits(raw, seqs)   # a new tensor: log-probabilities read the raw ones
             positions = upload.ints([[len(s.prompt_ids)] for s in seqs])
-            first = choose_tokens(logits, SamplingBatch.of(seqs, self.device), positions)[:, 0].tolist()
+            chosen = choose_tokens(logits, SamplingBatch.of(seqs, self.device), positions)
+            k = logprob_k(seqs)
+            reads.append(chosen if k is None else torch.cat([chosen, packed(raw[:, 0], chosen[:, 0], k)], 1))
+        if scored is not None:
+            reads.append(scored.packed(self.target, hidden))
+        values = torch.cat([r.reshape(-1) for r in reads]).tolist() if reads else []
+        w = 1 + (0 if k is None else width(k))
+        first = values[: len(done) * w]
+        if scored is not None:
+            scored.attach(values[len(done) * w:])
         self.times.prefill_s += self.clock() - t0
         self.target.cache.lengths[slots] += n
-        results, k = [], 0
+        results, j = [], 0
         for r, c in enumerate(chunks):
             seq = c.seq
             seq.prefilled = c.end
             nxt = seq.prompt_ids[c.start + 1:c.end]
             if c.completes:
-                nxt.append(first[k])
-                results.append(SeqResult(seq, [first[k]]))
-                k += 1
+                token = first[j * w]
+                nxt.append(token)
+                logprobs = unpack([first[j * w + 1: (j + 1) * w]], k)[0] if k is not None and seq.logprobs is not None \
+                    else None
+                results.append(SeqResult(seq, [token], logprobs=logprobs))
+                j += 1
             else:
                 nxt.append(seq.prompt_ids[c.end])
             if seq.speculative and self.draft is not None:
@@ -447,11 +465,11 @@ class ModelRunner:
         collect = feats is not None
         B, W = tree.tokens.shape
         t0 = clock()
-        logits = target.logits(hidden)
+        raw = target.logits(hidden)
         times.verify_s += clock() - t0
         times.forward_s += clock() - t0
         base = uploads_for(device).ints(target.cache.lengths[slots]).view(-1, 1)
-        logits = self.processed_logits(logits, seqs, tree)
+        logits = self.processed_logits(raw, seqs, tree)   # a new tensor: log-probabilities read the raw ones
         choice = choose_tokens(logits, SamplingBatch.of(seqs, device), base + tree.depth + 1)
         acc = accept(tree, choice)
         if self.trace is not None and W > 1:
@@ -459,22 +477,29 @@ class ModelRunner:
             self.trace.record(rows_of(tree, n), acc.nodes[:n],
                               [(s.request_id, len(s.prompt_ids) + len(s.output_ids)) for s in seqs[:n]])
         A = acc.nodes.shape[1]
-        # the one read back to the host: counts, bonus tokens, tree sizes and accepted tokens of every sequence
-        packed = torch.cat([acc.count.view(B, 1), acc.bonus.view(B, 1), tree.size.view(B, 1),
-                            tree.tokens.gather(1, acc.nodes)], dim=1).tolist()
+        # the one read back to the host: counts, bonus tokens, tree sizes and accepted tokens of every sequence,
+        # and where asked, each emitted token's raw log-probabilities from its parent's row (speculative/logprobs.py)
+        parts = [acc.count.view(B, 1), acc.bonus.view(B, 1), tree.size.view(B, 1), tree.tokens.gather(1, acc.nodes)]
+        k = logprob_k(seqs)
+        if k is not None:
+            rows = raw.gather(1, acc.nodes.unsqueeze(-1).expand(B, A, raw.shape[-1]))
+            parts.append(packed(rows, choice.gather(1, acc.nodes), k).view(B, -1))
+        read = torch.cat(parts, dim=1).tolist()
         if A > 1:
             i = torch.arange(A, device=device).view(1, -1)
             src = acc.nodes + base
             target.cache.keep_accepted(slots, src, torch.where(i < acc.count.view(-1, 1), base + i, src))
-        counts = [row[0] for row in packed]
+        counts = [row[0] for row in read]
         target.cache.lengths[slots] += counts
         if collect:
             accepted_feats = feats.gather(1, acc.nodes.unsqueeze(-1).expand(B, A, feats.shape[-1]))
         results = []
         for b, s in enumerate(seqs):
-            c, bonus, size, path = packed[b][0], packed[b][1], packed[b][2], packed[b][3:]
+            c, bonus, size, path = read[b][0], read[b][1], read[b][2], read[b][3:3 + A]
             new = path[1:c] + [bonus]
             if collect and s.speculative:
                 s.pending.add(new, accepted_feats[b, :c])
-            results.append(SeqResult(s, new, c - 1, size))
+            logprobs = unpack([read[b][3 + A: 3 + A + c * width(k)]], k)[0] if k is not None and s.logprobs is not None \
+                else None
+            results.append(SeqResult(s, new, c - 1, size, logprobs))
         return results

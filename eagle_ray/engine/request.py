@@ -147,7 +147,7 @@ _SAMPLING_TYPES = {"max_new_tokens": _INTEGER, "max_tokens": _INTEGER, "max_comp
                    "top_p": (_number, "a number"), "ignore_eos": (lambda v: isinstance(v, bool), "true or false"),
                    "stop_token_ids": (lambda v: isinstance(v, list) and all(_integer(t) for t in v),
                                       "a list of integers"),
-                   "stop": (_stops, "a string or a list of strings"),
+                   "stop": (_stops, "a string or a list of strings"), "logprobs": _INTEGER, "n": _INTEGER,
                    "frequency_penalty": (_number, "a number"), "presence_penalty": (_number, "a number"),
                    "repetition_penalty": (_number, "a number"),
                    "logit_bias": (lambda v: isinstance(v, dict) and all(_number(b) for b in v.values()),
@@ -202,9 +202,36 @@ class RowRequest:
     turns: list[str] | None
     params: SamplingParams
     asked_tokens: int | None = None   # the row's own max_new_tokens (None: the defaults' limit, cut at the context)
+    continuations: list[str] | None = None   # scored after the prompt, nothing generated (engine/scoring.py)
 
 
 SAMPLING_KEYS = ("sampling_params", "sampling")
+CONTINUATION_KEYS = ("continuation", "continuations")
+MAX_CONTINUATIONS = 256   # choices one scoring row may hold
+
+
+def parse_continuations(rec: dict, kind: str, params: SamplingParams) -> list[str] | None:
+    """A scoring row's continuations: ``continuation`` (one string) or ``continuations`` (a list of them), after a
+    ``prompt``; None for a row that generates."""
+    given = [k for k in CONTINUATION_KEYS if rec.get(k) is not None]
+    if not given:
+        return None
+    if len(given) == 2:
+        raise InvalidRequestError("a row holds continuation or continuations, not both")
+    value = rec[given[0]]
+    if given[0] == "continuation":
+        if not isinstance(value, str) or not value:
+            raise InvalidRequestError(f"continuation must be a non-empty string, got {_describe(value)}")
+        value = [value]
+    elif not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+        raise InvalidRequestError("continuations must be a non-empty list of non-empty strings")
+    if len(value) > MAX_CONTINUATIONS:
+        raise InvalidRequestError(f"continuations: at most {MAX_CONTINUATIONS}, got {len(value)}")
+    if kind != "prompt":
+        raise InvalidRequestError(f"{given[0]} is scored after a prompt (text), not after {kind}")
+    if params.n != 1:
+        raise InvalidRequestError("sampling_params.n: a scoring row generates nothing, so it takes no samples")
+    return [check_text(c, f"{given[0]}[{i}]") for i, c in enumerate(value)]
 
 
 def parse_row(rec, defaults: SamplingParams) -> RowRequest:
@@ -222,14 +249,18 @@ def parse_row(rec, defaults: SamplingParams) -> RowRequest:
     limits = ("max_new_tokens", "max_tokens", "max_completion_tokens")
     asked = params.max_new_tokens if isinstance(overrides, dict) and any(overrides.get(k) is not None
                                                                          for k in limits) else None
+    continuations = parse_continuations(rec, kind, params)
     if kind == "turns":
+        if params.n != 1:
+            raise InvalidRequestError("sampling_params.n: samples of a conversation answered turn by turn are not "
+                                      "supported; give the chat as messages")
         return RowRequest(kind, None, parse_turns(value), params, asked)
     if kind == "prompt":
         if not isinstance(value, str):
             raise InvalidRequestError(f"prompt must be a string, got {_describe(value)}")
         if not value.strip():
             raise InvalidRequestError("prompt is empty")
-        return RowRequest(kind, Prompt("text", check_text(value, "prompt")), None, params, asked)
+        return RowRequest(kind, Prompt("text", check_text(value, "prompt")), None, params, asked, continuations)
     return RowRequest(kind, Prompt("messages", parse_messages(value)), None, params, asked)
 
 

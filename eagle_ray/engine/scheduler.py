@@ -22,6 +22,7 @@ import collections
 from dataclasses import dataclass, field
 
 from eagle_ray.config import TreeConfig, is_plain
+from eagle_ray.engine.samples import prefill_end, share_prefixes
 from eagle_ray.engine.sequence import Sequence
 from eagle_ray.engine.tree_policy import TreePolicy
 from eagle_ray.speculative.tree import static_shape
@@ -161,7 +162,7 @@ def plan_chunks(prompts: list[Sequence], budget: int) -> list[PrefillChunk]:
     Of every row count R the width is ``min(budget // R, longest remaining prompt of the first R)``; the R that
     runs the most real tokens wins (a short prompt does not narrow a long one's chunk to its own length).
     """
-    remaining = [len(s.prompt_ids) - s.prefilled for s in prompts]
+    remaining = [prefill_end(s) - s.prefilled for s in prompts]   # a shared prefix's end may pause one
     best, best_useful = (0, 0), 0
     for rows in range(1, len(prompts) + 1):
         width = min(budget // rows, max(remaining[:rows]))
@@ -196,13 +197,15 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, max_len: int) -> StepPlan:
+    def schedule(self, max_len: int, fork=None) -> StepPlan:
         """Admit waiting requests, then plan this step: a decode step for every sequence past its prompt, prompt
         chunks in the rest of the step's budget, and the trees (``plan_decode``). A speculative sequence whose next
         tree could overrun its slot decodes plainly from then on, so it ends where plain decoding would; one whose
         next token cannot fit finishes with ``length``. With prompt chunks in the step, the speculative sequences'
-        verify tokens (their roots included) take only what the chunks leave."""
+        verify tokens (their roots included) take only what the chunks leave. A sequence sharing its prompt's start
+        with others (``engine/samples.py``) copies it with ``fork`` where another holds it."""
         self._admit()
+        share_prefixes(self.prefilling, fork)
         room = {True: self.policy.max_verify_budget(), False: 1}   # verify tokens a sequence's step may take
         decode = []
         for s in self.running:
@@ -216,9 +219,11 @@ class Scheduler:
                 s.finish_reason = "length"
             else:
                 decode.append(s)
-        if not self.prefilling:
+        # not those waiting for a shared prefix, nor one paused at its end until they copy it
+        prompts = [s for s in self.prefilling if s.fork_ready and prefill_end(s) > s.prefilled]
+        if not prompts:
             return plan_decode(StepPlan([], decode, one_pass=self.one_pass), self.policy, self.feeding)
-        chunks = plan_chunks(self.prefilling, max(MIN_PREFILL, self.step_budget - len(decode)))
+        chunks = plan_chunks(prompts, max(MIN_PREFILL, self.step_budget - len(decode)))
         n_spec = sum(s.speculative for s in decode)
         prompt_tokens = len(chunks) * max(c.end - c.start for c in chunks)   # the pass is padded
         left = self.step_budget - prompt_tokens - (len(decode) - n_spec)

@@ -10,6 +10,7 @@ from eagle_ray.config import SamplingParams
 from eagle_ray.engine.text import Detokenizer, StopStrings
 from eagle_ray.speculative.context_vocab import ContextTokens
 from eagle_ray.speculative.grammar import Guide
+from eagle_ray.speculative.logprobs import TokenLogprobs
 from eagle_ray.speculative.lookup import TokenHistory
 from eagle_ray.stats import RequestStats
 
@@ -72,6 +73,15 @@ class Sequence:
     start_time: float = 0.0
     stops: StopStrings | None = None
     guide: Guide | None = None                  # its grammar's matcher, for structured output (speculative/grammar.py)
+    # what it returns besides tokens, and the samples it shares its prompt with (engine/samples.py)
+    sample_index: int = 0                       # which of its request's n samples
+    logprobs: TokenLogprobs | None = None       # per output token, where its params ask (params.logprobs)
+    prompt_only: bool = False                   # ends once its prompt has run: nothing generated (scoring, echo)
+    prompt_logprobs: TokenLogprobs | None = None   # per prompt token from prompt_logprobs_from, where asked
+    prompt_logprobs_k: int = 0                  # ... with this many alternatives each
+    prompt_logprobs_from: int = 1               # the first prompt position scored (the first token has no logits)
+    fork: object | None = None                  # its ForkGroup: sequences sharing its prompt's first tokens
+    fork_ready: bool = True                     # False while it waits for a member of its group to hold them
 
     @property
     def finished(self) -> bool:
@@ -97,6 +107,9 @@ class Sequence:
 
     def append(self, tokens: list[int]) -> int:
         """Append emitted tokens up to the first stop token or ``max_new_tokens``; returns how many were kept."""
+        if self.prompt_only:
+            self.finish_reason = "length"
+            return 0
         for n, tok in enumerate(tokens, 1):
             if self.guide is not None and not self.guide.accept(tok):   # a grammar's dead end: nothing fits
                 self.finish_reason = "stop"

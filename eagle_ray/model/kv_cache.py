@@ -75,5 +75,13 @@ class KVCache:
         self.v[:, dst, :, :n] = self.v[:, src, :, :n]
         self.lengths[dst], self.lengths[src] = n, 0
 
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Copy slot ``src``'s first ``n`` positions to slot ``dst``, which then holds exactly those (a prompt
+        shared by several sequences, engine/samples.py); ``src`` keeps its own."""
+        if self.mirror is not None:
+            self.mirror("copy_prefix", src, dst, n)
+        self.kv[:, :, dst, :, :n] = self.kv[:, :, src, :, :n]
+        self.lengths[dst] = n
+
     def reset(self, slot: int) -> None:
         self.lengths[slot] = 0

@@ -280,5 +280,7 @@ def run_call(target, call) -> None:
         src, dst, n = args
         cache.lengths[src] = n
         cache.move(src, dst)
+    elif name == "copy_prefix":
+        cache.copy_prefix(*args)
     else:
         raise ValueError(f"unknown tensor-parallel call {name!r}")

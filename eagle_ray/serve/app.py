@@ -19,7 +19,9 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from eagle_ray.errors import EagleError, EngineDeadError, PromptTooLongError
+from eagle_ray.serve.choices import ChoiceShape, Interleaved, StreamState, merged_stats, prepare, usage
 from eagle_ray.serve.config import ServeConfig
+from eagle_ray.serve.logprobs import TokenText
 from eagle_ray.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from eagle_ray.serve.metrics import ServeMetrics
 from eagle_ray.serve.openai_api import (ApiError, ParsedRequest, authorized, eagle_stats, error_body, finish_reason,
@@ -53,11 +55,6 @@ def _engine_error(e: EagleError) -> JSONResponse:
     return _err(400, str(e), code="context_length_exceeded" if isinstance(e, PromptTooLongError) else None)
 
 
-def _usage(out) -> dict:
-    return {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(out.token_ids),
-            "total_tokens": len(out.prompt_token_ids) + len(out.token_ids)}
-
-
 def api_key_from_env(cfg: ServeConfig) -> str | None:
     """The bearer key, when the config asks for one; fails closed (a missing secret must not turn auth off)."""
     if not cfg.api_key_env:
@@ -84,6 +81,7 @@ class EagleServer:
         self.engine.codec.split_special_tokens = self.cfg.split_special_tokens
         self.queue = RequestQueue(self.engine, StallBound(self.cfg.stall_floor_s, self.cfg.stall_factor))
         self.metrics = ServeMetrics(self.cfg.model_name)
+        self.token_text = TokenText(self.engine.tokenizer)   # token texts and bytes of logprobs, decoded once
 
     def check_health(self):
         """Serve's replica health check: a replica whose engine failed is replaced."""
@@ -113,7 +111,7 @@ class EagleServer:
             raise ApiError(400, "the client disconnected before the request body ended") from None
         # parsed in a worker thread: a body of megabytes takes a second, which must not stall running streams
         return await asyncio.to_thread(parse_body, bytes(raw), kind, self.cfg.model_name, self.cfg.max_tokens_cap,
-                                       self.cfg.default_max_tokens)
+                                       self.cfg.default_max_tokens, self.cfg.max_n)
 
     async def _handle(self, request: Request, kind: str):
         try:
@@ -122,63 +120,98 @@ class EagleServer:
             return JSONResponse(e.body(), status_code=e.status)
         rid = new_id("chatcmpl" if kind == "chat" else "cmpl")
         try:  # tokenised in a worker thread; a too-long prompt is a 400 before any 200 goes out
-            seq = await self.queue.aprepare(req.prompt, req.params, rid, self.cfg.speculative)
+            prompts = await asyncio.to_thread(prepare, self.engine, req, rid, self.cfg.speculative)
         except EagleError as e:
             return _engine_error(e)
         try:
-            self.engine.check_room(len(seq.prompt_ids), req.body.limit(), req.body.limit_field())
+            for p in prompts:
+                self.engine.check_room(len(p.prompt_ids), req.body.limit(), req.body.limit_field())
         except PromptTooLongError as e:
             return _err(400, str(e), param=req.body.limit_field(), code="context_length_exceeded")
+        shape = ChoiceShape(kind, req.body.echo_prompt, req.body.top(), self.token_text)
         if req.stream:
-            return StreamingResponse(self._sse(req.body, seq, rid, kind), media_type="text/event-stream")
+            return StreamingResponse(self._sse(req.body, prompts, shape, rid), media_type="text/event-stream")
+        seqs = [s for p in prompts for s in p.seqs]
         try:
-            out = await self.queue.agenerate(seq)
-        except EagleError as e:
-            return _engine_error(e)
-        except Exception as e:  # noqa: BLE001 - an engine failure: OpenAI-shaped 500, the server stays up
+            outs = await asyncio.gather(*(self.queue.agenerate(s) for s in seqs))
+        except BaseException as e:
+            for s in seqs:   # the choices still running are of no use now
+                self.queue.cancel(s.request_id)
+            if isinstance(e, EagleError):
+                return _engine_error(e)
+            if not isinstance(e, Exception):
+                raise
             return _err(500, f"{type(e).__name__}: {e}", "server_error")
-        self.metrics.record(out)
-        if kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
-                      "finish_reason": finish_reason(out.finish_reason), "logprobs": None}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": out.text, "finish_reason": finish_reason(out.finish_reason),
-                      "logprobs": None}
-            obj = "text_completion"
-        return JSONResponse({"id": rid, "object": obj, "created": now(), "model": self.cfg.model_name,
-                             "choices": [choice], "usage": _usage(out), "eagle": eagle_stats(out.stats)})
+        for out in outs:
+            self.metrics.record(out)
+        n = len(prompts[0].seqs)
+        choices = [shape.choice(i, prompts[i // n], out, finish_reason(out.finish_reason)) for i, out in enumerate(outs)]
+        return JSONResponse({"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
+                             "created": now(), "model": self.cfg.model_name, "choices": choices,
+                             "usage": usage(prompts, outs), "eagle": eagle_stats(merged_stats(outs))})
 
-    async def _sse(self, req, seq, rid: str, kind: str):
+    async def _sse(self, req, prompts, shape: ChoiceShape, rid: str):
         created = now()
+        kind = shape.kind
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        n = len(prompts[0].seqs)
+        items = [(i, s) for i, s in enumerate(s for p in prompts for s in p.seqs)]
+        states = [StreamState() for _ in items]
+        outs: list = [None] * len(items)
 
-        def chunk(text: str | None, reason: str | None, first: bool = False) -> dict:
+        def chunk(index: int, text: str | None, reason: str | None, first: bool = False, logprobs=None) -> dict:
             if kind == "chat":
                 delta = {} if text is None else {"content": text}
                 if first:
                     delta["role"] = "assistant"
-                c = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+                c = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
             else:
-                c = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+                c = {"index": index, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
             return {"id": rid, "object": obj, "created": created, "model": self.cfg.model_name, "choices": [c],
                     **({"usage": None} if include_usage else {})}
 
-        first = True
+        def new_logprobs(index: int, seq, d):
+            """The logprobs of the output tokens not yet sent; with stop strings, all on the last chunk (a stop
+            string found later cuts tokens whose values would already be out)."""
+            st = states[index]
+            if shape.k is None:
+                return None
+            lp, ids = (d.output.logprobs, d.output.token_ids) if d.finished and d.output else (seq.logprobs,
+                                                                                              seq.output_ids)
+            upto = len(ids) if d.finished else (d.num_tokens if seq.stops is None else st.tokens)
+            if upto <= st.tokens or lp is None:
+                return None
+            part = lp.slice(st.tokens, upto)
+            out = shape.output_logprobs(part, ids[st.tokens:upto], st.offset, prompts[index // n].prompt_ids,
+                                        ids[:st.tokens])
+            if kind != "chat":
+                st.offset = out["text_offset"][-1] + len(out["tokens"][-1]) if out["tokens"] else st.offset
+            st.tokens = upto
+            return out
+
         try:
-            async for d in self.queue.astream(seq):
-                if d.text or first:
-                    yield f"data: {json.dumps(chunk(d.text, None, first))}\n\n"
-                    first = False
+            async for index, d in Interleaved(self.queue, items):
+                if d is None:
+                    continue
+                st, seq = states[index], items[index][1]
+                if shape.echo and not st.echoed:
+                    text, lp = shape.echo_part(prompts[index // n])
+                    st.echoed, st.first = True, False
+                    st.offset = len(text)
+                    yield f"data: {json.dumps(chunk(index, text, None, logprobs=lp))}\n\n"
+                lp = new_logprobs(index, seq, d)
+                if d.text or st.first or lp is not None:
+                    yield f"data: {json.dumps(chunk(index, d.text, None, st.first, lp))}\n\n"
+                    st.first = False
                 if d.finished:
-                    out = d.output
+                    out = outs[index] = d.output
                     self.metrics.record(out)
-                    last = chunk(None if kind == "chat" else "", finish_reason(out.finish_reason))
+                    last = chunk(index, None if kind == "chat" else "", finish_reason(out.finish_reason))
                     last["eagle"] = eagle_stats(out.stats)
                     yield f"data: {json.dumps(last)}\n\n"
-                    if include_usage:   # OpenAI's shape: a last chunk of its own, no choices, the usage
-                        yield f"data: {json.dumps(chunk(None, None) | {'choices': [], 'usage': _usage(out)})}\n\n"
+            if include_usage:   # OpenAI's shape: a last chunk of its own, no choices, the usage
+                yield f"data: {json.dumps(chunk(0, None, None) | {'choices': [], 'usage': usage(prompts, outs)})}\n\n"
         except EagleError as e:
             yield f"data: {json.dumps(error_body(str(e)))}\n\n"
         except Exception as e:  # noqa: BLE001 - the stream still ends well-formed, with the reason

@@ -26,6 +26,8 @@ class ServeConfig(StrictModel):
                                     "this environment variable>`")
     max_tokens_cap: int = Field(2048, ge=1, description="largest max_tokens a request may ask for")
     default_max_tokens: int = Field(256, ge=1)
+    max_n: int = Field(16, ge=1, le=1024, description="most choices (n) a request may ask per prompt; a request's "
+                       "samples share its prompt's prefill")
     max_request_bytes: int = Field(4 * 2**20, ge=1024, description="largest request body (413 above it)")
     split_special_tokens: bool = Field(True, description="tokenise chat message content with special-token text "
                                        "(<|im_end|>, ...) split into plain text, so a client cannot forge a role")

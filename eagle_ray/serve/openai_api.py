@@ -5,8 +5,9 @@
 runs on the event loop and is fuzzed directly by the tests. Prompt and sampling values go through the engine's
 request parser, the same one the batch job uses. Unknown fields are ignored (clients send many), and so is an
 explicit ``null`` (OpenAI's fields are nullable: clients send unset options as ``null``); unsupported ones that
-would change what is generated or returned (``n > 1``, ``logprobs``, ``echo``, ``best_of``, ``suffix``, tools,
-and vLLM's extra sampling fields such as ``min_tokens`` or ``min_p``, and its chat-template fields such as
+would change what is generated or returned (``n`` above the server's cap, ``echo`` on chat, ``best_of``,
+``suffix``, tools, and vLLM's extra sampling fields such as ``min_tokens`` or ``min_p``, and its chat-template
+fields such as
 ``continue_final_message`` or ``chat_template_kwargs``) are refused, unless they hold the value
 that changes nothing. Types are strict where lax parsing would change the request: ``"stream": "yes"`` or
 ``"max_tokens": true`` are refused, not read as true and 1.
@@ -26,6 +27,7 @@ from eagle_ray.config import JSON_OBJECT, SamplingParams, checked_schema
 from eagle_ray.engine.request import (MAX_NESTING, Prompt, nesting_depth, parse_messages, parse_prompt,
                                      sampling_params, storable)
 from eagle_ray.errors import InvalidRequestError
+from eagle_ray.speculative.logprobs import MAX_TOP
 from eagle_ray.stats import RequestStats
 
 
@@ -43,10 +45,10 @@ class ApiError(Exception):
 
 # fields that would change what is generated or returned, with the values that change nothing (OpenAI's, then
 # vLLM's extra sampling and output fields, which its clients send in the same body)
-UNSUPPORTED = {"echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
+UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""),
                "tools": (None, []), "functions": (None, []),
                "tool_choice": (None, "none", "auto"), "function_call": (None, "none", "auto"),
-               "top_logprobs": (None, 0), "audio": (None,), "web_search_options": (None,),
+               "audio": (None,), "web_search_options": (None,),
                "length_penalty": (None, 1.0), "min_tokens": (None, 0),
                "min_p": (None, 0.0), "use_beam_search": (None, False), "include_stop_str_in_output": (None, False),
                "skip_special_tokens": (None, True), "prompt_logprobs": (None,), "allowed_token_ids": (None,),
@@ -55,7 +57,9 @@ UNSUPPORTED = {"echo": (None, False), "best_of": (None, 1), "suffix": (None, "")
                "add_generation_prompt": (None, True), "chat_template": (None,), "chat_template_kwargs": (None, {}),
                "documents": (None, [])}
 NUMBERS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n", "seed",
-           "presence_penalty", "frequency_penalty", "repetition_penalty")   # a JSON true or false is not one of these
+           "presence_penalty", "frequency_penalty", "repetition_penalty",
+           "top_logprobs")   # a JSON true or false is not one of these
+MAX_PROMPTS = 64    # prompts one completions request may batch
 
 
 def _same(value, harmless) -> bool:
@@ -71,18 +75,17 @@ class StreamOptions(BaseModel):
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str
-    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_tokens: StrictInt | None = Field(None, ge=0, description="0: completions with echo only")
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: StrictInt = Field(0, ge=-1, description="-1 or 0: off")
-    n: StrictInt = Field(1, ge=1, le=1, description="one choice per request")
+    n: StrictInt = Field(1, ge=1, description="choices per prompt; the server's cap is max_n")
     stop: str | list[str] | None = None
     stop_token_ids: list[StrictInt] | None = None
     seed: StrictInt | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False
-    logprobs: bool | int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     # penalties, logit bias and structured output: checked by the engine's parser (eagle_ray/config.py)
@@ -112,13 +115,6 @@ class _Request(BaseModel):
         required = {k for k, f in cls.model_fields.items() if f.is_required()}
         return {k: v for k, v in data.items() if v is not None or k in required}
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v):
-        if v:
-            raise ValueError("logprobs are not supported")
-        return v
-
     @field_validator("stop")
     @classmethod
     def _stops(cls, v):
@@ -134,15 +130,25 @@ class _Request(BaseModel):
         """The field the client set the output limit with, to name in errors."""
         return "max_tokens"
 
+    def top(self) -> int | None:
+        """Alternatives per output token (None: no logprobs asked)."""
+        return None
+
+    @property
+    def echo_prompt(self) -> bool:
+        return False
+
     def sampling(self, default_max_tokens: int) -> SamplingParams:
-        """The request's sampling, validated by the engine's parser (a bad seed or top_k is a 400 naming it)."""
+        """The request's sampling, validated by the engine's parser (a bad seed or top_k is a 400 naming it). A
+        request that echoes its prompt and generates nothing (``max_tokens: 0``) runs its prompt alone."""
+        limit = self.limit()
         return sampling_params({"temperature": self.temperature, "top_p": self.top_p, "top_k": max(self.top_k, 0),
-                                "max_new_tokens": self.limit() or default_max_tokens, "stop": self.stop or [],
-                                "seed": self.seed, "ignore_eos": self.ignore_eos,
-                                "stop_token_ids": self.stop_token_ids or [],
-                                "frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty,
-                                "repetition_penalty": self.repetition_penalty, "logit_bias": self.logit_bias,
-                                **guided_fields(self)}, field=None)
+                                "max_new_tokens": default_max_tokens if limit is None else max(limit, 1),
+                                "stop": self.stop or [], "seed": self.seed, "ignore_eos": self.ignore_eos,
+                                "stop_token_ids": self.stop_token_ids or [], "logprobs": self.top(), "n": self.n,
+                               "frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty,
+                               "repetition_penalty": self.repetition_penalty, "logit_bias": self.logit_bias,
+                               **guided_fields(self)}, field=None)
 
 
 STRUCTURED_OUTPUTS = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice",
@@ -207,20 +213,78 @@ def structured_output_fields(so: dict) -> dict:
 
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    echo: StrictBool = False
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP, description="alternatives per token")
 
-    def to_prompt(self) -> Prompt:
-        """A string or token ids, or a batch of one of either (OpenAI's list forms)."""
+    @model_validator(mode="before")
+    @classmethod
+    def _logprobs_as_false(cls, data):
+        """``logprobs: false`` asks for nothing (some clients send it); ``true`` is not a count. Completions count
+        alternatives in ``logprobs``: chat's ``top_logprobs`` would be ignored here, so it is refused."""
+        if isinstance(data, dict) and data.get("top_logprobs") not in (None, 0):
+            raise ApiError(400, "top_logprobs is a chat field: on completions, logprobs is the number of "
+                           "alternatives per token", param="top_logprobs")
+        if isinstance(data, dict) and data.get("logprobs") is False:
+            data = {k: v for k, v in data.items() if k != "logprobs"}
+        elif isinstance(data, dict) and data.get("logprobs") is True:
+            raise ApiError(400, f"logprobs: on completions an integer 0-{MAX_TOP} is required (the alternatives per "
+                           "token), not true", param="logprobs")
+        return data
+
+    @model_validator(mode="after")
+    def _nothing_only_with_echo(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise ApiError(400, "max_tokens: 0 generates nothing: it is allowed only with echo (to score the prompt)",
+                           param="max_tokens")
+        return self
+
+    def top(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def echo_prompt(self) -> bool:
+        return self.echo
+
+    def to_prompts(self) -> list[Prompt]:
+        """A string or token ids, or a batch of either (OpenAI's list forms)."""
         v = self.prompt
         if isinstance(v, list) and v and isinstance(v[0], (str, list)):
-            if len(v) != 1:
-                raise InvalidRequestError("prompt: one prompt per request")
-            v = v[0]
-        return parse_prompt(v, "prompt")
+            if len(v) > MAX_PROMPTS:
+                raise InvalidRequestError(f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(v)}")
+            return [parse_prompt(p, f"prompt[{i}]") for i, p in enumerate(v)]
+        return [parse_prompt(v, "prompt")]
 
 
 class ChatRequest(_Request):
     messages: list = Field(..., min_length=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP)
+    echo: StrictBool = False
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _something(cls, v):
+        if v == 0:
+            raise ValueError("a chat completion generates at least 1 token (max_tokens: 0 is for completions with "
+                             "echo)")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v):
+        if v:
+            raise ValueError("echo is not supported on chat completions (it scores a prompt: use /v1/completions)")
+        return v
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ApiError(400, "top_logprobs: logprobs must be true when top_logprobs is set", param="top_logprobs")
+        return self
+
+    def top(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def limit(self) -> int | None:
         """OpenAI's ``max_completion_tokens`` replaces the deprecated ``max_tokens``: it wins where both are set."""
@@ -229,23 +293,32 @@ class ChatRequest(_Request):
     def limit_field(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
 
-    def to_prompt(self) -> Prompt:
-        return Prompt("messages", parse_messages(self.messages, "messages"))
+    def to_prompts(self) -> list[Prompt]:
+        return [Prompt("messages", parse_messages(self.messages, "messages"))]
 
 
 @dataclass
 class ParsedRequest:
     body: CompletionRequest | ChatRequest
-    prompt: Prompt
+    prompts: list[Prompt]
     params: SamplingParams
+
+    @property
+    def prompt(self) -> Prompt:
+        return self.prompts[0]
 
     @property
     def stream(self) -> bool:
         return self.body.stream
 
+    @property
+    def prompt_only(self) -> bool:
+        """Echo with ``max_tokens: 0``: the prompt is scored, nothing generated."""
+        return self.body.limit() == 0
 
-def parse_body(raw: bytes, kind: str, model_name: str, max_tokens_cap: int, default_max_tokens: int
-               ) -> ParsedRequest:
+
+def parse_body(raw: bytes, kind: str, model_name: str, max_tokens_cap: int, default_max_tokens: int,
+               max_n: int = 16) -> ParsedRequest:
     """Validate one request body (``kind``: "completion" or "chat"); raises :class:`ApiError`."""
     try:
         data = json.loads(raw)
@@ -271,8 +344,10 @@ def parse_body(raw: bytes, kind: str, model_name: str, max_tokens_cap: int, defa
     if limit is not None and limit > max_tokens_cap:
         field = req.limit_field()
         raise ApiError(400, f"{field}={limit} is above this server's cap of {max_tokens_cap}", param=field)
+    if req.n > max_n:
+        raise ApiError(400, f"n={req.n} is above this server's cap of {max_n} choices per prompt", param="n")
     try:
-        return ParsedRequest(req, req.to_prompt(), req.sampling(default_max_tokens))
+        return ParsedRequest(req, req.to_prompts(), req.sampling(default_max_tokens))
     except InvalidRequestError as e:
         raise ApiError(400, str(e), param=str(e).split(":", 1)[0].split(" ", 1)[0] or None) from None
 

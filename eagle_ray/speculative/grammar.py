@@ -127,11 +127,15 @@ class Guide:
 
     def __init__(self, compiled, vocab_size: int, stop_ids):
         import xgrammar as xgr
-        self.matcher = xgr.GrammarMatcher(compiled)
+        self.compiled, self.matcher = compiled, xgr.GrammarMatcher(compiled)
         self.vocab_size, self.words = vocab_size, mask_words(vocab_size)
         self.stop_ids = np.asarray(sorted(stop_ids), dtype=np.int64)
         self.masks: np.ndarray | None = None   # [W, words]: the masks of this step's tree row, in its node order
         self.pruned = 0                        # draft nodes dropped because the grammar forbids them
+
+    def fresh(self) -> "Guide":
+        """A matcher of the same grammar at the start (another sample of the request)."""
+        return Guide(self.compiled, self.vocab_size, self.stop_ids)
 
     def state_mask(self) -> np.ndarray:
         """``[1, words]``: what the grammar allows next."""

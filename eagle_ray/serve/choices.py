@@ -1,0 +1,145 @@
+"""A request's choices: ``n`` samples of each of its prompts, answered together or streamed interleaved.
+
+Choice ``i * n + j`` is sample ``j`` of prompt ``i`` (OpenAI's order). Each choice is one engine sequence; a prompt's
+samples share its prefill (``engine/samples.py``). Echo puts the prompt's text (and, with ``logprobs``, its
+per-token log-probabilities, the first ``null``) before the output; the prompt's values are the same for each of its
+samples and are read from whichever sample ran all of the prompt.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from eagle_ray.engine.sequence import Sequence
+from eagle_ray.serve.logprobs import TokenText, chat_logprobs, completion_logprobs, echoed, merge_completion
+from eagle_ray.speculative.logprobs import TokenLogprobs
+from eagle_ray.stats import RequestStats
+
+
+@dataclass
+class PromptChoices:
+    """One prompt's samples and what echo shows of it."""
+    seqs: list[Sequence]
+    text: str            # the prompt's text (echo)
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.seqs[0].prompt_ids
+
+    def prompt_logprobs(self) -> TokenLogprobs | None:
+        """The prompt's values, from the sample that computed the most of them (one that copied the prompt's K/V
+        from another computed only its last token's)."""
+        got = [s.prompt_logprobs for s in self.seqs if s.prompt_logprobs is not None]
+        return max(got, key=len) if got else None
+
+
+def prepare(engine, parsed, request_id: str, speculative: bool) -> list[PromptChoices]:
+    """Every prompt's samples as sequences (tokenising: call it off the event loop), with echo's prompt scoring."""
+    body, k = parsed.body, parsed.body.top()
+    out = []
+    for i, prompt in enumerate(parsed.prompts):
+        rid = request_id if len(parsed.prompts) == 1 else f"{request_id}-{i}"
+        seqs = engine.make_samples(prompt, parsed.params, rid, speculative)
+        text = ""
+        if body.echo_prompt:
+            text = prompt.value if prompt.kind == "text" else engine.tokenizer.decode(seqs[0].prompt_ids)
+            for s in seqs:
+                s.prompt_only = parsed.prompt_only
+                if k is not None:
+                    s.prompt_logprobs, s.prompt_logprobs_k = TokenLogprobs(), k
+        out.append(PromptChoices(seqs, text))
+    return out
+
+
+@dataclass
+class ChoiceShape:
+    """How one choice is written: chat or completion, echo, and ``k`` (None: no logprobs)."""
+    kind: str
+    echo: bool
+    k: int | None
+    text: TokenText
+
+    def echo_part(self, prompt: PromptChoices) -> tuple[str, dict | None]:
+        """The echoed prompt's text and completions logprobs."""
+        if self.k is None:
+            return prompt.text, None
+        lp = echoed(prompt.prompt_logprobs(), prompt.prompt_ids, 1)
+        return prompt.text, completion_logprobs(lp, prompt.prompt_ids, self.k, self.text)
+
+    def output_logprobs(self, lp: TokenLogprobs | None, ids: list[int], offset: int, prompt_ids: list[int],
+                        before: list[int] = ()) -> dict | None:
+        """``before`` and ``prompt_ids``: the output's tokens ahead of ``ids`` (a streamed chunk's) and its
+        prompt's, which decide the completions texts of ``ids``."""
+        if self.k is None or lp is None:
+            return None
+        if self.kind == "chat":
+            return chat_logprobs(lp, ids, self.k, self.text)
+        return completion_logprobs(lp, ids, self.k, self.text, offset, before, prompt_ids)
+
+    def choice(self, index: int, prompt: PromptChoices, out, reason: str | None) -> dict:
+        """A whole choice of a response that is not streamed."""
+        if self.kind == "chat":
+            return {"index": index, "message": {"role": "assistant", "content": out.text}, "finish_reason": reason,
+                    "logprobs": self.output_logprobs(out.logprobs, out.token_ids, 0, prompt.prompt_ids)}
+        text, lp = self.echo_part(prompt) if self.echo else ("", None)
+        own = self.output_logprobs(out.logprobs, out.token_ids, len(text), prompt.prompt_ids)
+        if self.k is not None:
+            lp = merge_completion(lp, own or completion_logprobs(TokenLogprobs(), [], 0, self.text))
+        return {"index": index, "text": text + out.text, "finish_reason": reason, "logprobs": lp}
+
+
+@dataclass
+class StreamState:
+    """What a streamed choice has sent so far."""
+    first: bool = True
+    echoed: bool = False
+    tokens: int = 0          # output tokens whose logprobs went out
+    offset: int = 0          # completions text_offset of the next token
+
+
+def usage(prompts: list[PromptChoices], outs: list) -> dict:
+    """OpenAI's usage: each prompt counted once, every choice's output."""
+    p = sum(len(c.prompt_ids) for c in prompts)
+    c = sum(len(o.token_ids) for o in outs)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def merged_stats(outs: list) -> RequestStats:
+    stats = RequestStats()
+    for o in outs:
+        stats.merge(o.stats)
+    return stats
+
+
+@dataclass
+class Interleaved:
+    """Several sequences' streams as one: ``(choice index, delta)`` in the order they come, ``(index, None)`` once a
+    choice's stream has ended; an error of any ends the whole."""
+    queue: object
+    items: list[tuple[int, Sequence]]
+    tasks: list = field(default_factory=list)
+
+    async def __aiter__(self):
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, seq: Sequence):
+            try:
+                async for d in self.queue.astream(seq):
+                    await merged.put((index, d, None))
+                await merged.put((index, None, None))
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer, which ends the stream with it
+                await merged.put((index, None, e))
+
+        self.tasks = [asyncio.create_task(pump(i, s)) for i, s in self.items]
+        left = len(self.tasks)
+        try:
+            while left:
+                index, d, err = await merged.get()
+                if err is not None:
+                    raise err
+                if d is None:
+                    left -= 1
+                yield index, d
+        finally:
+            for t in self.tasks:   # a client gone, or an error: the other choices' requests are cancelled
+                t.cancel()

@@ -1,0 +1,98 @@
+"""The batch job's eval rows: log-probabilities as typed columns, n samples as rows of their own, continuations
+scored without generating, bad fields as invalid_request rows; and the exactly-once output keyed by (id, sample).
+No Ray needed: the stage runs in-process."""
+import json
+
+import pyarrow as pa
+import pytest
+from fsspec.implementations.local import LocalFileSystem
+from test_job_output import multi_turn_stage, run_rows
+
+from eagle_ray.batch.job import PartWriter, committed_rows, read_output
+from eagle_ray.batch.rows import OUTPUT_SCHEMA, empty_row, to_table
+
+FS = LocalFileSystem()
+
+
+def test_logprobs_samples_and_scores_come_back_as_typed_columns(tiny_dir, tmp_path):
+    stage = multi_turn_stage(tiny_dir, tmp_path)
+    engine = stage.engine
+    rows = run_rows(stage, [
+        {"prompt": "w1 w2 w3", "sampling_params": {"logprobs": 2}},
+        {"prompt": "w4 w5", "sampling_params": {"n": 3, "temperature": 1.0, "seed": 5}},
+        {"prompt": "w6 w7 w8", "continuations": [" w9", " w10 w11"]},
+        {"prompt": "w6 w7 w8", "continuation": " w10 w11"}])
+    lp, s0, s1, s2, mc, single = rows
+    assert lp["sample_index"] == 0 and len(lp["output_logprobs"]) == len(lp["output_token_ids"]) == 8
+    assert [len(t) for t in lp["output_top_logprobs"]] == [2] * 8 and set(lp["output_top_logprobs"][0][0]) == \
+        {"token_id", "logprob"}
+    assert [(r["id"], r["sample_index"]) for r in (s0, s1, s2)] == [("r1", 0), ("r1", 1), ("r1", 2)]
+    assert len({tuple(r["output_token_ids"]) for r in (s0, s1, s2)}) == 3 and s0["output_logprobs"] is None
+    want = engine.score([("w6 w7 w8", [" w9", " w10 w11"])])[0]
+    assert mc["continuation_logprobs"] == pytest.approx([s.logprob for s in want], abs=1e-6)
+    assert mc["continuation_tokens"] == [1, 2] and mc["continuation_greedy"] == [s.greedy for s in want]
+    assert mc["output"] is None and mc["output_tokens"] == 0 and mc["prompt_tokens"] == 3
+    assert single["continuation_logprobs"] == mc["continuation_logprobs"][1:]
+    frame = to_table([dict(r) for r in rows]).to_pandas()   # the schema holds every row, and pandas reads it
+    assert list(frame["sample_index"]) == [0, 0, 1, 2, 0, 0]
+    assert frame["output_top_logprobs"][0][0][0]["token_id"] == lp["output_top_logprobs"][0][0]["token_id"]
+
+
+@pytest.mark.parametrize("row,reason", [
+    ({"prompt": "w1", "sampling_params": {"n": 2000}}, "sampling_params.n: Input should be less than or equal to "
+                                                       "1024"),
+    ({"prompt": "w1", "sampling_params": {"logprobs": 21}}, "sampling_params.logprobs: Input should be less than"),
+    ({"prompt": "w1", "sampling_params": {"logprobs": "2"}}, "sampling_params.logprobs: an integer is required"),
+    ({"turns": ["w1", "w2"], "sampling_params": {"n": 2}}, "sampling_params.n: samples of a conversation"),
+    ({"messages": [{"role": "user", "content": "w1"}], "continuation": " w2"}, "not after messages"),
+    ({"prompt": "w1", "continuations": []}, "non-empty list"),
+    ({"prompt": "w1", "continuation": " w2", "sampling_params": {"n": 2}}, "takes no samples"),
+    ({"prompt": "w1", "continuation": " w2", "continuations": [" w3"]}, "not both"),
+])
+def test_bad_eval_fields_are_invalid_request_rows_naming_the_field(tiny_dir, tmp_path, row, reason):
+    out, = run_rows(multi_turn_stage(tiny_dir, tmp_path), [row])
+    assert out["error_kind"] == "invalid_request" and reason in out["error"], out["error"]
+    assert out["output"] is None and out["continuation_logprobs"] is None
+
+
+def sample_row(rid: str, index: int | None, n: int, error: str | None = None) -> dict:
+    row = empty_row({"id": rid, "row_index": 0, "payload": "{}"})
+    row.update(sample_index=index, sampling_params=json.dumps({"n": n}), error=error,
+               error_kind="invalid_request" if error else None)
+    return row
+
+
+def test_the_output_holds_each_sample_once_and_a_row_is_done_when_all_its_samples_are(tmp_path):
+    writer = PartWriter(FS, str(tmp_path), 2, set())
+    writer.add([sample_row("a", 0, 3), sample_row("a", 1, 3), sample_row("a", 1, 3), sample_row("b", 0, 1)])
+    writer.close()
+    assert sorted((r["id"], r["sample_index"]) for r in read_output(FS, str(tmp_path)).to_pylist()) == \
+        [("a", 0), ("a", 1), ("b", 0)]
+    keys, done = committed_rows(FS, str(tmp_path))
+    assert keys == {("a", 0), ("a", 1), ("b", 0)} and done == {"b"}   # a's third sample is missing: a runs again
+    resumed = PartWriter(FS, str(tmp_path), 10, keys)
+    resumed.add([sample_row("a", 0, 3), sample_row("a", 1, 3), sample_row("a", 2, 3), sample_row("c", None, 4, "bad")])
+    resumed.close()
+    assert resumed.written == 2 and committed_rows(FS, str(tmp_path))[1] == {"a", "b", "c"}
+
+
+def test_an_output_written_before_samples_existed_resumes(tmp_path):
+    """Parts without the sample columns read them as null: every row is sample 0 of one."""
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"id": ["x"], "error": pa.array([None], pa.string())}), tmp_path / "part-old-0.parquet")
+    assert "sample_index" in OUTPUT_SCHEMA.names
+    assert committed_rows(FS, str(tmp_path)) == ({("x", 0)}, {"x"})
+
+
+def test_an_output_written_before_the_eval_fields_resumes_with_the_same_sampling(tmp_path):
+    from eagle_ray.batch.config import JobConfig
+    from eagle_ray.batch.job import JOB_FILE, check_output_identity, output_identity
+    cfg = JobConfig(input={"uri": str(tmp_path / "in.jsonl")}, output={"uri": str(tmp_path)})
+    old = output_identity(cfg)
+    for field in ("logprobs", "n"):
+        del old["sampling"][field]
+    (tmp_path / JOB_FILE).write_text(json.dumps(old))
+    writer = PartWriter(FS, str(tmp_path), 10, set())
+    writer.add([sample_row("a", 0, 1)])
+    writer.close()
+    check_output_identity(FS, str(tmp_path), cfg)   # resumes: nothing it ran with has changed

@@ -107,7 +107,8 @@ class SamplingParams(StrictModel):
     guided_grammar: str | None = Field(None, min_length=1, description="an EBNF (GBNF) grammar the output must match")
     # what a request gets back besides its text: log-probabilities, and several samples of one prompt
     logprobs: int | None = Field(None, ge=0, le=20, description="per output token, the target's raw "
-                                 "log-probability (before temperature, top-k and top-p) and the k most probable "
+                                 "log-probability (before temperature, top-k, top-p, penalties, logit bias and grammar "
+                                 "masks) and the k most probable "
                                  "alternatives; 0: the chosen token's alone; None: off")
     n: int = Field(1, ge=1, le=1024, description="samples of the prompt, each one sequence; the prompt is "
                    "prefilled once for all of them (engine/samples.py)")

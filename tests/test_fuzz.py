@@ -158,7 +158,12 @@ REQUEST_FIELDS = {
     "top_k": st.integers(-2**41, 2**41), "seed": st.integers(-2**65, 2**65), "n": st.integers(-1, 3),
     "stop": st.one_of(words, st.lists(words, max_size=6)), "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({"include_usage": maybe(st.booleans())}), "logprobs": st.booleans(),
-    "presence_penalty": st.floats(-2, 2), "ignore_eos": st.booleans()}
+    "presence_penalty": st.floats(-2, 2), "ignore_eos": st.booleans(), "frequency_penalty": st.floats(-3, 3),
+    "repetition_penalty": st.floats(-1, 3), "logit_bias": st.dictionaries(st.text(max_size=3), st.floats(-200, 200),
+                                                                           max_size=3),
+    "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "json_schema"},
+                                        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 3}}},
+                                        {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}])}
 
 
 @st.composite

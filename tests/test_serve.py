@@ -157,7 +157,17 @@ BAD = {
                                     "at most 29 more fit"),
     "max_tokens past the context streamed": ({"model": MODEL, "prompt": "w1 " * 100, "max_tokens": 60,
                                               "stream": True}, 400, "at most 29 more fit"),
-    "a vLLM sampling field": ({"model": MODEL, "prompt": "w1", "repetition_penalty": 1.3}, 400, "not supported"),
+    "a vLLM sampling field": ({"model": MODEL, "prompt": "w1", "min_p": 0.1}, 400, "not supported"),
+    "a malformed json_schema (chat)": ({"model": MODEL, "messages": [{"role": "user", "content": "w1"}],
+                                        "response_format": {"type": "json_schema", "json_schema": {
+                                            "name": "x", "schema": {"type": "objekt"}}}}, 400,
+                                       "response_format.json_schema.schema: not a valid JSON schema"),
+    "a regex the grammar engine refuses": ({"model": MODEL, "prompt": "w1", "guided_regex": "(w1"}, 400,
+                                           "guided_regex: the grammar engine cannot compile it"),
+    "a logit bias outside the vocabulary": ({"model": MODEL, "prompt": "w1", "logit_bias": {"64": 1}}, 400,
+                                            "logit_bias: token id 64 is not in the vocabulary"),
+    "a penalty out of range": ({"model": MODEL, "prompt": "w1", "frequency_penalty": 2.5}, 400,
+                               "frequency_penalty: Input should be less than or equal to 2"),
     "more messages than the context has tokens (chat)": (
         {"model": MODEL, "messages": [{"role": "user", "content": "w1"}] * 200}, 400, "200 messages"),
     "stream as a string": ({"model": MODEL, "prompt": "w1", "stream": "yes"}, 400, "valid boolean"),

@@ -32,6 +32,7 @@ from eagle_ray.errors import InvalidRequestError, PromptTooLongError
 from eagle_ray.model.compiled import compile_forwards
 from eagle_ray.model.draft_head import DraftHead
 from eagle_ray.model.target import TargetModel
+from eagle_ray.speculative.grammar import GrammarCache
 from eagle_ray.speculative.logprobs import TokenLogprobs
 from eagle_ray.speculative.tree import prepare_trees
 from eagle_ray.stats import RequestStats
@@ -75,6 +76,7 @@ class EagleEngine:
         gen_eos = getattr(getattr(target.hf, "generation_config", None), "eos_token_id", None)
         self.eos_ids = frozenset(x for x in ([eos] + (gen_eos if isinstance(gen_eos, list) else [gen_eos]))
                                  if x is not None)
+        self.grammars = GrammarCache(tokenizer, target.vocab_size, self.eos_ids)   # structured output, compiled once
         if draft is not None:
             draft.bind_lm_head(target.lm_head, config.speculation.draft_vocab_size, target.numerics.cpu_linears)
             check_draft_vocab(draft.draft_vocab_size, self.policy.trees())
@@ -217,12 +219,16 @@ class EagleEngine:
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         if speculative and self.draft is None:
             raise InvalidRequestError("this engine has no draft head; use speculative=False")
+        if params.logit_bias and max(params.logit_bias) >= self.target.vocab_size:
+            raise InvalidRequestError(f"logit_bias: token id {max(params.logit_bias)} is not in the vocabulary (ids "
+                                      f"0 to {self.target.vocab_size - 1})")
         ids = self.encode(prompt)
+        guide = self.grammars.guide(params)   # compiled here, on the caller's thread (cached per grammar)
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
         return Sequence(request_id or str(next(self._ids)), ids, params, frozenset(stop), seed,
                         detok=Detokenizer(self.tokenizer, ids), speculative=speculative,
-                        stops=StopStrings(params.stop) if params.stop else None,
+                        stops=StopStrings(params.stop) if params.stop else None, guide=guide,
                         logprobs=TokenLogprobs() if params.logprobs is not None else None)
 
     def make_samples(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,

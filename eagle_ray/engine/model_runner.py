@@ -28,8 +28,10 @@ from eagle_ray.model.draft_head import DraftHead
 from eagle_ray.model.target import TargetModel
 from eagle_ray.speculative.accept import accept
 from eagle_ray.speculative.context_vocab import ContextTokens, context_rows
+from eagle_ray.speculative.grammar import mask_logits, prune_tree
 from eagle_ray.speculative.logprobs import TokenLogprobs, packed, unpack, width
 from eagle_ray.speculative.lookup import TokenHistory, lookup_rows
+from eagle_ray.speculative.penalties import PenaltyBatch, apply_penalties
 from eagle_ray.speculative.sampling import SamplingBatch, choose_tokens
 from eagle_ray.speculative.tree import (Tree, drop_padding, fit_batch_budget, graft_chain, grow_tree, rows_of,
                                         stack_trees)
@@ -166,6 +168,9 @@ class ModelRunner:
             out.times.extend_s = clock() - t
             out.times.draft_s += out.times.extend_s
         tree = self.draft_trees(ready, tree_cfg, plan.verify_cap, context, chains) if ready else None
+        if tree is not None and any(s.guide is not None for s in ready):   # structured output: forbidden nodes go
+            tree = prune_tree(tree, ready)
+            out.times.verify_width = tree.tokens.shape[1]
         if ready and plain and self.stacks_for_graph(prefill, len(ready) + len(plain), tree.tokens.shape[1]):
             W = tree.tokens.shape[1]
             blocks = [VerifyBlock(ready + plain, stack_trees(tree, self.root_trees(plain)),
@@ -238,6 +243,7 @@ class ModelRunner:
             arrays += [done, [n[r] - 1 for r in done], [[len(s.prompt_ids)] for s in seqs]]
             if any(not s.params.greedy for s in seqs):
                 arrays += [Uploads.float_bits(SamplingBatch.params_of(seqs)), SamplingBatch.seeds_of(seqs)]
+            arrays += PenaltyBatch.arrays_of(seqs, self.target.vocab_size)
         scored = prompt_rows(block.chunks)
         return arrays + (scored.arrays() if scored else [])
 
@@ -271,6 +277,7 @@ class ModelRunner:
             if sampled_rows:
                 arrays += [upload.float_bits(SamplingBatch.params_of(seqs)), SamplingBatch.seeds_of(seqs),
                            sampled_rows]
+            arrays += PenaltyBatch.arrays_of(seqs, self.target.vocab_size)
         upload.stage(arrays)
 
     # ---- prefill -------------------------------------------------------------------------------------------------
@@ -295,11 +302,12 @@ class ModelRunner:
             seqs = [chunks[r].seq for r in done]
             upload = uploads_for(self.device)
             rows, last = upload.ints(done), upload.ints([n[r] - 1 for r in done])
-            logits = self.target.logits(hidden[rows, last].unsqueeze(1))
+            raw = self.target.logits(hidden[rows, last].unsqueeze(1))
+            logits = self.processed_logits(raw, seqs)   # a new tensor: log-probabilities read the raw ones
             positions = upload.ints([[len(s.prompt_ids)] for s in seqs])
             chosen = choose_tokens(logits, SamplingBatch.of(seqs, self.device), positions)
             k = logprob_k(seqs)
-            reads.append(chosen if k is None else torch.cat([chosen, packed(logits[:, 0], chosen[:, 0], k)], 1))
+            reads.append(chosen if k is None else torch.cat([chosen, packed(raw[:, 0], chosen[:, 0], k)], 1))
         if scored is not None:
             reads.append(scored.packed(self.target, hidden))
         values = torch.cat([r.reshape(-1) for r in reads]).tolist() if reads else []
@@ -436,6 +444,16 @@ class ModelRunner:
         self.draft_extend(seqs)
         return self.grow_from(seqs, torch.stack([s.draft_hidden for s in seqs]), tree_cfg, self.context_ids(seqs))
 
+    def processed_logits(self, logits: torch.Tensor, seqs: list[Sequence], tree: Tree | None = None) -> torch.Tensor:
+        """The logits the target's choice is taken from: each constrained sequence's grammar masks, then logit bias
+        and penalties with each node's path counted (``speculative/grammar.py``, ``penalties.py``). A new tensor
+        where any applies; the raw logits are left as they were."""
+        logits = mask_logits(logits, seqs)
+        penalties = PenaltyBatch.of(seqs, self.target.vocab_size, self.device)
+        if penalties is not None:
+            logits = apply_penalties(logits, penalties, *((tree.tokens, tree.ancestors) if tree is not None else ()))
+        return logits
+
     def accept(self, block: VerifyBlock, hidden: torch.Tensor, feats: torch.Tensor | None) -> list[SeqResult]:
         """A verify block's acceptance from its rows' final hidden states, and the accepted path's K/V moved next
         to the prefix; speculative sequences queue the accepted tokens' (feature, token) pairs (``feats``) for the
@@ -447,10 +465,11 @@ class ModelRunner:
         collect = feats is not None
         B, W = tree.tokens.shape
         t0 = clock()
-        logits = target.logits(hidden)
+        raw = target.logits(hidden)
         times.verify_s += clock() - t0
         times.forward_s += clock() - t0
         base = uploads_for(device).ints(target.cache.lengths[slots]).view(-1, 1)
+        logits = self.processed_logits(raw, seqs, tree)   # a new tensor: log-probabilities read the raw ones
         choice = choose_tokens(logits, SamplingBatch.of(seqs, device), base + tree.depth + 1)
         acc = accept(tree, choice)
         if self.trace is not None and W > 1:
@@ -463,7 +482,7 @@ class ModelRunner:
         parts = [acc.count.view(B, 1), acc.bonus.view(B, 1), tree.size.view(B, 1), tree.tokens.gather(1, acc.nodes)]
         k = logprob_k(seqs)
         if k is not None:
-            rows = logits.gather(1, acc.nodes.unsqueeze(-1).expand(B, A, logits.shape[-1]))
+            rows = raw.gather(1, acc.nodes.unsqueeze(-1).expand(B, A, raw.shape[-1]))
             parts.append(packed(rows, choice.gather(1, acc.nodes), k).view(B, -1))
         read = torch.cat(parts, dim=1).tolist()
         if A > 1:

@@ -147,7 +147,16 @@ _SAMPLING_TYPES = {"max_new_tokens": _INTEGER, "max_tokens": _INTEGER, "max_comp
                    "top_p": (_number, "a number"), "ignore_eos": (lambda v: isinstance(v, bool), "true or false"),
                    "stop_token_ids": (lambda v: isinstance(v, list) and all(_integer(t) for t in v),
                                       "a list of integers"),
-                   "stop": (_stops, "a string or a list of strings"), "logprobs": _INTEGER, "n": _INTEGER}
+                   "stop": (_stops, "a string or a list of strings"), "logprobs": _INTEGER, "n": _INTEGER,
+                   "frequency_penalty": (_number, "a number"), "presence_penalty": (_number, "a number"),
+                   "repetition_penalty": (_number, "a number"),
+                   "logit_bias": (lambda v: isinstance(v, dict) and all(_number(b) for b in v.values()),
+                                  "an object of token ids to numbers"),
+                   "guided_json": (lambda v: isinstance(v, (dict, str)), "a JSON schema (an object or JSON text)"),
+                   "guided_regex": (lambda v: isinstance(v, str), "a string"),
+                   "guided_grammar": (lambda v: isinstance(v, str), "a string"),
+                   "guided_choice": (lambda v: isinstance(v, list) and all(isinstance(c, str) for c in v),
+                                     "a list of strings")}
 
 
 def sampling_params(overrides, defaults: SamplingParams | None = None, field: str | None = "sampling_params"

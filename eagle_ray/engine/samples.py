@@ -89,7 +89,8 @@ def sibling(seq: Sequence, request_id: str, seed: int, index: int, prompt_ids: l
                     sample_index=index, logprobs=TokenLogprobs() if seq.logprobs is not None else None,
                     prompt_only=seq.prompt_only, prompt_logprobs_k=seq.prompt_logprobs_k,
                     prompt_logprobs_from=seq.prompt_logprobs_from,
-                    prompt_logprobs=TokenLogprobs() if seq.prompt_logprobs is not None else None)
+                    prompt_logprobs=TokenLogprobs() if seq.prompt_logprobs is not None else None,
+                    guide=seq.guide.fresh() if seq.guide is not None else None)
 
 
 def prefill_end(seq: Sequence) -> int:

@@ -9,6 +9,7 @@ import torch
 from eagle_ray.config import SamplingParams
 from eagle_ray.engine.text import Detokenizer, StopStrings
 from eagle_ray.speculative.context_vocab import ContextTokens
+from eagle_ray.speculative.grammar import Guide
 from eagle_ray.speculative.logprobs import TokenLogprobs
 from eagle_ray.speculative.lookup import TokenHistory
 from eagle_ray.stats import RequestStats
@@ -71,6 +72,7 @@ class Sequence:
     stats: RequestStats = field(default_factory=RequestStats)
     start_time: float = 0.0
     stops: StopStrings | None = None
+    guide: Guide | None = None                  # its grammar's matcher, for structured output (speculative/grammar.py)
     # what it returns besides tokens, and the samples it shares its prompt with (engine/samples.py)
     sample_index: int = 0                       # which of its request's n samples
     logprobs: TokenLogprobs | None = None       # per output token, where its params ask (params.logprobs)
@@ -109,9 +111,12 @@ class Sequence:
             self.finish_reason = "length"
             return 0
         for n, tok in enumerate(tokens, 1):
-            self.output_ids.append(tok)
-            if tok in self.stop_ids:
+            if self.guide is not None and not self.guide.accept(tok):   # a grammar's dead end: nothing fits
                 self.finish_reason = "stop"
+                return n - 1
+            self.output_ids.append(tok)
+            if tok in self.stop_ids or (self.guide is not None and self.guide.finished()):
+                self.finish_reason = "stop"    # a stop token, or a grammar that can take nothing more
                 return n
             if len(self.output_ids) >= self.params.max_new_tokens:
                 self.finish_reason = "length"

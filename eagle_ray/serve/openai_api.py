@@ -5,9 +5,9 @@
 runs on the event loop and is fuzzed directly by the tests. Prompt and sampling values go through the engine's
 request parser, the same one the batch job uses. Unknown fields are ignored (clients send many), and so is an
 explicit ``null`` (OpenAI's fields are nullable: clients send unset options as ``null``); unsupported ones that
-would change what is generated or returned (``n`` above the server's cap, penalties, ``logit_bias``, ``echo`` on
-chat, ``best_of``, ``suffix``, tools, a JSON ``response_format``, and vLLM's extra sampling fields such as
-``repetition_penalty``, ``min_tokens``, ``min_p`` or guided decoding, and its chat-template fields such as
+would change what is generated or returned (``n`` above the server's cap, ``echo`` on chat, ``best_of``,
+``suffix``, tools, and vLLM's extra sampling fields such as ``min_tokens`` or ``min_p``, and its chat-template
+fields such as
 ``continue_final_message`` or ``chat_template_kwargs``) are refused, unless they hold the value
 that changes nothing. Types are strict where lax parsing would change the request: ``"stream": "yes"`` or
 ``"max_tokens": true`` are refused, not read as true and 1.
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator,
                       model_validator)
 
-from eagle_ray.config import SamplingParams
+from eagle_ray.config import JSON_OBJECT, SamplingParams, checked_schema
 from eagle_ray.engine.request import (MAX_NESTING, Prompt, nesting_depth, parse_messages, parse_prompt,
                                      sampling_params, storable)
 from eagle_ray.errors import InvalidRequestError
@@ -45,20 +45,20 @@ class ApiError(Exception):
 
 # fields that would change what is generated or returned, with the values that change nothing (OpenAI's, then
 # vLLM's extra sampling and output fields, which its clients send in the same body)
-UNSUPPORTED = {"logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None, ""),
-               "tools": (None, []), "functions": (None, []), "response_format": (None, {"type": "text"}),
+UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""),
+               "tools": (None, []), "functions": (None, []),
                "tool_choice": (None, "none", "auto"), "function_call": (None, "none", "auto"),
                "audio": (None,), "web_search_options": (None,),
-               "repetition_penalty": (None, 1.0), "length_penalty": (None, 1.0), "min_tokens": (None, 0),
+               "length_penalty": (None, 1.0), "min_tokens": (None, 0),
                "min_p": (None, 0.0), "use_beam_search": (None, False), "include_stop_str_in_output": (None, False),
                "skip_special_tokens": (None, True), "prompt_logprobs": (None,), "allowed_token_ids": (None,),
                "bad_words": (None, []), "logits_processors": (None, []), "truncate_prompt_tokens": (None,),
-               "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-               "structured_outputs": (None,), "continue_final_message": (None, False),
+               "continue_final_message": (None, False),
                "add_generation_prompt": (None, True), "chat_template": (None,), "chat_template_kwargs": (None, {}),
                "documents": (None, [])}
 NUMBERS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n", "seed",
-           "presence_penalty", "frequency_penalty", "top_logprobs")   # a JSON true or false is not one of these
+           "presence_penalty", "frequency_penalty", "repetition_penalty",
+           "top_logprobs")   # a JSON true or false is not one of these
 MAX_PROMPTS = 64    # prompts one completions request may batch
 
 
@@ -88,6 +88,15 @@ class _Request(BaseModel):
     ignore_eos: StrictBool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # penalties, logit bias and structured output: checked by the engine's parser (eagle_ray/config.py)
+    repetition_penalty: float = 1.0
+    logit_bias: dict | None = None
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -105,13 +114,6 @@ class _Request(BaseModel):
             raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
         required = {k for k, f in cls.model_fields.items() if f.is_required()}
         return {k: v for k, v in data.items() if v is not None or k in required}
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalties(cls, v):
-        if v:
-            raise ValueError("penalties are not supported (they would change the target's distribution)")
-        return v
 
     @field_validator("stop")
     @classmethod
@@ -143,8 +145,70 @@ class _Request(BaseModel):
         return sampling_params({"temperature": self.temperature, "top_p": self.top_p, "top_k": max(self.top_k, 0),
                                 "max_new_tokens": default_max_tokens if limit is None else max(limit, 1),
                                 "stop": self.stop or [], "seed": self.seed, "ignore_eos": self.ignore_eos,
-                                "stop_token_ids": self.stop_token_ids or [], "logprobs": self.top(), "n": self.n},
-                               field=None)
+                                "stop_token_ids": self.stop_token_ids or [], "logprobs": self.top(), "n": self.n,
+                               "frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty,
+                               "repetition_penalty": self.repetition_penalty, "logit_bias": self.logit_bias,
+                               **guided_fields(self)}, field=None)
+
+
+STRUCTURED_OUTPUTS = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice",
+                      "grammar": "guided_grammar"}   # vLLM's structured_outputs keys, as the engine's fields
+
+
+def guided_fields(req: _Request) -> dict:
+    """The request's structured output as the engine's guided fields: OpenAI's ``response_format``
+    (``json_object``: any JSON object; ``json_schema``: its ``schema``, always enforced, ``strict`` or not), vLLM's
+    ``structured_outputs`` or its older ``guided_*`` fields. More than one of them is a 400 naming them."""
+    given = {f: getattr(req, f) for f in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+             if getattr(req, f) is not None}
+    sources = list(given)
+    if req.response_format is not None:
+        guided = response_format_fields(req.response_format)
+        sources += ["response_format"] if guided else []
+        given |= guided
+    if req.structured_outputs is not None:
+        sources.append("structured_outputs")
+        given |= structured_output_fields(req.structured_outputs)
+    if len(sources) > 1:
+        raise ApiError(400, f"{' and '.join(sources)} are given: a request takes one structured output",
+                       param=sources[1])
+    return given
+
+
+def response_format_fields(rf: dict) -> dict:
+    kind = rf.get("type")
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"guided_json": dict(JSON_OBJECT)}
+    if kind != "json_schema":
+        raise ApiError(400, f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                       param="response_format.type")
+    spec = rf.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise ApiError(400, "response_format.json_schema must be an object with a name and a schema",
+                       param="response_format.json_schema")
+    if spec.get("schema") is None:
+        raise ApiError(400, "response_format.json_schema.schema is required", param="response_format.json_schema")
+    try:
+        return {"guided_json": checked_schema(spec["schema"])}
+    except ValueError as e:
+        raise ApiError(400, f"response_format.json_schema.schema: {e}",
+                       param="response_format.json_schema.schema") from None
+
+
+def structured_output_fields(so: dict) -> dict:
+    given = {k: v for k, v in so.items() if v is not None and v is not False}
+    unknown = sorted(set(given) - set(STRUCTURED_OUTPUTS) - {"json_object"})
+    if unknown:
+        raise ApiError(400, f"structured_outputs: {unknown} not supported (json, regex, choice, grammar, json_object)",
+                       param=f"structured_outputs.{unknown[0]}")
+    out = {STRUCTURED_OUTPUTS[k]: v for k, v in given.items() if k in STRUCTURED_OUTPUTS}
+    if given.get("json_object") is True:
+        out["guided_json"] = dict(JSON_OBJECT)
+    if len(given) > 1:
+        raise ApiError(400, f"structured_outputs: {sorted(given)} are given: one of them", param="structured_outputs")
+    return out
 
 
 class CompletionRequest(_Request):

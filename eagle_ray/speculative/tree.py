@@ -308,6 +308,12 @@ def _with_valid(tree: Tree, valid: torch.Tensor) -> Tree:
                 tree.max_depth, True)
 
 
+def keep_nodes(tree: Tree, valid: torch.Tensor, width: int) -> Tree:
+    """``tree`` with only the nodes ``valid [B, T]`` marks (every kept node's parent kept), moved to the front,
+    ``width`` (the most kept in a row, known to the caller) wide: what a grammar leaves of a drafted tree."""
+    return drop_padding(_with_valid(tree, valid), width)
+
+
 def rows_of(tree: Tree, n: int) -> Tree:
     """The first ``n`` sequences' trees."""
     if n == tree.tokens.shape[0]:
@@ -340,16 +346,16 @@ def stack_trees(first: Tree, second: Tree) -> Tree:
                 max(a.max_depth, b.max_depth), a.padded or b.padded)
 
 
-def drop_padding(tree: Tree) -> Tree:
+def drop_padding(tree: Tree, width: int | None = None) -> Tree:
     """Move each tree's valid nodes to the front (keeping their order, so parents still precede children) and
     drop the all-padding columns: the verify pass is as wide as the largest tree, not the widest budget.
-    Only a tree that may hold padding pays the one read of its width."""
+    Only a tree that may hold padding pays the one read of its width (none where the caller knows ``width``)."""
     B, T = tree.tokens.shape
     if not tree.padded:
         return tree
     idx = torch.arange(T, device=tree.tokens.device).expand(B, T)
     order = torch.where(tree.valid, idx, idx + T).argsort(dim=1)        # valid first, stable
-    W = int(tree.valid.sum(1).max())
+    W = int(tree.valid.sum(1).max()) if width is None else width
     order = order[:, :W]
     new_of_old = torch.empty_like(idx)
     new_of_old.scatter_(1, order, torch.arange(W, device=idx.device).expand(B, W))

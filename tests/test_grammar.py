@@ -1,0 +1,188 @@
+"""Structured output on the tiny models: the grammar masks every choice and prunes the draft trees.
+
+The tiny tokenizer's tokens are words (``w0`` .. ``w56``), which xgrammar reads as raw bytes, so the grammars here
+are written over their concatenation (``w5w6``). Greedy constrained speculation equals constrained plain decoding
+and an independent reference (a full forward per token, masked by a fresh matcher); no draft node the grammar
+forbids is ever verified, and they are counted; a finished grammar ends the sequence; grammars compile once.
+"""
+import threading
+
+import pytest
+import torch
+from tiny import tiny_engine
+
+from eagle_ray.config import SamplingParams, TreeConfig
+from eagle_ray.errors import InvalidRequestError
+
+TREE = TreeConfig(total_tokens=12, depth=3, top_k=3)
+W = {f"w{i}": 7 + i for i in range(57)}          # the tiny tokenizer's word ids
+
+GRAMMARS = {   # each with forbidden tokens the unconstrained target would pick, and room to accept drafts
+    "regex of a token class": dict(guided_regex="(w[0-9]|w[1-3][0-9]){3,24}"),
+    "ebnf with paths": dict(guided_grammar='root ::= "w5" ("w6" | "w7" "w8" | "w2" | "w3")* "w9"'),
+    "choice": dict(guided_choice=["w5w6w7w8w9", "w5w6w2", "w3"]),
+}
+
+
+def constrained_reference(hf, engine, prompt: list[int], n: int, **guided) -> list[int]:
+    """A full forward per token, its logits masked by a fresh matcher's allowed tokens, argmax."""
+    import xgrammar as xgr
+    guide = engine.grammars.guide(SamplingParams(**guided))
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = hf(torch.tensor([ids])).logits[0, -1]
+            mask = torch.zeros(1, (logits.shape[0] + 31) // 32, dtype=torch.int32)
+            guide.matcher.fill_next_token_bitmask(mask, 0)
+            xgr.apply_token_bitmask_inplace(logits[None], mask)
+            tok = int(logits.argmax())
+            out.append(tok)
+            ids.append(tok)
+            if not guide.accept(tok) or tok in engine.eos_ids or guide.finished():
+                break
+    return out
+
+
+def prompts(n: int, seed: int = 4) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 64, (int(k),), generator=g).tolist() for k in torch.randint(2, 12, (n,), generator=g)]
+
+
+@pytest.mark.parametrize("grammar", list(GRAMMARS))
+def test_greedy_constrained_speculation_equals_constrained_plain_decoding(tiny_dir, tiny_hf, tiny_head, grammar):
+    engine = tiny_engine(tiny_dir, tiny_head, TREE, max_batch_size=3)
+    ps = prompts(4)
+    params = SamplingParams(max_new_tokens=30, **GRAMMARS[grammar])
+    spec = engine.generate(ps, params)
+    plain = engine.generate(ps, params, speculative=False)
+    for s, p, prompt in zip(spec, plain, ps):
+        assert s.token_ids == p.token_ids == constrained_reference(tiny_hf, engine, prompt, 30, **GRAMMARS[grammar])
+        assert s.finish_reason == p.finish_reason
+    if grammar != "choice":   # a choice is forced after its first token: nothing left to draft against
+        assert sum(sum(o.stats.accepted_per_depth) for o in spec) > 0
+
+
+def test_a_finished_choice_ends_the_sequence_without_an_end_token(tiny_dir):
+    engine = tiny_engine(tiny_dir, None, TREE)
+    out = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=30, guided_choice=["w5w6w7w8w9", "w3"]))[0]
+    assert out.token_ids in ([W[f"w{i}"] for i in range(5, 10)], [W["w3"]])
+    assert out.finish_reason == "stop"
+
+
+def test_a_dead_end_of_the_vocabulary_ends_the_sequence_before_the_refused_token(tiny_dir):
+    """``w1`` may start ``w1`` + a digit, but no tiny token starts with a digit: every logit after it is masked,
+    and the sequence ends there, speculative or not, instead of failing the engine."""
+    engine = tiny_engine(tiny_dir, None, TREE)
+    params = SamplingParams(max_new_tokens=8, guided_regex="w1[0-9]", logit_bias={W["w1"]: 100.0})
+    for speculative in (True, False):
+        out = engine.generate([[5, 6]], params, speculative=speculative)[0]
+        assert (out.token_ids, out.finish_reason) == ([W["w1"]], "stop")
+
+
+def test_a_forbidden_draft_node_is_never_verified(tiny_dir):
+    """A cycle w5 -> w6 -> w7 -> w5: every verified node's token follows its parent's; drafts that do not are
+    dropped before the pass (counted), and output is the cycle."""
+    engine = tiny_engine(tiny_dir, None, TreeConfig(total_tokens=16, depth=3, top_k=4), max_batch_size=4)
+    verified = []
+    target_pass = engine.runner.target_pass
+
+    def recording(prefill, blocks):
+        verified.extend(block.tree for block in blocks)
+        return target_pass(prefill, blocks)
+    engine.runner.target_pass = recording
+    params = SamplingParams(max_new_tokens=40, guided_regex="w5(w6w7w5)*", logit_bias={1: -100})   # no end token
+    seqs = [engine.add_request(p, params) for p in prompts(4, seed=9)]
+    while engine.has_unfinished():
+        engine.step()
+    nxt = {W["w5"]: W["w6"], W["w6"]: W["w7"], W["w7"]: W["w5"]}
+    checked = 0
+    for tree in verified:
+        tokens, parents, valid = tree.tokens.tolist(), tree.parents.tolist(), tree.valid.tolist()
+        for b in range(len(tokens)):
+            for i in range(1, len(tokens[b])):
+                if valid[b][i]:   # padding nodes are never accepted
+                    assert nxt[tokens[b][parents[b][i]]] == tokens[b][i]
+                    checked += 1
+    assert checked > 0 and sum(s.guide.pruned for s in seqs) > 0, (checked, [s.output_ids for s in seqs])
+    cycle = [W["w5"], W["w6"], W["w7"]] * 14
+    for s in seqs:   # the cycle, up to the length or an end token where a w5 closes it
+        text = s.output_ids[:-1] if s.output_ids[-1] in engine.eos_ids else s.output_ids
+        assert text == cycle[:len(text)] and len(text) % 3 == 1 or len(text) == 40
+
+
+def test_a_grammar_compiles_once_for_every_request_that_asks_for_it(tiny_dir):
+    engine = tiny_engine(tiny_dir, None, TREE)
+    schema = {"enum": ["w5w6", "w7"]}
+    threads = [threading.Thread(target=engine.grammars.compile, args=("guided_json", dict(schema)))
+               for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    engine.generate([[5], [6]], SamplingParams(max_new_tokens=8, guided_json={"enum": ["w5w6", "w7"]}))
+    assert engine.grammars.compiled == 1
+
+
+@pytest.mark.parametrize("guided, message", [
+    (dict(guided_regex="(w5"), "guided_regex: the grammar engine cannot compile it: Regex parsing error"),
+    (dict(guided_grammar='root ::= w5'), "guided_grammar: the grammar engine cannot compile it"),
+    (dict(guided_json={"properties": {"a": {"$ref": "#/nowhere"}}}), "guided_json: the grammar engine cannot")])
+def test_a_grammar_that_fails_to_compile_refuses_the_request_and_nothing_else(tiny_dir, guided, message):
+    engine = tiny_engine(tiny_dir, None, TREE)
+    with pytest.raises(InvalidRequestError, match=message):
+        engine.make_sequence([5, 6], SamplingParams(**guided))
+    assert engine.generate([[5, 6]], SamplingParams(max_new_tokens=4, ignore_eos=True))[0].token_ids
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(guided_json={"type": "nonsense"}), "guided_json: Value error, not a valid JSON schema"),
+    (dict(guided_json="{not json"), "guided_json: Value error, not valid JSON"),
+    (dict(guided_json={"type": "object"}, guided_choice=["a"]), "guided_choice: Value error, guided_json is given"),
+    (dict(guided_choice=[]), "guided_choice: List should have at least 1 item"),
+    (dict(frequency_penalty=2.5), "frequency_penalty: Input should be less than or equal to 2"),
+    (dict(presence_penalty=-3), "presence_penalty: Input should be greater than or equal to -2"),
+    (dict(repetition_penalty=0), "repetition_penalty: Input should be greater than 0"),
+    (dict(logit_bias={"5": 101}), r"logit_bias.5: Input should be less than or equal to 100"),
+    (dict(logit_bias={"-3": 1}), "logit_bias: Value error, keys must be token ids"),
+])
+def test_a_bad_field_is_refused_naming_it(fields, message):
+    from eagle_ray.engine.request import sampling_params
+    with pytest.raises(InvalidRequestError, match=message):
+        sampling_params(fields)
+
+
+def test_job_rows_take_guided_fields_and_a_bad_one_is_an_invalid_request_row(tiny_dir):
+    import asyncio
+    import json
+
+    from eagle_ray.batch.config import JobConfig
+    from eagle_ray.batch.rows import rows_from_lines
+    from eagle_ray.batch.stage import GenerateStage
+    from eagle_ray.engine.queue import RequestQueue
+    stage = GenerateStage.__new__(GenerateStage)
+    stage.cfg = JobConfig(input={"uri": "x"}, output={"uri": "y"}, sampling={"max_new_tokens": 8})
+    stage.engine = tiny_engine(tiny_dir, None, TREE)
+    stage.queue = RequestQueue(stage.engine)
+    stage.target_name, stage.draft_name, stage.worker_id = "t", "d", "w"
+    rows = [{"id": "cycle", "prompt": "w1 w2", "sampling_params": {"guided_regex": "w5(w6w7w5)*", "max_tokens": 7,
+                                                                      "logit_bias": {"1": -100}}},
+            {"id": "choice", "prompt": "w1", "sampling_params": {"guided_choice": ["w5w6w7w8w9", "w3"]}},
+            {"id": "schema", "prompt": "w1", "sampling_params": {"guided_json": {"type": "nonsense"}}},
+            {"id": "regex", "prompt": "w1", "sampling_params": {"guided_regex": "(w5"}},
+            {"id": "two", "prompt": "w1", "sampling_params": {"guided_regex": "w5", "guided_choice": ["w5"]}},
+            {"id": "bias", "prompt": "w1", "sampling_params": {"logit_bias": {"99": 1}}},
+            {"id": "penalty", "prompt": "w1", "sampling_params": {"presence_penalty": 2.5}}]
+    items = [r.as_item() for r in rows_from_lines([json.dumps(r).encode() for r in rows], "in.jsonl")]
+
+    async def run():
+        return await asyncio.gather(*(stage.process(item) for item in items))
+    try:
+        out = {r["id"]: r for r in asyncio.run(run())}
+    finally:
+        stage.queue.shutdown()
+    assert out["cycle"]["output_token_ids"] == [W["w5"], W["w6"], W["w7"]] * 2 + [W["w5"]]
+    assert out["choice"]["finish_reason"] == "stop" and out["choice"]["error"] is None
+    assert json.loads(out["cycle"]["sampling_params"])["guided_regex"] == "w5(w6w7w5)*"
+    for rid, field in [("schema", "guided_json"), ("regex", "guided_regex"), ("two", "guided_choice"),
+                       ("bias", "logit_bias"), ("penalty", "presence_penalty")]:
+        assert out[rid]["error_kind"] == "invalid_request" and field in out[rid]["error"], out[rid]["error"]

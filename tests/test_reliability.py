@@ -725,14 +725,6 @@ def test_the_tuning_cache_key_follows_the_files_not_their_path_or_mtime(tiny_dir
     assert cache_key(engine) != key
 
 
-def test_summary_counts_errors_by_kind():
-    from eagle_ray.batch.job import _error_kinds
-    rows = [{"error": "/data/x.jsonl:3: invalid JSON (Expecting value at column 1)", "error_kind": "invalid_json"},
-            {"error": "/data/x.jsonl:9: invalid JSON (...)", "error_kind": "invalid_json"},
-            {"error": "prompt has 3000 tokens ...", "error_kind": "prompt_too_long"}, {"error": None}]
-    assert _error_kinds(rows) == {"invalid_json": 2, "prompt_too_long": 1}
-
-
 @pytest.mark.parametrize("phase", ["starting Ray", "loading the model", "serving"])
 def test_ctrl_c_stops_eagle_ray_serve_with_one_line_at_any_point(monkeypatch, capsys, phase):
     """``eagle-ray serve`` is a foreground command: Ctrl-C while Ray starts, while the model loads or while it

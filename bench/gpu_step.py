@@ -549,13 +549,9 @@ def mode_extras(run: Run, engine, shape: str, mode: str, part: str) -> None:
 def compile_report() -> dict:
     """What the model side says of its compiled kernels (the fused operations' status, and whatever else it reports:
     per-op compile counts, fallbacks), beside Inductor's own counters. The one place the bench reads them."""
-    from eagle_ray.model import kernels, tree_attention
-    out = {"fused_ops": dict(kernels.compiled_status)}
-    for module in (kernels, tree_attention):
-        for name in ("compile_counts", "fallbacks", "compiled_status"):
-            value = getattr(module, name, None)
-            if value is not None and not (module is kernels and name == "compiled_status"):
-                out[f"{module.__name__.rsplit('.', 1)[-1]}.{name}"] = dict(value) if isinstance(value, dict) else value
+    from eagle_ray.model import guarded_compile, kernels
+    out = {"fused_ops": {name: dict(status) for name, status in kernels.compiled_status.items()},
+           "compiles": guarded_compile.compile_report()}   # per function and key: status and compile count
     try:
         from torch._dynamo.utils import counters
         out["dynamo"] = {group: dict(counters[group]) for group in ("stats", "recompiles", "graph_break")

@@ -233,6 +233,7 @@ def test_a_killed_driver_resumes_exactly_once(ray_local, pair, tmp_path, adaptat
     write_jsonl(tmp_path / "in.jsonl", prompts(80))
     out = tmp_path / "out"
     cfg = config(pair, str(tmp_path / "in.jsonl"), str(out), sampling__max_new_tokens=24, output__rows_per_file=10,
+                 actors__batch_size=2,   # blocks of 8 rows: the kill after two parts finds rows still to run
                  **({"engine__adaptation": adaptation} if adaptation else {}))
     (tmp_path / "job.yaml").write_text(json.dumps(json.loads(cfg.model_dump_json())))
     base_head = {f.name: f.read_bytes() for f in Path(pair[1]).iterdir()}

@@ -137,7 +137,7 @@ BAD = {
     "top_p zero": ({"model": MODEL, "prompt": "w1", "top_p": 0}, 400, "top_p"),
     "max_tokens over the cap": ({"model": MODEL, "prompt": "w1", "max_tokens": 100000}, 400, "cap"),
     "max_tokens zero": ({"model": MODEL, "prompt": "w1", "max_tokens": 0}, 400, "max_tokens"),
-    "n > 1": ({"model": MODEL, "prompt": "w1", "n": 3}, 400, "n"),
+    "n above the cap": ({"model": MODEL, "prompt": "w1", "n": 17}, 400, "n"),
     "prompt over the context": ({"model": MODEL, "prompt": " ".join(["w1"] * 300)}, 400, "tokens"),
     "empty prompt": ({"model": MODEL, "prompt": ""}, 400, "empty"),
     "bad role (chat)": ({"model": MODEL, "messages": [{"role": "wizard", "content": "w1"}]}, 400, "role"),

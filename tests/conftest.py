@@ -69,3 +69,11 @@ def ray_local():
              log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_dir, tiny_head, tmp_path_factory):
+    """The tiny target's folder and the tiny head saved beside it: what a job or a cluster scenario loads."""
+    head = tmp_path_factory.mktemp("head")
+    tiny_head.save(head)
+    return str(tiny_dir), str(head)

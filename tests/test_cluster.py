@@ -15,13 +15,6 @@ pytestmark = pytest.mark.slow  # three Ray nodes and their actors
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def pair(tiny_dir, tiny_head, tmp_path_factory):
-    head = tmp_path_factory.mktemp("head")
-    tiny_head.save(head)
-    return str(tiny_dir), str(head)
-
-
 def run_scenario(name: str, pair, workdir: Path) -> dict:
     ray_tmp = Path(f"/tmp/er{uuid.uuid4().hex[:6]}")   # Ray's socket paths must stay short
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}

@@ -24,13 +24,6 @@ pytestmark = pytest.mark.slow  # a real local Ray cluster
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def pair(tiny_dir, tiny_head, tmp_path_factory):
-    head = tmp_path_factory.mktemp("head")
-    tiny_head.save(head)
-    return str(tiny_dir), str(head)
-
-
 def prompts(n: int, start: int = 0) -> list[dict]:
     rows = []
     for i in range(start, start + n):

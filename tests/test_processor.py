@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import ray
-from test_job import config, pair, prompts, write_jsonl  # noqa: F401 - pair is a fixture
+from test_job import config, prompts, write_jsonl
 
 from eagle_ray.batch.config import ActorsConfig, JobConfig, ProcessorConfig
 from eagle_ray.batch.job import read_output, run_job

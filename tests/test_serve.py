@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 import repo_scripts
-from tiny import tiny_engine
+from tiny import tiny_engine, wait_healthy
 
 from eagle_ray.config import SamplingParams
 from eagle_ray.serve.config import ServeConfig
@@ -40,13 +40,7 @@ def server(ray_local, tiny_dir, tiny_head, tmp_path_factory):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(json.loads(cfg.model_dump_json())), name="eagle-test", route_prefix="/", blocking=False)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.5)
+    wait_healthy(base, 120)
     yield (base, tiny_engine(tiny_dir, tiny_head, cfg.engine.speculation.tree, max_batch_size=4, max_model_len=128),
            str(tiny_dir), str(head))
     serve.delete("eagle-test")
@@ -288,14 +282,7 @@ def two_replicas(server):
                                  default_max_tokens=16).model_dump_json())
     serve.run(build_app(cfg), name="eagle-two", route_prefix="/two", blocking=False)
     base = server[0] + "/two"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
+    wait_healthy(base, 300)
     yield base
     serve.delete("eagle-two")
 

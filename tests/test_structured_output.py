@@ -75,10 +75,9 @@ def test_greedy_constrained_eagle_equals_greedy_constrained_plain(engine, name):
 @pytest.fixture(scope="module")
 def embedded_server(ray_local):
     import socket
-    import time
 
-    import httpx
     from ray import serve
+    from tiny import wait_healthy
 
     from eagle_ray.serve.app import build_app
     from eagle_ray.serve.config import ServeConfig
@@ -91,14 +90,7 @@ def embedded_server(ray_local):
     serve.run(build_app(json.loads(cfg.model_dump_json())), name="eagle-structured", route_prefix="/",
               blocking=False)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
+    wait_healthy(base, 600, 1)
     yield base
     serve.delete("eagle-structured")
     serve.shutdown()

@@ -112,3 +112,19 @@ def trained_head(hf, steps: int = 300, seed: int = 0) -> DraftHead:
               TrainConfig(lr=3e-3, warmup_steps=20, epochs=1000, tokens_per_step=512, noise=0.0, eval_fraction=0.0,
                           checkpoint_every=10**9), max_steps=steps, log=lambda *_: None)
     return head.eval()
+
+
+def wait_healthy(base: str, timeout_s: float, every_s: float = 0.5) -> None:
+    """Poll a Serve app's ``/health`` until it answers 200 or ``timeout_s`` passes (the tests' requests then say
+    what is wrong, if anything)."""
+    import time
+
+    import httpx
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(every_s)

@@ -93,9 +93,7 @@ def build_stepping(target: TargetModel, draft, config: EngineConfig, policy: Tre
 
 def restart(engine) -> None:
     """Empty caches and fresh stepping parts on the same weights (a split target's other ranks start again)."""
-    if getattr(engine.target, "tp", None) is not None:   # a split target: its other ranks start again
-        engine.target.rebind(engine.target.tp.restarted())
-    engine.target.cache.lengths[:] = 0
+    engine.target.restart()
     engine.scheduler, engine.runner = build_stepping(engine.target, engine.draft, engine.config, engine.policy,
                                                      engine.runner.draft_graphs)
     if engine.draft is not None:

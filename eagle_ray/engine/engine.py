@@ -128,9 +128,7 @@ class EagleEngine:
 
     def close(self) -> None:
         """Stop what the engine started outside its process: a split target's other ranks."""
-        tp = getattr(self.target, "tp", None)
-        if tp is not None and tp.rank == 0:
-            tp.close()
+        self.target.close()
 
     # ---- requests -------------------------------------------------------------------------------------------------
     def prompt_room(self) -> int:

@@ -42,7 +42,7 @@ class FusedLayer:
     kv_heads: int
     head_dim: int
     scaling: float
-    tp: object = None                 # tensor parallelism: this rank's group (o and down products are partial sums)
+    row_sum: object = None            # a shard's hook summing o and down products over ranks (tensor_parallel.RowSum)
 
 
 def merge(modules: list[nn.Linear], bias: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -59,9 +59,9 @@ def merge(modules: list[nn.Linear], bias: bool = False) -> tuple[torch.Tensor, t
     return weight, b
 
 
-def fuse_layer(layer, tp=None) -> FusedLayer:
-    """The merged form of a transformers decoder layer (Llama, Mistral, Qwen2, Qwen3 modules); with ``tp``, of one
-    rank's shard of it."""
+def fuse_layer(layer, row_sum=None) -> FusedLayer:
+    """The merged form of a transformers decoder layer (Llama, Mistral, Qwen2, Qwen3 modules); with ``row_sum``, of
+    one shard of it, whose o and down products that hook sums."""
     attn, mlp = layer.self_attn, layer.mlp
     qkv, qkv_bias = merge([attn.q_proj, attn.k_proj, attn.v_proj], bias=attn.q_proj.bias is not None)
     gate_up, _ = merge([mlp.gate_proj, mlp.up_proj])
@@ -72,7 +72,7 @@ def fuse_layer(layer, tp=None) -> FusedLayer:
                       attn.o_proj.weight, gate_up, mlp.down_proj.weight,
                       None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
                       attn.q_proj.weight.shape[0] // head_dim, attn.k_proj.weight.shape[0] // head_dim, head_dim,
-                      attn.scaling, tp)
+                      attn.scaling, row_sum)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -122,8 +122,7 @@ def fused_decoder_layer(L: FusedLayer, hidden: torch.Tensor, parts, cache, layer
 
 
 def output(L: FusedLayer, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``residual + x @ weight.T`` in one GEMM; split over ranks, each adds its partial product and rank 0 the
-    residual, summed by one all-reduce."""
-    if L.tp is None:
+    """``residual + x @ weight.T`` in one GEMM; in a shard, the ``row_sum`` hook's (summed over the ranks)."""
+    if L.row_sum is None:
         return torch.addmm(residual, x, weight.t())
-    return L.tp.all_reduce(torch.addmm(residual, x, weight.t()) if L.tp.rank == 0 else torch.mm(x, weight.t()))
+    return L.row_sum.residual_gemm(residual, x, weight)

@@ -29,7 +29,6 @@ class KVCache:
         self.kv_bucket = 1      # key lengths a forward reads are rounded up to this (masked; CUDA graph replay)
         self.slice_reads = True  # contiguous slots are read as a slice (no copy); compiled forwards gather instead
         self.scratch = max_len  # never committed, never read by a real row
-        self.mirror = None      # tensor parallelism, rank 0: sends each K/V move to the other ranks first
 
     @property
     def num_slots(self) -> int:
@@ -59,8 +58,6 @@ class KVCache:
         Used after verification to place the accepted tree path right after the committed prefix. Entries with
         ``src == dst`` are no-ops, so callers pad ragged rows that way.
         """
-        if self.mirror is not None:
-            self.mirror("keep_accepted", slots, src, dst)
         bi = uploads_for(self.k.device).ints(slots).view(-1, 1).expand_as(src)
         src, dst = src.to(self.k.device), dst.to(self.k.device)
         for cache in (self.k, self.v):
@@ -69,8 +66,6 @@ class KVCache:
     def move(self, src: int, dst: int) -> None:
         """Copy slot ``src``'s committed positions (and length) to slot ``dst``; ``src`` becomes empty."""
         n = int(self.lengths[src])
-        if self.mirror is not None:
-            self.mirror("move", src, dst, n)
         self.k[:, dst, :, :n] = self.k[:, src, :, :n]
         self.v[:, dst, :, :n] = self.v[:, src, :, :n]
         self.lengths[dst], self.lengths[src] = n, 0
@@ -78,8 +73,6 @@ class KVCache:
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         """Copy slot ``src``'s first ``n`` positions to slot ``dst``, which then holds exactly those (a prompt
         shared by several sequences, engine/samples.py); ``src`` keeps its own."""
-        if self.mirror is not None:
-            self.mirror("copy_prefix", src, dst, n)
         self.kv[:, :, dst, :, :n] = self.kv[:, :, src, :, :n]
         self.lengths[dst] = n
 

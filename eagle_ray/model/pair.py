@@ -93,25 +93,20 @@ def load_pair(config: EngineConfig, demand: tuple[int, int, int], storage_option
     return LoadedPair(target, load_draft(m.draft, ckpts, target, dtype, device), ckpts.tokenizer, config, ckpts)
 
 
-def load_sharded_target(config: EngineConfig, ckpts: Checkpoints, dtype: torch.dtype, device) -> TargetModel:
-    """Rank 0's shard of a target split over ``model.tensor_parallel`` processes, the other ranks started and
-    following (model/tensor_parallel.py)."""
+def load_sharded_target(config: EngineConfig, ckpts: Checkpoints, dtype: torch.dtype, device):
+    """A target split over ``model.tensor_parallel`` processes (``tensor_parallel.ShardedTarget``: rank 0's shard,
+    the other ranks started and following)."""
     from eagle_ray.errors import ConfigError
-    from eagle_ray.model import tensor_parallel as tp
+    from eagle_ray.model import tensor_parallel
 
     m = config.model
     if m.compile == "cuda-graphs":
         raise ConfigError("compile: cuda-graphs does not yet capture a target split over ranks (tensor_parallel > 1)")
-    tp.check_shardable(ckpts.target_config, m.tensor_parallel)
-    spec = tp.Spec(str(ckpts.target_dir), ckpts.target_config, str(dtype).removeprefix("torch."), str(device),
-                   config.cache.max_batch_size, config.cache.max_model_len, config.precision.model_dump(), m.threads)
-    group, hf = tp.start(spec, m.tensor_parallel, TargetModel)
-    try:
-        return TargetModel(hf, config.cache.max_batch_size, config.cache.max_model_len, tp=group,
-                           **config.precision.model_dump())
-    except Exception:
-        group.close()
-        raise
+    tensor_parallel.check_shardable(ckpts.target_config, m.tensor_parallel)
+    spec = tensor_parallel.Spec(str(ckpts.target_dir), ckpts.target_config, str(dtype).removeprefix("torch."),
+                                str(device), config.cache.max_batch_size, config.cache.max_model_len,
+                                config.precision.model_dump(), m.threads)
+    return tensor_parallel.start(spec, m.tensor_parallel, TargetModel)
 
 
 def load_draft(draft: str | None, ckpts: Checkpoints, target: TargetModel, dtype: torch.dtype, device):

@@ -42,13 +42,13 @@ def check_loading_info(path, info: dict) -> None:
 
 class TargetModel:
     def __init__(self, hf_model, max_slots: int, max_len: int, fp32_logits="auto", fp32_activations="auto",
-                 batch_invariant="auto", cpu_linears="auto", fused_layers="auto", tree_attention="auto", tp=None):
-        """The precision switches are True, False or "auto" (resolved for the device by ``numerics_for``). ``tp``:
-        this rank's ``tensor_parallel.Group`` where ``hf_model`` is one shard of a target split over ranks."""
+                 batch_invariant="auto", cpu_linears="auto", fused_layers="auto", tree_attention="auto", row_sum=None):
+        """The precision switches are True, False or "auto" (resolved for the device by ``numerics_for``). ``row_sum``:
+        where ``hf_model`` is one shard of a target split over ranks, the hook that sums its row-split products
+        (``tensor_parallel.RowSum``); the engine then holds it through ``tensor_parallel.ShardedTarget``."""
         cfg = hf_model.config
         check_model_type(cfg)
         self.hf = hf_model.eval()
-        self.tp = tp   # its shard's o and down projections sum over the ranks (tensor_parallel.load_shard)
         self.config = cfg
         param = next(hf_model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -75,24 +75,20 @@ class TargetModel:
         # invariant_attention): bf16 verify and plain decoding then differ only on last-bit near-ties.
         self.batch_invariant = self.numerics.batch_invariant
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        world = 1 if tp is None else tp.world
+        world = 1 if row_sum is None else row_sum.world   # a shard holds its share of the KV heads
         self.cache = KVCache(len(self.layers), max_slots, cfg.num_key_value_heads // world, self.max_len, head_dim,
                              self.dtype, self.device)
-        if tp is not None and tp.rank == 0:
-            self.cache.mirror = tp.send   # the other ranks move their K/V as rank 0 does
         self.cache.kv_bucket = defaults_for(self.device).kv_bucket
-        self.fused = [fuse_layer(layer, tp) for layer in self.layers] if self.numerics.fused_layers else None
+        self.fused = [fuse_layer(layer, row_sum) for layer in self.layers] if self.numerics.fused_layers else None
         self.graphs = None   # DecodeGraphs (model/graphs.py) where compile is cuda-graphs
         self.flex_attend = None   # flex tree attention's kernel (tree_attention.py's default: compiled on CUDA)
 
-    def rebind(self, tp) -> None:
-        """Run on group ``tp`` from now on (rank 0, after the other ranks restarted: ``Group.restarted``)."""
-        self.tp = tp
-        for layer in self.layers:
-            layer.self_attn.o_proj.group = layer.mlp.down_proj.group = tp
-        for fused in self.fused or ():
-            fused.tp = tp
-        self.cache.mirror = tp.send
+    def restart(self) -> None:
+        """Empty every slot (the engine's restart)."""
+        self.cache.lengths[:] = 0
+
+    def close(self) -> None:
+        """Nothing to stop: a target in one process holds nothing outside it (see ``ShardedTarget.close``)."""
 
     @classmethod
     def load(cls, path: str | Path, dtype: torch.dtype, device, max_slots: int, max_len: int, config=None,
@@ -142,9 +138,6 @@ class TargetModel:
         if capture:
             self.capture_layers = tuple(capture)  # an attribute, not an argument: traced as a constant
         B, T = tokens.shape
-        if self.tp is not None and self.tp.rank == 0:   # the other ranks run the same forward on their shards
-            self.tp.send("forward", tokens, slots, self.cache.lengths[slots].copy(), depth, block_mask, n_valid,
-                         capture, graphed)
         if graphed and self.graphs is not None:
             if self.graphs.fits(max(slots) + 1, T, block_mask.shape[-1], 0):
                 return self.graphs.run(tokens.to(self.device), slots, depth.to(self.device), block_mask, n_valid,
@@ -166,9 +159,6 @@ class TargetModel:
             return [self.forward(tokens, slots, depth, block_mask, n_valid, capture, graphed)]
         if capture:
             self.capture_layers = tuple(capture)
-        if self.tp is not None and self.tp.rank == 0:
-            self.tp.send("forward_parts", [(t, s, self.cache.lengths[s].copy(), d, m, n) for t, s, d, m, n in blocks],
-                         capture)
         inputs = [(tokens.to(self.device).contiguous(), depth.to(self.device).contiguous(),
                    make_block_meta(self.cache, slots, block_mask, invariant=self.batch_invariant, n_valid=n_valid))
                   for tokens, slots, depth, block_mask, n_valid in blocks]

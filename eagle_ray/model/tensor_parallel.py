@@ -7,9 +7,12 @@ its rows of the embedding, and a replicated lm_head keeps the logits (and the tr
 them) on rank 0 without gathering ``batch x width x vocab`` values every pass. The KV cache of a rank holds its own
 heads only. Each rank reads only its slices of the safetensors files (``safe_open(...).get_slice``).
 
-Rank 0 is the engine: the scheduler, the head, the trees, acceptance and sampling run there, unchanged. Every call
-that touches the target's shards (a forward, moving accepted K/V, moving a slot) is sent first to the other ranks,
-which run the same call on their shards (``follow``); the forward's all-reduces keep the ranks in step. A rank that
+Rank 0 is the engine: the scheduler, the head, the trees, acceptance and sampling run there, unchanged. The engine
+holds a :class:`ShardedTarget`, a target like any other: each of its methods that touches the shards (a forward,
+moving accepted K/V, moving or copying a slot) sends a typed call (:class:`Forward`, :class:`KeepAccepted`...) to the
+other ranks first, which run it on their shards (``follow``); the forward's all-reduces keep the ranks in step. The
+layers see tensor parallelism only through :class:`RowSum`, the hook that sums a row-split product over the ranks.
+All that knows about ranks is in this module. A rank that
 dies makes the next collective fail at once, one that hangs makes it fail after ``timeout_s``: either way rank 0
 raises :class:`EngineDeadError` naming the rank, never hangs.
 
@@ -23,7 +26,7 @@ import os
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import timedelta
 from pathlib import Path
 
@@ -57,10 +60,11 @@ def split_dim(name: str) -> int | None:
     return None
 
 
-def load_shard(path: str | Path, cfg, dtype: torch.dtype, device, rank: int, world: int, group: "Group | None" = None):
+def load_shard(path: str | Path, cfg, dtype: torch.dtype, device, rank: int, world: int,
+               row_sum: "RowSum | None" = None):
     """The transformers model of ``cfg`` holding rank ``rank``'s shard of the safetensors in ``path``: built empty
-    (meta device), each tensor read as its slice only; with ``group``, its o and down projections sum their partial
-    products over the group (:class:`RowParallel`)."""
+    (meta device), each tensor read as its slice only; with ``row_sum``, its o and down projections sum their
+    partial products over the ranks (:class:`RowParallel`)."""
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
@@ -98,22 +102,44 @@ def load_shard(path: str | Path, cfg, dtype: torch.dtype, device, rank: int, wor
         raise CheckpointError(f"target {path} lacks {len(missing)} of the model's tensors ({', '.join(missing[:4])})")
     rotary = hf.model.rotary_emb   # its frequency table is a computed buffer: made again, then moved
     hf.model.rotary_emb = type(rotary)(config=cfg).to(device)
-    if group is not None:
+    if row_sum is not None:
         for layer in hf.model.layers:
-            layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, group)
-            layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, group)
+            layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, row_sum)
+            layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, row_sum)
     return hf.eval()
+
+
+class RowSum:
+    """The one hook the layers of a shard hold: a row-split product's partial sums added over the ranks. One per
+    rank, shared by its layers, so a restarted group is taken by swapping ``group`` here alone."""
+
+    def __init__(self, group: "Group"):
+        self.group = group
+
+    @property
+    def world(self) -> int:
+        return self.group.world
+
+    def __call__(self, partial: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(partial)
+
+    def residual_gemm(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``residual + x @ weight.T`` summed over the ranks in one all-reduce: each rank adds its partial product,
+        rank 0 alone the residual."""
+        if self.group.rank == 0:
+            return self.group.all_reduce(torch.addmm(residual, x, weight.t()))
+        return self.group.all_reduce(torch.mm(x, weight.t()))
 
 
 class RowParallel(nn.Module):
     """o_proj / down_proj of a shard: this rank's partial product, summed over the ranks."""
 
-    def __init__(self, linear: nn.Linear, group: "Group"):
+    def __init__(self, linear: nn.Linear, row_sum: RowSum):
         super().__init__()
-        self.weight, self.group = linear.weight, group
+        self.weight, self.row_sum = linear.weight, row_sum
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.all_reduce(F.linear(x, self.weight))
+        return self.row_sum(F.linear(x, self.weight))
 
 
 @dataclass
@@ -161,11 +187,11 @@ class Group:
                 if not p.is_alive()]
         return "; ".join(dead) + " " if dead else ""
 
-    def send(self, *call) -> None:
+    def send(self, call: "Call") -> None:
         """Rank 0: ``call`` to every other rank (they run it on their shards). Its tensors travel as host copies:
         a CUDA tensor through a pipe would be shared by IPC and freed under the receiver (a GPU run pays one device
         read per call; sending them over the group is the next step)."""
-        call = tuple(a.cpu() if torch.is_tensor(a) and a.device.type != "cpu" else a for a in call)
+        call = type(call)(*(on_host(getattr(call, f.name)) for f in fields(call)))
         for r, (proc, pipe) in enumerate(zip(self.procs, self.pipes), 1):
             if not proc.is_alive():
                 raise EngineDeadError(f"tensor-parallel rank {r} (pid {proc.pid}) exited with code {proc.exitcode}")
@@ -183,7 +209,7 @@ class Group:
     def close(self) -> None:
         for pipe in self.pipes:
             try:
-                pipe.send(("stop",))
+                pipe.send(Stop())
             except (OSError, EOFError):
                 pass
         for proc in self.procs:
@@ -200,13 +226,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(spec: Spec, world: int, make_target, timeout_s: float = 30.0):
+def start(spec: Spec, world: int, make_target, timeout_s: float = 30.0) -> "ShardedTarget":
     """Start ranks 1..N-1 (each loads its shard and follows), join the group as rank 0 and load shard 0; returns
-    rank 0's :class:`Group` and transformers model."""
+    the target the engine holds (rank 0's shard, built by ``make_target``, ``TargetModel``)."""
     group = start_ranks(spec, world, make_target, timeout_s)
     try:
-        return group, load_shard(spec.path, spec.config, getattr(torch, spec.dtype), torch.device(spec.device), 0,
-                                 world, group)
+        row_sum = RowSum(group)
+        hf = load_shard(spec.path, spec.config, getattr(torch, spec.dtype), torch.device(spec.device), 0, world,
+                        row_sum)
+        return ShardedTarget(make_target(hf, spec.max_slots, spec.max_len, row_sum=row_sum, **spec.precision),
+                             row_sum)
     except Exception:
         group.close()
         raise
@@ -308,43 +337,177 @@ def follow(spec: Spec, rank: int, world: int, port: int, backend: str, timeout_s
         if device.type == "cuda":
             device = torch.device("cuda", rank if device.index is None else device.index + rank)
             torch.cuda.set_device(device)
-        group = Group(rank, world, "127.0.0.1", port, backend, timeout_s)
-        hf = load_shard(spec.path, spec.config, getattr(torch, spec.dtype), device, rank, world, group)
-        target = make_target(hf, spec.max_slots, spec.max_len, tp=group, **spec.precision)
+        row_sum = RowSum(Group(rank, world, "127.0.0.1", port, backend, timeout_s))
+        hf = load_shard(spec.path, spec.config, getattr(torch, spec.dtype), device, rank, world, row_sum)
+        target = make_target(hf, spec.max_slots, spec.max_len, row_sum=row_sum, **spec.precision)
         with torch.inference_mode():
             while True:
                 try:
                     call = pipe.recv()
                 except EOFError:   # rank 0 is gone
                     return
-                if call[0] == "stop":
+                if isinstance(call, Stop):
                     return
-                run_call(target, call)
+                call.run(target)
     except Exception:   # noqa: BLE001 - whatever it was, rank 0's next collective fails and names this rank
         traceback.print_exc()
         os._exit(1)
 
 
-def run_call(target, call) -> None:
-    """Run one of rank 0's calls on this rank's shard."""
-    name, *args = call
-    cache = target.cache
-    if name == "forward":
-        tokens, slots, lengths, depth, block_mask, n_valid, capture, graphed = args
-        cache.lengths[slots] = lengths
-        target.forward(tokens, slots, depth, block_mask, n_valid=n_valid, capture=capture, graphed=graphed)
-    elif name == "forward_parts":
-        blocks, capture = args
-        for _, slots, lengths, *_ in blocks:
-            cache.lengths[slots] = lengths
-        target.forward_parts([(t, s, d, m, n) for t, s, _, d, m, n in blocks], capture)
-    elif name == "keep_accepted":
-        cache.keep_accepted(*args)
-    elif name == "move":
-        src, dst, n = args
-        cache.lengths[src] = n
-        cache.move(src, dst)
-    elif name == "copy_prefix":
-        cache.copy_prefix(*args)
-    else:
-        raise ValueError(f"unknown tensor-parallel call {name!r}")
+
+
+# ---- the calls rank 0 sends: each runs on a follower's own target ----------------------------------------------
+def on_host(x):
+    """``x`` with its tensors (inside lists and tuples too) copied to the host, to travel through a pipe."""
+    if torch.is_tensor(x):
+        return x.cpu() if x.device.type != "cpu" else x
+    if isinstance(x, (list, tuple)):
+        return type(x)(on_host(v) for v in x)
+    return x
+
+
+class Call:
+    """A call rank 0 sends to the other ranks: ``run`` does the same on their shard."""
+
+    def run(self, target) -> None:
+        raise NotImplementedError
+
+
+@dataclass
+class Stop(Call):
+    """Rank 0 closes the group: the follower returns."""
+
+
+@dataclass
+class Forward(Call):
+    tokens: torch.Tensor
+    slots: list
+    lengths: object        # the slots' committed lengths at rank 0, which the follower takes first
+    depth: torch.Tensor
+    block_mask: torch.Tensor
+    n_valid: list | None
+    capture: tuple | None
+    graphed: bool
+
+    def run(self, target) -> None:
+        target.cache.lengths[self.slots] = self.lengths
+        target.forward(self.tokens, self.slots, self.depth, self.block_mask, n_valid=self.n_valid,
+                       capture=self.capture, graphed=self.graphed)
+
+
+@dataclass
+class ForwardParts(Call):
+    blocks: list           # (tokens, slots, lengths, depth, block_mask, n_valid) per block
+    capture: tuple | None
+
+    def run(self, target) -> None:
+        for _, slots, lengths, *_ in self.blocks:
+            target.cache.lengths[slots] = lengths
+        target.forward_parts([(t, s, d, m, n) for t, s, _, d, m, n in self.blocks], self.capture)
+
+
+@dataclass
+class KeepAccepted(Call):
+    slots: list
+    src: torch.Tensor
+    dst: torch.Tensor
+
+    def run(self, target) -> None:
+        target.cache.keep_accepted(self.slots, self.src, self.dst)
+
+
+@dataclass
+class Move(Call):
+    src: int
+    dst: int
+    n: int
+
+    def run(self, target) -> None:
+        target.cache.lengths[self.src] = self.n
+        target.cache.move(self.src, self.dst)
+
+
+@dataclass
+class CopyPrefix(Call):
+    src: int
+    dst: int
+    n: int
+
+    def run(self, target) -> None:
+        target.cache.copy_prefix(self.src, self.dst, self.n)
+
+
+# ---- what the engine holds --------------------------------------------------------------------------------------
+class Delegate:
+    """Reads and writes of what a wrapper does not define itself go to the object it wraps (``inner``)."""
+    _own = ("inner",)
+
+    def __getattr__(self, name):
+        return getattr(object.__getattribute__(self, "inner"), name)
+
+    def __setattr__(self, name, value):
+        if name in type(self)._own:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.inner, name, value)
+
+
+class ShardedCache(Delegate):
+    """Rank 0's KV cache: each K/V move goes to the other ranks first, then runs on rank 0's heads."""
+    _own = ("inner", "group")
+
+    def __init__(self, cache, group: Group):
+        self.inner, self.group = cache, group
+
+    def keep_accepted(self, slots: list[int], src: torch.Tensor, dst: torch.Tensor) -> None:
+        self.group.send(KeepAccepted(slots, src, dst))
+        self.inner.keep_accepted(slots, src, dst)
+
+    def move(self, src: int, dst: int) -> None:
+        self.group.send(Move(src, dst, int(self.inner.lengths[src])))
+        self.inner.move(src, dst)
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        self.group.send(CopyPrefix(src, dst, n))
+        self.inner.copy_prefix(src, dst, n)
+
+
+class ShardedTarget(Delegate):
+    """A target split over ranks, as the engine holds it: rank 0's shard (``inner``, a ``TargetModel``) whose
+    calls that touch the shards reach every rank. ``tp``: the group (its ranks' processes in ``tp.procs``)."""
+    _own = ("inner", "row_sum", "cache")
+
+    def __init__(self, shard, row_sum: RowSum):
+        self.inner, self.row_sum = shard, row_sum
+        self.cache = ShardedCache(shard.cache, row_sum.group)
+
+    @property
+    def tp(self) -> Group:
+        return self.row_sum.group
+
+    def forward(self, tokens: torch.Tensor, slots: list[int], depth: torch.Tensor, block_mask: torch.Tensor,
+                n_valid: list[int] | None = None, capture: tuple[int, ...] | None = None, graphed: bool = True):
+        self.tp.send(Forward(tokens, slots, self.inner.cache.lengths[slots].copy(), depth, block_mask, n_valid,
+                             capture, graphed))
+        return self.inner.forward(tokens, slots, depth, block_mask, n_valid, capture, graphed)
+
+    def forward_parts(self, blocks, capture: tuple[int, ...] | None = None, graphed: bool = True) -> list:
+        if len(blocks) == 1:   # one block is a forward (as the shard runs it)
+            return [self.forward(*blocks[0], capture, graphed)]
+        lengths = self.inner.cache.lengths
+        self.tp.send(ForwardParts([(t, s, lengths[s].copy(), d, m, n) for t, s, d, m, n in blocks], capture))
+        return self.inner.forward_parts(blocks, capture, graphed)
+
+    def next_token_logits(self, ids: list[int], slot: int = 0) -> torch.Tensor:
+        return type(self.inner).next_token_logits(self, ids, slot)   # its forward through this one
+
+    def restart(self) -> None:
+        """The other ranks stopped and started again in a new group (their state, or their process, is in doubt
+        after a failed step); rank 0's shard stays loaded, its cache emptied."""
+        group = self.tp.restarted()
+        self.row_sum.group = self.cache.group = group
+        self.inner.restart()
+
+    def close(self) -> None:
+        """Stop the other ranks."""
+        self.tp.close()

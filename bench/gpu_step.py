@@ -11,7 +11,7 @@ and writes one JSON line per measurement to ``--out`` as it goes. Sections run i
 2. ``bandwidth``: a device-to-device copy, timed (bytes read + bytes written per second): the bandwidth verdicts
    read this, not a data sheet;
 3. ``key_steps``: the main shape at the smallest and the largest batch in graphs (the fused target's decode passes
-   and the head's draft loop as CUDA graphs captured by hand, ``model/graphs.py``, ``engine/draft_graphs.py``; on a
+   and the head's draft loop as CUDA graphs captured by hand, ``model/graphs.py``, ``model/draft_graphs.py``; on a
    CPU their replay stand-in) and fused eager, and eager with the modules' layers at the smallest batch: ``step``
    lines with median, p90 and first step ms, draft and verify ms (CUDA events), tokens/s, achieved GB/s = (weights +
    K/V read) / step time; an ``engine`` line per engine (build seconds, peak memory, graph pool, graphs captured,
@@ -281,7 +281,7 @@ def build_engine(run: Run, shape: str, dtype, max_batch_size: int, fused="auto",
     head.cache = None   # the previous engine's draft cache: this engine allocates its own
     engine = EagleEngine(target, head, word_tokenizer(hf.config.vocab_size), config)
     if graphs:   # captured by hand (model/graphs.py) when a step first needs each; on a CPU the replay stand-in
-        from eagle_ray.engine.draft_graphs import DraftGraphs
+        from eagle_ray.model.draft_graphs import DraftGraphs
         from eagle_ray.model.graphs import DecodeGraphs
         backend = "cuda" if device.type == "cuda" else "replay"
         engine.target.graphs = DecodeGraphs(engine.target, engine.target.cache.num_slots, backend=backend)

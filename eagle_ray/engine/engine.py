@@ -18,7 +18,6 @@ import torch
 
 from eagle_ray.config import EngineConfig, SamplingParams, is_plain
 from eagle_ray.engine.builder import build_stepping, load_pair
-from eagle_ray.engine.draft_graphs import DraftGraphs
 from eagle_ray.engine.model_runner import StepOutput
 from eagle_ray.engine.samples import copy_prefix, samples_of
 from eagle_ray.engine.scheduler import StepPlan
@@ -30,6 +29,7 @@ from eagle_ray.engine.tree_policy import (TreePolicy, check_draft_vocab, check_p
 from eagle_ray.engine.tuning import autotune
 from eagle_ray.errors import InvalidRequestError, PromptTooLongError
 from eagle_ray.model.compiled import compile_forwards
+from eagle_ray.model.draft_graphs import DraftGraphs
 from eagle_ray.model.draft_head import DraftHead
 from eagle_ray.model.target import TargetModel
 from eagle_ray.speculative.grammar import GrammarCache

@@ -248,7 +248,7 @@ def smollm2_135m():
 def plan_for(target_config, engine, device_type: str = "cuda"):
     """The plan of an engine config's cache and trees for a target shape with an EAGLE-2 head of that shape (rank
     0's, where ``model.tensor_parallel`` splits the target)."""
-    from eagle_ray.engine.sizing import tree_demand
+    from eagle_ray.engine.budgets import tree_demand
     from eagle_ray.model.memory import plan_memory
     from eagle_ray.model.numerics import step_tokens
     verify, room, rows = tree_demand(engine.speculation)

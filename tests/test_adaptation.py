@@ -110,11 +110,13 @@ def test_the_memory_plan_holds_what_adaptation_keeps(tiny_dir, tiny_head):
     """The engine's memory plan counts online adaptation: the adapter's tensors (its fp32 lm_head, the candidate and
     its optimizer state, the buffered pairs) within its fixed part, and every running sequence's pairs, kept until
     it finishes, within the per-slot part."""
-    from eagle_ray.engine.sizing import plan_engine
+    from eagle_ray.engine.budgets import tree_demand
+    from eagle_ray.model.sizing import plan_engine
     engine = tiny_engine(tiny_dir, own(tiny_head), max_batch_size=4)
     adapter = adapting(engine, buffer_tokens=256, time_share=1.0, round_steps=2)
     off = engine.config.replace(draft="random")   # the plan of the head this engine holds
-    plan, off = (plan_engine(c, engine.target.config, None, engine.device, engine.target.dtype)
+    plan, off = (plan_engine(c, engine.target.config, None, engine.device, engine.target.dtype,
+                             tree_demand(c.speculation))
                  for c in (off.model_copy(update={"adaptation": adapter.cfg}), off))
     assert plan.adaptation > 0 and plan.total(4) - off.total(4) == plan.adaptation + 4 * plan.adaptation_per_slot
     params = SamplingParams(max_new_tokens=48, ignore_eos=True)

@@ -165,7 +165,7 @@ def test_a_torch_archive_or_token_map_of_the_wrong_kind_is_refused_naming_the_fi
     save_file({"token_map": torch.zeros(0, dtype=torch.long)}, str(tmp_path / "token_map.safetensors"))
     with pytest.raises(CheckpointError, match="token_map is empty"):
         DraftHead.load(tmp_path, target_config())
-    from eagle_ray.engine.sizing import draft_vocab_for
+    from eagle_ray.model.sizing import draft_vocab_for
     from eagle_ray.model.checkpoint import HeadCheckpoint
     for content, reason in ((b"garbage", "token_map.safetensors cannot be read"),
                             (None, "must hold one 1-D integer tensor 'token_map', got None")):

@@ -20,7 +20,7 @@ from torch.utils import _pytree
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle_ray.config import TreeConfig
-from eagle_ray.engine.tree_policy import draft_budget, verify_budget
+from eagle_ray.engine.budgets import draft_budget, verify_budget
 from eagle_ray.model.attention import make_block_meta
 from eagle_ray.model import kernels
 from eagle_ray.model.guarded_compile import RECOMPILE_LIMIT, GuardedCompile, compile_report

@@ -12,13 +12,14 @@ from eagle_ray.config import EngineConfig, TreeConfig
 from eagle_ray.batch.config import JobConfig
 from eagle_ray.serve.config import ServeConfig
 from eagle_ray.engine.engine import EagleEngine
-from eagle_ray.engine.sizing import plan_engine, tree_demand
+from eagle_ray.engine.budgets import tree_demand
 from eagle_ray.errors import ConfigError, InsufficientMemoryError
 from eagle_ray.model.draft_head import DraftHead
 from eagle_ray.model.eagle3_head import Eagle3Head
 from eagle_ray.model.numerics import DEVICE_DEFAULTS, cpu_linears_for
 from eagle_ray.model.kv_cache import KVCache
 from eagle_ray.model.linears import packed_available
+from eagle_ray.model.sizing import plan_engine
 from eagle_ray.model.memory import (GiB, MemoryPlan, copies_for, fit_slots, free_memory,
                                     gpu_usable_bytes, module_bytes, plan_memory)
 from eagle_ray.model.target import TargetModel
@@ -190,9 +191,9 @@ def test_from_config_resolves_auto_before_allocating(tiny_dir, monkeypatch):
     cfg = EngineConfig(target=str(tiny_dir), draft="random", dtype="float32", device="cpu", max_model_len=128,
                        max_batch_size="auto")
     tiny = AutoModelForCausalLM.from_pretrained(tiny_dir).config
-    plan = plan_engine(cfg, tiny, None, torch.device("cpu"), torch.float32)
+    plan = plan_engine(cfg, tiny, None, torch.device("cpu"), torch.float32, tree_demand(cfg.speculation))
     shares = []
-    monkeypatch.setattr("eagle_ray.engine.sizing.free_memory",
+    monkeypatch.setattr("eagle_ray.model.sizing.free_memory",
                         lambda device, share=None: shares.append(share) or plan.total(7) + plan.per_slot // 2)
     engine = EagleEngine.from_config(cfg.for_ray_worker(num_cpus=1, num_gpus=0.5))   # half a GPU: plans from half
     assert engine.config.cache.max_batch_size == 7 and shares == [0.5]
@@ -201,7 +202,7 @@ def test_from_config_resolves_auto_before_allocating(tiny_dir, monkeypatch):
 
 
 def test_from_config_fails_before_loading_when_an_int_does_not_fit(tiny_dir, monkeypatch):
-    monkeypatch.setattr("eagle_ray.engine.sizing.free_memory", lambda device, share=None: 600 * 2**20)
+    monkeypatch.setattr("eagle_ray.model.sizing.free_memory", lambda device, share=None: 600 * 2**20)
     monkeypatch.setattr(TargetModel, "load", lambda *a, **k: pytest.fail("the target was loaded"))
     with pytest.raises(InsufficientMemoryError, match=r"max_batch_size=1024 does not fit this cpu device: needs "
                                                       r"\d+\.\d\d GiB = .* but 0\.59 GiB is free"):

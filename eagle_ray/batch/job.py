@@ -25,7 +25,6 @@ import os
 import signal
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -426,23 +425,10 @@ def check_local_models(cfg: JobConfig) -> None:
     exist, or a head that does not fit the target, fails here in one line. In the actors it would fail in every
     one, again and again as Ray restarts them, after Ray and the job had started. (On a cluster the paths are the
     workers', which this machine may not see: they are checked there.) S3 and the embedded pair are not read."""
-    from eagle_ray.engine.builder import RANDOM_HEADS
-    from eagle_ray.model.heads import check_head
-    from eagle_ray.model.loading import check_gguf_path, resolve_draft, resolve_target, target_config_and_tokenizer
+    from eagle_ray.model.pair import check_local_pair
     if cfg.ray_address or os.environ.get("RAY_ADDRESS"):
         return
-    m = cfg.engine.model
-    local = lambda path: path is not None and not str(path).startswith("s3://")  # noqa: E731
-    target_dir = None
-    if local(m.target):
-        if str(m.target).endswith(".gguf"):   # its dequantised copy is made by the actors, once
-            check_gguf_path(Path(m.target).expanduser())
-        else:
-            target_dir = resolve_target(m.target)
-    if local(m.draft) and m.draft not in ("none",) + RANDOM_HEADS:
-        draft_dir = resolve_draft(m.draft)
-        if target_dir is not None:
-            check_head(draft_dir, target_config_and_tokenizer(target_dir)[0])
+    check_local_pair(cfg.engine.model)
 
 
 def input_table(rows: list[InputRow]) -> pa.Table:
@@ -457,7 +443,7 @@ def input_table(rows: list[InputRow]) -> pa.Table:
 def run_job(cfg: JobConfig, print_fn=print) -> dict:
     """Run the job to completion (resuming into an existing output) and return the summary (``interrupted`` is
     true when SIGTERM stopped it early: what finished is committed)."""
-    from eagle_ray.engine.tree_policy import check_prompt_room
+    from eagle_ray.engine.budgets import check_prompt_room
     check_prompt_room(cfg.engine.cache.max_model_len, cfg.engine.speculation.trees())
     check_local_models(cfg)
     in_fs, in_path = filesystem(cfg.input.uri, cfg)

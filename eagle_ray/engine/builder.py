@@ -1,119 +1,77 @@
-"""Building an engine from its config, in the order that fails fastest: resolve the pair, read both checkpoints'
-configs once (a head that does not fit its target fails before any weight loads), plan the memory (a plan that does
-not fit fails before anything is allocated), then load the weights.
-
-``EagleEngine.from_config`` runs :func:`load_pair` and builds the engine from what it returns; tuning the trees
-needs a running engine, so the engine does that last (``TreePolicy.adopt``). The engine's scheduler and model runner
-are made by :func:`build_stepping`, once when it is built and again when it restarts, so both run the same options.
+"""Building an engine, every part of it in one place: the pair loaded (``model/pair.py``: read, check, plan, load),
+then wired (the tree policy, the scheduler and model runner, the head bound to the target's lm_head, its draft
+cache, compiled forwards), then finished (with ``tree_policy: auto`` the tuner's trees, which need a running engine,
+and with ``compile: cuda-graphs`` the captured passes). A restart rebuilds the stepping parts here too, so a
+restarted engine runs the same options as a new one. ``EagleEngine`` only steps what this module builds.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from eagle_ray.config import EngineConfig
+from eagle_ray.engine.budgets import check_prompt_room, draft_room, extend_budget, graph_widths, tree_demand
 from eagle_ray.engine.model_runner import ModelRunner
 from eagle_ray.engine.scheduler import Feeding, Scheduler
-from eagle_ray.engine.sizing import size_engine
-from eagle_ray.engine.tree_policy import TreePolicy
-from eagle_ray.model.checkpoint import HeadCheckpoint
-from eagle_ray.model.device import pick_device, pick_dtype
-from eagle_ray.model.draft_head import DraftHead
-from eagle_ray.model.eagle3_head import Eagle3Head
-from eagle_ray.model.heads import check_head, load_head
-from eagle_ray.model.loading import resolve_draft, resolve_target, target_config_and_tokenizer
+from eagle_ray.engine.text import TextCodec
+from eagle_ray.engine.tree_policy import TreePolicy, check_draft_vocab
+from eagle_ray.engine.tuning import autotune
+from eagle_ray.model.compiled import compile_forwards
+from eagle_ray.model.draft_graphs import DraftGraphs
 from eagle_ray.model.memory import max_pending_pairs, pending_pair_bytes
 from eagle_ray.model.numerics import defaults_for, step_tokens
+from eagle_ray.model.pair import LoadedPair, load_pair
 from eagle_ray.model.target import TargetModel
-
-RANDOM_HEADS = ("random", "random-eagle3")  # untrained heads (EAGLE-2, EAGLE-3): lossless-test fixtures
-
-
-@dataclass
-class Checkpoints:
-    """The pair's configs, each read once: what every later step checks, plans and loads from."""
-    target_dir: Path
-    target_config: object        # the transformers config
-    tokenizer: object
-    head: HeadCheckpoint | None  # None: no head, or an untrained one (``draft``: none / random / random-eagle3)
+from eagle_ray.speculative.grammar import GrammarCache
+from eagle_ray.speculative.tree import prepare_trees
 
 
 @dataclass
-class LoadedPair:
-    target: TargetModel
-    draft: DraftHead | Eagle3Head | None
-    tokenizer: object
-    config: EngineConfig         # with max_batch_size an int that fits the device
-    checkpoints: Checkpoints
+class Wiring:
+    """What an engine steps with, built around its target and head."""
+    policy: TreePolicy
+    codec: TextCodec
+    scheduler: Scheduler
+    runner: ModelRunner
+    eos_ids: frozenset
+    grammars: GrammarCache
 
 
-def read_checkpoints(config: EngineConfig, storage_options: dict | None = None) -> Checkpoints:
-    """Resolve the target and the head (local, S3 or the embedded pair) and read their configs; a head that does
-    not fit its target fails here, naming the mismatch."""
-    m = config.model
-    target_dir = resolve_target(m.target, storage_options)
-    target_config, tokenizer = target_config_and_tokenizer(target_dir)
-    head = None
-    if m.draft not in ("none", *RANDOM_HEADS):
-        head = check_head(resolve_draft(m.draft, storage_options), target_config)
-    return Checkpoints(target_dir, target_config, tokenizer, head)
+def load(config: EngineConfig, storage_options: dict | None = None) -> LoadedPair:
+    """The pair ``config`` names, loaded with a memory plan that holds the largest trees the engine may grow."""
+    return load_pair(config, tree_demand(config.speculation), storage_options)
 
 
-def load_pair(config: EngineConfig, storage_options: dict | None = None) -> LoadedPair:
-    """Read, check, plan and load the target and its head for ``config``."""
-    m = config.model
-    if m.threads:
-        torch.set_num_threads(m.threads)
-    device = pick_device(m.device)
-    dtype = pick_dtype(m.dtype, device)
-    ckpts = read_checkpoints(config, storage_options)
-    if m.compile != "off" and config.precision.cpu_linears == "auto":
-        config = config.replace(cpu_linears="input_major")   # Inductor lowers dense weights, not packed ones
-    # plan the memory before allocating any: max_batch_size "auto" becomes an int, one that does not fit fails
-    config = size_engine(config, ckpts.target_config, ckpts.head, device, dtype)
-    if m.tensor_parallel > 1:
-        target = load_sharded_target(config, ckpts, dtype, device)
-    else:
-        target = TargetModel.load(ckpts.target_dir, dtype, device, config.cache.max_batch_size,
-                                  config.cache.max_model_len, config=ckpts.target_config,
-                                  **config.precision.model_dump())
-    return LoadedPair(target, load_draft(m.draft, ckpts, target, dtype, device), ckpts.tokenizer, config, ckpts)
+def wire(target: TargetModel, draft, tokenizer, config: EngineConfig) -> Wiring:
+    """The parts an engine steps with: its trees checked against the context and the head, the head bound to the
+    target's lm_head with its draft cache, the forwards compiled as ``model.compile`` says."""
+    policy = TreePolicy(config.speculation, drafting=draft is not None)
+    check_prompt_room(target.max_len, policy.trees())
+    scheduler, runner = build_stepping(target, draft, config, policy)
+    if draft is not None:
+        draft.bind_lm_head(target.lm_head, config.speculation.draft_vocab_size, target.numerics.cpu_linears)
+        check_draft_vocab(draft.draft_vocab_size, policy.trees())
+        allocate_draft_cache(target, draft, policy, config.cache.max_batch_size, fresh=True)
+    compile_forwards(target, draft, config.model.compile)
+    if config.model.compile == "cuda-graphs" and draft is not None:
+        runner.draft_graphs = DraftGraphs(draft, target.cache.num_slots, config.speculation.context_vocab)
+    eos = tokenizer.eos_token_id
+    gen_eos = getattr(getattr(target.hf, "generation_config", None), "eos_token_id", None)
+    eos_ids = frozenset(x for x in ([eos] + (gen_eos if isinstance(gen_eos, list) else [gen_eos])) if x is not None)
+    grammars = GrammarCache(tokenizer, target.vocab_size, eos_ids)   # structured output, compiled once
+    return Wiring(policy, TextCodec(tokenizer, target.vocab_size), scheduler, runner, eos_ids, grammars)
 
 
-def load_sharded_target(config: EngineConfig, ckpts: Checkpoints, dtype: torch.dtype, device) -> TargetModel:
-    """Rank 0's shard of a target split over ``model.tensor_parallel`` processes, the other ranks started and
-    following (model/tensor_parallel.py)."""
-    from eagle_ray.errors import ConfigError
-    from eagle_ray.model import tensor_parallel as tp
-
-    m = config.model
-    if m.compile == "cuda-graphs":
-        raise ConfigError("compile: cuda-graphs does not yet capture a target split over ranks (tensor_parallel > 1)")
-    tp.check_shardable(ckpts.target_config, m.tensor_parallel)
-    spec = tp.Spec(str(ckpts.target_dir), ckpts.target_config, str(dtype).removeprefix("torch."), str(device),
-                   config.cache.max_batch_size, config.cache.max_model_len, config.precision.model_dump(), m.threads)
-    group, hf = tp.start(spec, m.tensor_parallel, TargetModel)
-    try:
-        return TargetModel(hf, config.cache.max_batch_size, config.cache.max_model_len, tp=group,
-                           **config.precision.model_dump())
-    except Exception:
-        group.close()
-        raise
-
-
-def load_draft(draft: str | None, ckpts: Checkpoints, target: TargetModel, dtype: torch.dtype, device):
-    """The head ``draft`` names: its checkpoint, an untrained one (a strong test of losslessness, useless for
-    speed), or None."""
-    if ckpts.head is not None:
-        return load_head(ckpts.head, target.config, target.model.embed_tokens.weight, dtype, device)
-    if draft not in RANDOM_HEADS:
-        return None
-    torch.manual_seed(0)
-    head = (Eagle3Head if draft == "random-eagle3" else DraftHead).for_target(target.config)
-    head.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight)
-    return head.to(device=device, dtype=dtype).eval()
+def finish(engine, pair: LoadedPair) -> None:
+    """What needs a built engine: where its pair came from, with ``tree_policy: auto`` the tuner's trees (measured
+    on this device, the draft cache grown to them), then the captured graphs."""
+    engine.target_dir = pair.checkpoints.target_dir
+    engine.draft_dir = pair.checkpoints.head.path if pair.checkpoints.head else None
+    if pair.config.speculation.tree_policy == "auto" and pair.draft is not None:
+        engine.policy.adopt(autotune(engine))
+        allocate_draft_cache(engine.target, engine.draft, engine.policy, pair.config.cache.max_batch_size)
+    capture_graphs(engine.target, engine.draft, engine.policy, engine.runner.draft_graphs)
 
 
 def build_stepping(target: TargetModel, draft, config: EngineConfig, policy: TreePolicy,
@@ -121,13 +79,57 @@ def build_stepping(target: TargetModel, draft, config: EngineConfig, policy: Tre
     """An engine's scheduler and model runner, as ``config`` and the device say (the step's token budget, the head's
     feeding, one target pass a step), both empty; ``draft_graphs``: the runner's captured draft loops, if any."""
     budget = step_tokens(config.cache.max_step_tokens, target.device, config.cache.step_goal)
-    extend_budget = max(budget, 512)   # padded tokens a head pass takes
-    runner = ModelRunner(target, draft, extend_budget, context_vocab=config.speculation.context_vocab)
+    extend = extend_budget(budget)
+    runner = ModelRunner(target, draft, extend, context_vocab=config.speculation.context_vocab)
     runner.draft_graphs = draft_graphs
     feeding = None
     if draft is not None:
         pair = pending_pair_bytes(draft.feature_size, target.dtype, target.numerics.fp32_activations)
-        feeding = Feeding(extend_budget, max_pending_pairs(pair, target.max_len))
+        feeding = Feeding(extend, max_pending_pairs(pair, target.max_len))
     scheduler = Scheduler(config.cache.max_batch_size, budget, policy, feeding,
                           one_pass=defaults_for(target.device).one_target_pass)
     return scheduler, runner
+
+
+def restart(engine) -> None:
+    """Empty caches and fresh stepping parts on the same weights (a split target's other ranks start again)."""
+    if getattr(engine.target, "tp", None) is not None:   # a split target: its other ranks start again
+        engine.target.rebind(engine.target.tp.restarted())
+    engine.target.cache.lengths[:] = 0
+    engine.scheduler, engine.runner = build_stepping(engine.target, engine.draft, engine.config, engine.policy,
+                                                     engine.runner.draft_graphs)
+    if engine.draft is not None:
+        allocate_draft_cache(engine.target, engine.draft, engine.policy, engine.config.cache.max_batch_size,
+                             fresh=True)
+
+
+def allocate_draft_cache(target: TargetModel, draft, policy: TreePolicy, slots: int, fresh: bool = False) -> None:
+    """The head's cache, large enough for the policy's trees: consumed pairs never outnumber the target's cached
+    tokens, and a cycle's tree tokens stack on top of them. Grown in place, running sequences keep their draft
+    context; ``fresh``: a new, empty one."""
+    prepare_trees(policy.trees(), target.device)
+    room = max(draft_room(t) for t in policy.trees())
+    cache = None if fresh else getattr(draft, "cache", None)
+    if cache is None or cache.num_slots != slots or cache.max_len < target.max_len + room + 1:
+        draft.allocate_cache(slots, target.max_len + room + 1)
+        draft.cache.kv_bucket = target.cache.kv_bucket
+        draft.cache.slice_reads = target.cache.slice_reads
+        if cache is not None and cache.num_slots == slots:  # running sequences keep their draft context
+            draft.cache.k[..., : cache.max_len, :] = cache.k[..., : cache.max_len, :]
+            draft.cache.v[..., : cache.max_len, :] = cache.v[..., : cache.max_len, :]
+            draft.cache.lengths[:] = cache.lengths
+
+
+@torch.inference_mode()
+def capture_graphs(target: TargetModel, draft, policy: TreePolicy, draft_graphs) -> int:
+    """With ``compile: cuda-graphs``, before the first request and after the tuner has chosen the trees: the
+    target's decode passes for every batch bucket (plain roots, and each tree's verify widths) and the head's
+    draft loops, largest batch first, at the first key-length bucket (``DecodeGraphs.capture_at_load``); longer
+    contexts' graphs are captured when a step first needs them. Returns the number of graphs captured."""
+    if target.graphs is None:
+        return 0
+    widths = graph_widths(policy.trees() if draft is not None else [])
+    n = target.graphs.capture_at_load(widths, capture=bool(getattr(draft, "feature_layers", None)))
+    if draft_graphs is not None:
+        n += draft_graphs.capture_at_load(policy.speculative_tree_for)
+    return n

@@ -16,25 +16,20 @@ from pathlib import Path
 
 import torch
 
-from eagle_ray.config import EngineConfig, SamplingParams, is_plain
-from eagle_ray.engine.builder import build_stepping, load_pair
+from eagle_ray.config import EngineConfig, SamplingParams
+from eagle_ray.engine import builder
+from eagle_ray.engine.budgets import prompt_room
 from eagle_ray.engine.model_runner import StepOutput
 from eagle_ray.engine.samples import copy_prefix, samples_of
 from eagle_ray.engine.scheduler import StepPlan
 from eagle_ray.engine.scoring import Score, score_of, scoring_sequences
 from eagle_ray.engine.sequence import Sequence
-from eagle_ray.engine.text import Detokenizer, StopStrings, TextCodec
-from eagle_ray.engine.tree_policy import (TreePolicy, check_draft_vocab, check_prompt_room, draft_budget, draft_room,
-                                         prompt_room, verify_budget)
-from eagle_ray.engine.tuning import autotune
+from eagle_ray.engine.text import Detokenizer, StopStrings
+from eagle_ray.engine.tree_policy import check_draft_vocab
 from eagle_ray.errors import InvalidRequestError, PromptTooLongError
-from eagle_ray.model.compiled import compile_forwards
-from eagle_ray.model.draft_graphs import DraftGraphs
 from eagle_ray.model.draft_head import DraftHead
 from eagle_ray.model.target import TargetModel
-from eagle_ray.speculative.grammar import GrammarCache
 from eagle_ray.speculative.logprobs import TokenLogprobs
-from eagle_ray.speculative.tree import prepare_trees
 from eagle_ray.stats import RequestStats
 
 
@@ -53,18 +48,18 @@ class RequestOutput:
 
 class EagleEngine:
     def __init__(self, target: TargetModel, draft: DraftHead | None, tokenizer, config: EngineConfig):
+        """An engine around a loaded pair, wired by ``engine/builder.py`` (``from_config`` loads the pair too)."""
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
-        self.policy = TreePolicy(config.speculation, drafting=draft is not None)
         self._config = config
         self.device = target.device
         self.target_dir: Path | None = None
         self.draft_dir: Path | None = None
-        self.codec = TextCodec(tokenizer, target.vocab_size)
-        check_prompt_room(target.max_len, self.policy.trees())
         self._ids = itertools.count()
         self.driving = threading.Lock()   # held by the one caller that steps the engine (generate, a RequestQueue)
         self.driven_by: int | None = None   # that caller's thread, while it steps (see check_driver)
-        self.scheduler, self.runner = build_stepping(target, draft, config, self.policy)
+        w = builder.wire(target, draft, tokenizer, config)
+        self.policy, self.codec, self.scheduler, self.runner = w.policy, w.codec, w.scheduler, w.runner
+        self.eos_ids, self.grammars = w.eos_ids, w.grammars
         # lifetime counters: decode passes, sequences they carried (mean verify batch = sequences / passes)
         self.counters = {"decode_passes": 0, "drafted_passes": 0, "decode_sequences": 0, "verify_tokens": 0,
                          "tree_nodes": 0, "prefill_passes": 0, "prefill_sequences": 0, "decode_step_s": 0.0,
@@ -72,19 +67,7 @@ class EagleEngine:
         # (seconds, tokens, steps, summed mean context) of whole steady steps (decode only, one mode, the head fed
         # no more than the step's own tokens) by (drafted, sequences): what the tuner's cost table predicts, as run
         self.steady_steps: dict[tuple[bool, int], list] = collections.defaultdict(lambda: [0.0, 0, 0, 0.0])
-        eos = tokenizer.eos_token_id
-        gen_eos = getattr(getattr(target.hf, "generation_config", None), "eos_token_id", None)
-        self.eos_ids = frozenset(x for x in ([eos] + (gen_eos if isinstance(gen_eos, list) else [gen_eos]))
-                                 if x is not None)
-        self.grammars = GrammarCache(tokenizer, target.vocab_size, self.eos_ids)   # structured output, compiled once
-        if draft is not None:
-            draft.bind_lm_head(target.lm_head, config.speculation.draft_vocab_size, target.numerics.cpu_linears)
-            check_draft_vocab(draft.draft_vocab_size, self.policy.trees())
-            self._allocate_draft_cache(fresh=True)
-        compile_forwards(target, draft, config.model.compile)
         self.adapter = None   # online adaptation, where attached (train/online.py adapt): add, after_step, state
-        if config.model.compile == "cuda-graphs" and draft is not None:
-            self.runner.draft_graphs = DraftGraphs(draft, target.cache.num_slots, config.speculation.context_vocab)
 
     @property
     def config(self) -> EngineConfig:
@@ -108,33 +91,16 @@ class EagleEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig, storage_options: dict | None = None) -> "EagleEngine":
-        """Build an engine (``engine/builder.py``: read, check, plan, load), then, with ``tree_policy: auto``,
-        measure this device and take the tuner's trees."""
-        pair = load_pair(config, storage_options)
+        """Build an engine (``engine/builder.py``: read, check, plan, load, wire, then with ``tree_policy: auto``
+        measure this device and take the tuner's trees, then capture graphs)."""
+        pair = builder.load(config, storage_options)
         engine = cls(pair.target, pair.draft, pair.tokenizer, pair.config)
-        engine.target_dir = pair.checkpoints.target_dir
-        engine.draft_dir = pair.checkpoints.head.path if pair.checkpoints.head else None
-        if config.speculation.tree_policy == "auto" and pair.draft is not None:
-            engine.policy.adopt(autotune(engine))
-            engine._allocate_draft_cache()
-        engine.capture_graphs()
+        builder.finish(engine, pair)
         return engine
 
-    @torch.inference_mode()
     def capture_graphs(self) -> int:
-        """With ``compile: cuda-graphs``, before the first request and after the tuner has chosen the trees: the
-        target's decode passes for every batch bucket (plain roots, and each tree's verify widths) and the head's
-        draft loops, largest batch first, at the first key-length bucket (``DecodeGraphs.capture_at_load``); longer
-        contexts' graphs are captured when a step first needs them. Returns the number of graphs captured."""
-        graphs = self.target.graphs
-        if graphs is None:
-            return 0
-        trees = [t for t in self.policy.trees() if not is_plain(t)] if self.draft is not None else []
-        widths = {1} | {w for t in trees for w in range(draft_budget(t), verify_budget(t) + 1)}
-        n = graphs.capture_at_load(sorted(widths), capture=bool(getattr(self.draft, "feature_layers", None)))
-        if self.runner.draft_graphs is not None:
-            n += self.runner.draft_graphs.capture_at_load(self.policy.speculative_tree_for)
-        return n
+        """The target's and the head's CUDA graphs for the current trees (``builder.capture_graphs``)."""
+        return builder.capture_graphs(self.target, self.draft, self.policy, self.runner.draft_graphs)
 
     def restart(self) -> None:
         """Forget every request and start again from empty caches on the same weights: after a step failed, the
@@ -142,13 +108,7 @@ class EagleEngine:
         (A device that faulted cannot be restarted this way: that needs a new process.)"""
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             self._finalize(seq)
-        if getattr(self.target, "tp", None) is not None:   # a split target: its other ranks start again
-            self.target.rebind(self.target.tp.restarted())
-        self.target.cache.lengths[:] = 0
-        self.scheduler, self.runner = build_stepping(self.target, self.draft, self.config, self.policy,
-                                                     self.runner.draft_graphs)
-        if self.draft is not None:
-            self._allocate_draft_cache(fresh=True)
+        builder.restart(self)
 
     def reference_model(self):
         """A pristine transformers model of the target (our runtime rewrites its copy's linears on CPU), for
@@ -164,22 +124,7 @@ class EagleEngine:
                               [tree or self.policy.spec.tree, *(trees_by_batch or {}).values()])
         self.policy.set_trees(tree, trees_by_batch)
         if self.draft is not None:
-            self._allocate_draft_cache()
-
-    def _allocate_draft_cache(self, fresh: bool = False) -> None:
-        prepare_trees(self.policy.trees(), self.device)
-        # consumed pairs never outnumber the target's cached tokens; a cycle's tree tokens stack on top of them
-        room = max(draft_room(t) for t in self.policy.trees())
-        cache = None if fresh else getattr(self.draft, "cache", None)
-        slots = self.config.cache.max_batch_size
-        if cache is None or cache.num_slots != slots or cache.max_len < self.target.max_len + room + 1:
-            self.draft.allocate_cache(slots, self.target.max_len + room + 1)
-            self.draft.cache.kv_bucket = self.target.cache.kv_bucket
-            self.draft.cache.slice_reads = self.target.cache.slice_reads
-            if cache is not None and cache.num_slots == slots:  # running sequences keep their draft context
-                self.draft.cache.k[..., : cache.max_len, :] = cache.k[..., : cache.max_len, :]
-                self.draft.cache.v[..., : cache.max_len, :] = cache.v[..., : cache.max_len, :]
-                self.draft.cache.lengths[:] = cache.lengths
+            builder.allocate_draft_cache(self.target, self.draft, self.policy, self.config.cache.max_batch_size)
 
     def close(self) -> None:
         """Stop what the engine started outside its process: a split target's other ranks."""

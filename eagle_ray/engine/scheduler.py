@@ -22,10 +22,10 @@ import collections
 from dataclasses import dataclass, field
 
 from eagle_ray.config import TreeConfig, is_plain
+from eagle_ray.engine.budgets import max_emitted
 from eagle_ray.engine.samples import prefill_end, share_prefixes
 from eagle_ray.engine.sequence import Sequence
 from eagle_ray.engine.tree_policy import TreePolicy
-from eagle_ray.speculative.tree import static_shape
 
 
 @dataclass
@@ -80,14 +80,6 @@ class Feeding:
 
 MAX_EXTEND_PASSES = 2   # head passes a step may run to feed pending pairs: the steady few pairs of every
                         # sequence, and one bounded pass of catch-up (a new prompt, or a return from plain steps)
-
-
-def max_emitted(tree: TreeConfig) -> int:
-    """The most tokens one step with ``tree`` can emit (its deepest path plus the bonus token): more pending pairs
-    than this at a step's start means the head is catching up."""
-    drafted = min(tree.total_tokens, tree.depth + 2) if tree.mode == "dynamic" else \
-        max(len(p) for p in static_shape(tree)) + 1
-    return drafted if is_plain(tree) else max(drafted, tree.lookup + 1)
 
 
 def extend_passes(pending: list[int], budget: int) -> list[list[tuple[int, int]]]:

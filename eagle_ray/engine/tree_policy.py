@@ -2,48 +2,18 @@
 
 One object answers it for the engine: the configured or tuned table of trees per batch size, the verify cap (the
 most tree nodes one verify pass takes over the whole batch), and, with a measured choice, whether speculating pays
-at this batch size at all. The budget arithmetic below (how many tokens a tree needs in the verify pass, the draft
-cache and the prompt) sizes caches and admits prompts from the same numbers.
+at this batch size at all. What a tree costs in tokens is ``engine/budgets.py``'s.
 """
 from __future__ import annotations
 
 from eagle_ray.config import PLAIN, SpeculationConfig, TreeConfig, is_plain
+from eagle_ray.engine.budgets import verify_budget
 from eagle_ray.engine.chooser import SpeculationChooser
 from eagle_ray.errors import ConfigError
-from eagle_ray.speculative.tree import children_per_node, static_shape
+from eagle_ray.speculative.tree import children_per_node
 
 
-# ---- budgets: what one tree needs ------------------------------------------------------------------------------
-def draft_budget(tree: TreeConfig) -> int:
-    """Tree tokens per sequence (root included) the head drafts."""
-    return tree.total_tokens if tree.mode == "dynamic" else len(static_shape(tree)) + 1
-
-
-def verify_budget(tree: TreeConfig) -> int:
-    """Verify tokens per sequence (root included) a tree may take: the head's drafts and the lookup chain."""
-    return draft_budget(tree) + (0 if is_plain(tree) else tree.lookup)
-
-
-def draft_room(tree: TreeConfig) -> int:
-    """Tree tokens a cycle stacks on a slot's draft cache (lookup tokens are never drafted)."""
-    return tree.depth * tree.top_k if tree.mode == "dynamic" else draft_budget(tree)
-
-
-def prompt_room(max_len: int, budget: int) -> int:
-    """The most prompt tokens a context of ``max_len`` takes: one verify budget stays free, so a request's first
-    step can speculate (near the end of its slot a sequence decodes plainly)."""
-    return max_len - budget - 1
-
-
-def check_prompt_room(max_len: int, trees: list[TreeConfig]) -> None:
-    """Fail unless a context of ``max_len`` leaves room for a prompt next to the largest verify budget: else every
-    request would be refused as too long. Callers check before loading."""
-    budget = max(verify_budget(t) for t in trees)
-    if prompt_room(max_len, budget) < 1:
-        raise ConfigError(f"cache.max_model_len {max_len} leaves no room for a prompt next to the largest tree's "
-                          f"verify budget ({budget} tokens): raise max_model_len or use a smaller tree")
-
-
+# ---- checks ----------------------------------------------------------------------------------------------------
 def check_draft_vocab(draft_vocab_size: int, trees: list[TreeConfig]) -> None:
     """Refuse trees whose nodes take more children than the head has draft tokens: top-k would pick padding."""
     k = max(children_per_node(t) for t in trees)

@@ -31,13 +31,10 @@ from pathlib import Path
 import torch
 
 from eagle_ray.config import PLAIN, SamplingParams, TreeConfig
+from eagle_ray.engine.budgets import GRID_DEPTH, GRID_TOPK, GRID_TOTAL, TRACE_TREE
 from eagle_ray.engine.chooser import MIN_GAIN
 from eagle_ray.speculative.trace import TreeTrace
 
-GRID_TOTAL = (2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48)
-GRID_DEPTH = (0, 1, 2, 3, 4, 5)
-GRID_TOPK = (1, 2, 3, 4, 6, 8)
-TRACE_TREE = TreeConfig(total_tokens=48, depth=5, top_k=8, lookup=0)   # the head's trees alone
 CONTEXTS = (128, 384)  # prefix lengths a verify pass is timed at, its cost the mean: a decode's context grows from its
                       # prompt to prompt + answer, and a pass's cost need not grow smoothly with it (on a CPU it can
                       # jump where a batch's keys outgrow a cache)

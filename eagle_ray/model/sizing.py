@@ -1,33 +1,18 @@
 """An EngineConfig's memory plan, checked against the device before the engine allocates anything.
 
-The builder (``engine/builder.py``) calls :func:`size_engine` once it knows the target's config, the head and the
+The pair's loader (``model/pair.py``) calls :func:`size_engine` once it knows the target's config, the head and the
 device: ``max_batch_size: auto`` becomes the most slots that fit, an int that does not fit fails here, naming what
-it needs and what is free, instead of an out-of-memory error half-way through loading.
+it needs and what is free, instead of an out-of-memory error half-way through loading. What the trees need per
+sequence (``demand``) comes from the tree's budget arithmetic (``engine/budgets.py tree_demand``).
 """
 from __future__ import annotations
 
 import torch
 
-from eagle_ray.config import EngineConfig, SpeculationConfig, TreeConfig
-from eagle_ray.engine.tree_policy import draft_budget, draft_room, verify_budget
-from eagle_ray.engine.tuning import GRID_DEPTH, GRID_TOPK, GRID_TOTAL, TRACE_TREE
+from eagle_ray.config import EngineConfig
 from eagle_ray.model.checkpoint import HeadCheckpoint, read_token_map
 from eagle_ray.model.memory import MemoryPlan, fit_slots, free_memory, plan_memory
 from eagle_ray.model.numerics import step_tokens
-
-
-def tree_demand(spec: SpeculationConfig) -> tuple[int, int, int]:
-    """(verify tokens per sequence, draft-cache room, draft rows scored per sequence) the engine's trees may need;
-    with ``tree_policy: auto`` also the tuner's largest shapes, which it runs while measuring."""
-    trees = spec.trees()
-    if spec.tree_policy == "auto":
-        trees = trees + [TRACE_TREE, TreeConfig(total_tokens=max(GRID_TOTAL), depth=max(GRID_DEPTH),
-                                                top_k=max(GRID_TOPK))]
-    dynamic = [t for t in trees if t.mode == "dynamic"]
-    verify = max(verify_budget(t) for t in trees)
-    room = max(draft_room(t) for t in trees)
-    rows = max([t.top_k for t in dynamic] + [draft_budget(t) for t in trees if t.mode != "dynamic"])
-    return verify, room, rows
 
 
 def head_for(draft: str | None, head: HeadCheckpoint | None) -> tuple[str | None, dict | None]:
@@ -50,10 +35,11 @@ def draft_vocab_for(kind: str | None, head: HeadCheckpoint | None, draft_vocab_s
 
 
 def plan_engine(config: EngineConfig, target_config, head: HeadCheckpoint | None, device: torch.device,
-                dtype: torch.dtype) -> MemoryPlan:
-    """The memory plan of the engine the builder is about to load."""
+                dtype: torch.dtype, demand: tuple[int, int, int]) -> MemoryPlan:
+    """The memory plan of the engine about to load; ``demand``: (verify tokens, draft-cache room, draft rows) per
+    sequence of the largest trees it may grow."""
     kind, head_config = head_for(config.model.draft, head)
-    verify, room, rows = tree_demand(config.speculation)
+    verify, room, rows = demand
     return plan_memory(target_config, kind, head_config, dtype, device.type, config.cache.max_model_len, verify,
                        draft_room=room, top_k=rows, precision=config.precision,
                        draft_vocab=draft_vocab_for(kind, head, config.speculation.draft_vocab_size),
@@ -62,10 +48,10 @@ def plan_engine(config: EngineConfig, target_config, head: HeadCheckpoint | None
 
 
 def size_engine(config: EngineConfig, target_config, head: HeadCheckpoint | None, device: torch.device,
-                dtype: torch.dtype, free_bytes: int | None = None) -> EngineConfig:
+                dtype: torch.dtype, demand: tuple[int, int, int], free_bytes: int | None = None) -> EngineConfig:
     """``config`` with ``max_batch_size`` an int that fits the device (``free_bytes``: default its free memory
     now); raises :class:`eagle_ray.errors.InsufficientMemoryError` if it does not fit."""
-    plan = plan_engine(config, target_config, head, device, dtype)
+    plan = plan_engine(config, target_config, head, device, dtype, demand)
     free = free_memory(device, config.cache.memory_share) if free_bytes is None else free_bytes
     n = fit_slots(plan, config.cache.max_batch_size, free)
     return config if n == config.cache.max_batch_size else config.replace(max_batch_size=n)

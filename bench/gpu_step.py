@@ -11,7 +11,7 @@ and writes one JSON line per measurement to ``--out`` as it goes. Sections run i
 2. ``bandwidth``: a device-to-device copy, timed (bytes read + bytes written per second): the bandwidth verdicts
    read this, not a data sheet;
 3. ``key_steps``: the main shape at the smallest and the largest batch in graphs (the fused target's decode passes
-   and the head's draft loop as CUDA graphs captured by hand, ``model/graphs.py``, ``engine/draft_graphs.py``; on a
+   and the head's draft loop as CUDA graphs captured by hand, ``model/graphs.py``, ``model/draft_graphs.py``; on a
    CPU their replay stand-in) and fused eager, and eager with the modules' layers at the smallest batch: ``step``
    lines with median, p90 and first step ms, draft and verify ms (CUDA events), tokens/s, achieved GB/s = (weights +
    K/V read) / step time; an ``engine`` line per engine (build seconds, peak memory, graph pool, graphs captured,
@@ -281,7 +281,7 @@ def build_engine(run: Run, shape: str, dtype, max_batch_size: int, fused="auto",
     head.cache = None   # the previous engine's draft cache: this engine allocates its own
     engine = EagleEngine(target, head, word_tokenizer(hf.config.vocab_size), config)
     if graphs:   # captured by hand (model/graphs.py) when a step first needs each; on a CPU the replay stand-in
-        from eagle_ray.engine.draft_graphs import DraftGraphs
+        from eagle_ray.model.draft_graphs import DraftGraphs
         from eagle_ray.model.graphs import DecodeGraphs
         backend = "cuda" if device.type == "cuda" else "replay"
         engine.target.graphs = DecodeGraphs(engine.target, engine.target.cache.num_slots, backend=backend)
@@ -926,12 +926,24 @@ def verdicts(report: Report, device_name: str, main_shape: str) -> list[dict]:
     """PASS / FAIL for the GPU step's targets from the lines written so far, each naming the line it read; NOT
     MEASURED where that line is missing, INFO for a reading without a target (the speed targets on a device that is
     not an H100 or H200, the graphs' gain over fused eager, the probe's cause)."""
-    gpu = next((g for g in TARGETS_MS if g in device_name), None)
-    rows = [r for r in report.find("step", shape=main_shape) if "median_ms" in r]
     checks = []
 
     def check(name, status, text):
         checks.append({"check": name, "status": status, "text": f"{status} {name}: {text}"})
+
+    speed_checks(report, device_name, main_shape, check)
+    fidelity_checks(report, check)
+    pr = next((p for p in report.find("probe") if "cause" in p), None)
+    check("the probe's cause", "NOT MEASURED" if pr is None or pr["cause"] == "not measured" else "INFO",
+          "no probe line" if pr is None else f"{pr['cause']} (read probe {pr['shape']})")
+    return checks
+
+
+def speed_checks(report: Report, device_name: str, main_shape: str, check) -> None:
+    """The step times against an H100's or H200's targets, the graphs' gain over eager, and the largest batch's
+    share of the measured bandwidth, each passed to ``check(name, status, text)``."""
+    gpu = next((g for g in TARGETS_MS if g in device_name), None)
+    rows = [r for r in report.find("step", shape=main_shape) if "median_ms" in r]
 
     def judged(ok: bool) -> str:   # the speed targets are an H100's and an H200's: elsewhere a reading, not a verdict
         return ("PASS" if ok else "FAIL") if gpu else "INFO"
@@ -985,6 +997,10 @@ def verdicts(report: Report, device_name: str, main_shape: str) -> list[dict]:
         check(name, judged(share >= BANDWIDTH_SHARE),
               f"{r['gb_per_s']} GB/s = {share:.0%} of {copy['gb_per_s']} GB/s (bandwidth line: a timed device copy); "
               f"read {row_name(r)}")
+
+
+def fidelity_checks(report: Report, check) -> None:
+    """fp32 greedy equality (EAGLE = plain, fused = modules, graphs = eager), and flex's where it ran."""
     fid = next((f for f in report.find("fidelity") if "prompts" in f), None)
     name = "fp32 greedy equality"
     keys = ("eagle_equals_plain", "fused_equals_modules", "graphs_eagle_equal_eager", "graphs_plain_equal_eager")
@@ -1001,10 +1017,6 @@ def verdicts(report: Report, device_name: str, main_shape: str) -> list[dict]:
         ok = flex_fid["flex_equals_modules"] == flex_fid["prompts"]
         check("fp32 greedy equality, flex", "PASS" if ok else "FAIL",
               f"flex_equals_modules {flex_fid['flex_equals_modules']}/{flex_fid['prompts']}")
-    pr = next((p for p in report.find("probe") if "cause" in p), None)
-    check("the probe's cause", "NOT MEASURED" if pr is None or pr["cause"] == "not measured" else "INFO",
-          "no probe line" if pr is None else f"{pr['cause']} (read probe {pr['shape']})")
-    return checks
 
 
 # ---- the run -------------------------------------------------------------------------------------------------------

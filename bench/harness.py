@@ -8,8 +8,8 @@ alike, and one way to write a result file that says what ran, on what, and with 
 - :func:`write_result`: a result as JSON with ``hardware`` and ``command`` (the exact command line) added;
 - :func:`run_entry` and :func:`subcommand`: an entry point's main and subcommands, and its one-line errors.
 
-A module, not a command: ``bench/speed.py``, ``acceptance.py``, ``costs.py``, ``load.py`` and ``fidelity.py`` import
-it as a sibling (``python bench/<entry>.py`` puts bench/ first on the import path; ``repo_root`` adds the repository
+A module, not a command: ``bench/speed.py``, ``acceptance.py``, ``costs.py``, ``load.py`` and ``fidelity.py``'s
+eagle-ray side (``against_reference.py``, ``lossless.py``) import it as a sibling (``python bench/<entry>.py`` puts bench/ first on the import path; ``repo_root`` adds the repository
 root, so nothing needs installing).
 """
 from __future__ import annotations

@@ -21,6 +21,7 @@ table1 = repo_scripts.load("bench/table1.py")
 harness = repo_scripts.load("bench/harness.py")
 workloads = repo_scripts.load("bench/workloads.py")
 fidelity = repo_scripts.load("bench/fidelity.py")
+lossless = repo_scripts.load("bench/lossless.py")
 
 
 def write_questions(path, n, seed):
@@ -297,7 +298,7 @@ def test_bf16_near_ties_are_gaps_the_dtype_cannot_resolve_and_fp32_ones_are_tiny
     assert near_tie(d, torch.bfloat16, 0.2) and not near_tie(d, torch.bfloat16, 0.1)   # an explicit gap wins
     assert not near_tie({"gap": None, "top_logit": None}, torch.bfloat16, None)         # lengths differ: a bug
     rows = [{"id": 0, "vs_hf": None}, {"id": 1, "vs_hf": d}, {"id": 2, "vs_hf": d | {"top_logit": 9.0}}]
-    got = fidelity.mismatches(rows, "vs_hf", torch.bfloat16, None)
+    got = lossless.mismatches(rows, "vs_hf", torch.bfloat16, None)
     assert (got["count"], got["near_ties"], [r["id"] for r in got["real"]]) == (2, 1, [2])
 
 
@@ -314,7 +315,7 @@ def test_lossless_finds_greedy_outputs_equal_to_plain_decoding_and_generate(tiny
     engine = tiny_engine(tiny_dir, tiny_head, TreeConfig(total_tokens=8, depth=3, top_k=2), max_batch_size=2)
     monkeypatch.setattr(engine, "reference_model", lambda: tiny_hf)
     records = [{"id": i, "prompt": f"w{i} w3 w9"} for i in range(3)]
-    rows = fidelity.lossless_rows(engine, records, Namespace(max_new_tokens=12, skip_hf=False))
+    rows = lossless.lossless_rows(engine, records, Namespace(max_new_tokens=12, skip_hf=False))
     assert [r["id"] for r in rows] == [0, 1, 2] and all(r["tokens"] > 0 for r in rows)
     assert all(r["vs_plain"] is None and r["vs_hf"] is None for r in rows), rows
 
@@ -323,7 +324,7 @@ def test_the_reference_side_of_fidelity_runs_without_eagle_ray(tmp_path):
     """``reference`` runs in the SafeAILab reference's own environment, where eagle_ray is not installed: with
     eagle_ray and this folder's modules unimportable it still parses and runs up to the reference checkout."""
     code = ("import runpy, sys\n"
-            "for name in ('eagle_ray', 'harness', 'workloads'):\n"
+            "for name in ('eagle_ray', 'harness', 'workloads', 'lossless', 'against_reference'):\n"
             "    sys.modules[name] = None\n"
             f"sys.argv = ['bench/fidelity.py', 'reference', '--eagle-dir', {str(tmp_path)!r}, '--head', 'h',"
             " '--head-type', 'eagle2', '--out', 'o.json']\n"
@@ -331,3 +332,19 @@ def test_the_reference_side_of_fidelity_runs_without_eagle_ray(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], cwd=repo_scripts.ROOT, capture_output=True, text=True)
     assert done.returncode == 1 and "is not a SafeAILab/EAGLE checkout" in done.stderr, done.stderr
     assert "eagle_ray" not in done.stderr
+
+
+def test_the_reference_side_imports_nothing_of_eagle_ray_nor_of_the_modules_that_do():
+    """``bench/reference_env/`` runs in the reference's environment: not even inside a function does it import
+    eagle_ray or a bench module that does (the command line's side is run above)."""
+    import ast
+
+    eagle_ray_side = {"eagle_ray", "harness", "workloads", "repo_root", "lossless", "against_reference"}
+    files = list((repo_scripts.ROOT / "bench" / "reference_env").glob("*.py"))
+    wrong = {}
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else []
+            wrong.update({path.name: n for n in names if n.split(".")[0] in eagle_ray_side})
+    assert len(files) >= 5 and wrong == {}, wrong

@@ -14,7 +14,7 @@ from tiny import make_target, save_target, tiny_engine
 from eagle_ray.config import SamplingParams, TreeConfig
 from eagle_ray.engine.engine import EagleEngine
 from eagle_ray.engine.host_reads import count_host_reads
-from eagle_ray.engine.draft_graphs import DraftGraphs
+from eagle_ray.model.draft_graphs import DraftGraphs
 from eagle_ray.model.graphs import BATCH_BUCKETS, KV_STEP, DecodeGraphs, batch_buckets, bucket, kv_buckets
 from eagle_ray.model.target import TargetModel
 

@@ -450,10 +450,7 @@ def test_a_time_budget_fits_the_schedule_to_the_pace_and_a_resumed_run_keeps_it(
 
 
 def test_a_wall_budget_leaves_training_what_loading_and_states_did_not_use():
-    import runpy
-    from pathlib import Path
-
-    training_budget = runpy.run_path(str(Path(__file__).parents[1] / "jobs" / "train_drafter.py"))["training_budget"]
+    from eagle_ray.train.drafter_job import training_budget
     assert training_budget(540, 225) == 300
     assert training_budget(540, 225, reserve_s=40) == 275
     with pytest.raises(SystemExit, match="500 s went to loading and the target's states, 25 s would be left"):
@@ -497,10 +494,8 @@ def test_train_job_computes_the_target_states_of_answer_sets_in_memory(tiny_dir,
 def test_answer_states_can_be_kept_apart_from_the_device_that_computes_them(tmp_path, capsys):
     """--states-device: the target computes on --device, its states land where they are asked to (host memory
     when a GPU has no room for an EAGLE-3 head's three layer inputs). 'meta' stands in for a second device here."""
-    import runpy
-    from pathlib import Path
-
     from eagle_ray.model.eagle3_head import capture_layers
+    from eagle_ray.train.conversations import states_in_memory
     from eagle_ray.train.selfdistill import ShardWriter
     from tiny import save_target
 
@@ -508,7 +503,6 @@ def test_answer_states_can_be_kept_apart_from_the_device_that_computes_them(tmp_
     rows = [{"id": f"p{i}", "prompt_ids": [5 + i, 6, 7], "answer_ids": [8, 9 + i, 10, 11], "eos": False}
             for i in range(3)]
     ShardWriter(tmp_path / "set", {"what": "test answers"}).write(rows)
-    states_in_memory = runpy.run_path(str(Path(__file__).parents[1] / "jobs" / "train_drafter.py"))["states_in_memory"]
     target, convs = states_in_memory([str(tmp_path / "set")], str(deep), "float32", None, "cpu", 64, True, 64,
                                      None, states_device="meta")
     d, layers = target.config.hidden_size, len(capture_layers(target.config.num_hidden_layers))

@@ -12,13 +12,13 @@ import torch
 
 from eagle_ray.config import EngineConfig
 from eagle_ray.engine.budgets import check_prompt_room, draft_room, extend_budget, graph_widths, tree_demand
-from eagle_ray.engine.draft_graphs import DraftGraphs
 from eagle_ray.engine.model_runner import ModelRunner
 from eagle_ray.engine.scheduler import Feeding, Scheduler
 from eagle_ray.engine.text import TextCodec
 from eagle_ray.engine.tree_policy import TreePolicy, check_draft_vocab
 from eagle_ray.engine.tuning import autotune
 from eagle_ray.model.compiled import compile_forwards
+from eagle_ray.model.draft_graphs import DraftGraphs
 from eagle_ray.model.memory import max_pending_pairs, pending_pair_bytes
 from eagle_ray.model.numerics import defaults_for, step_tokens
 from eagle_ray.model.pair import LoadedPair, load_pair

@@ -133,7 +133,7 @@ class ModelRunner:
         self.profile = False
         self.clock, self.times = Clock(self.device), StepTimes()   # the running step's (see run)
         self.trace = None  # a TreeTrace recording verified trees (calibration, tuning); off by default
-        self.draft_graphs = None   # DraftGraphs (engine/draft_graphs.py) where compile is cuda-graphs
+        self.draft_graphs = None   # DraftGraphs (model/draft_graphs.py) where compile is cuda-graphs
 
     # ---- slots ---------------------------------------------------------------------------------------------------
     def reset_slot(self, slot: int) -> None:

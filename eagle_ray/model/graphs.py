@@ -19,7 +19,7 @@ on the device (the warm-up runs are the pass itself on the same inputs: they wri
 
 What stays eager: prompt chunks (wider than ``max_width``), the lm_head and acceptance (a few kernels each; the
 logits of a padded batch would hold graph memory of ``batch x width x vocab``). The head's draft loop has graphs of
-its own (``engine/draft_graphs.py``).
+its own (``model/draft_graphs.py``).
 Padding rows and columns write to their slot's scratch position and see only its first column (``make_block_meta``
 with ``n_valid``), so they neither touch a real row's keys nor produce NaNs.
 

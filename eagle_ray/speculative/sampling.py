@@ -83,7 +83,9 @@ def position_noise(seed: torch.Tensor, position: torch.Tensor, vocab: int) -> to
     key = _mix64(_mix64(seed.long()) ^ position.long())                     # [N]
     h = _mix64(key.unsqueeze(-1) + torch.arange(vocab, device=seed.device) * 0x9E3779B97F4A7C15)
     u = (_shr(h, 40).float() + 0.5) * (2.0 ** -24)                          # (0, 1), 24 bits
-    return -torch.log(u)
+    # float32 rounds the top value (1 - 2^-25) to 1: noise 0 would make a token of probability 0 (masked by a
+    # grammar, cut by top-k) win the race as 0/0, and any other one win it outright
+    return -torch.log(u.clamp_(max=1.0 - 2.0 ** -24))
 
 
 def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,

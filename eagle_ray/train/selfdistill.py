@@ -391,13 +391,41 @@ def answer_prompts(set_dir: str | Path, *, max_batch_size: int = 48, max_new_tok
 
     from eagle_ray.config import SamplingParams
     from eagle_ray.engine.engine import EagleEngine
-    from eagle_ray.errors import PromptTooLongError
-    from eagle_ray.model.device import cpu_model, device_name
+    from eagle_ray.model.device import device_name
 
     if shard_rows < 1 or window < 1 or (limit is not None and limit < 1):
         raise ConfigError(f"shard_rows, window and limit must be >= 1 (got {shard_rows}, {window}, {limit})")
     what, ids, chosen, prompts_in = source_prompts(source, second_turns, prompt_file)  # a bad source fails here
-    settings = {
+    settings = answer_set_settings(what, ids, chosen, max_new_tokens=max_new_tokens,
+                                   stop_repeat_ngram=stop_repeat_ngram, max_prompt_tokens=max_prompt_tokens,
+                                   dtype=dtype, target=target, window=window, max_batch_size=max_batch_size,
+                                   max_model_len=max_model_len)
+    writer = ShardWriter(set_dir, settings)   # a set made otherwise is refused before the target loads
+    skip = writer.done_ids()
+    if skip_sets:
+        skip |= answered_ids(skip_sets, exclude=writer.dir)
+    engine = EagleEngine.from_pretrained(target, draft="none", dtype=dtype, device=device,
+                                         max_batch_size=max_batch_size, max_model_len=max_model_len, threads=threads)
+    if engine.device.type == "cuda" and not writer.manifest["shards"]:   # a new set: where it is made
+        writer.manifest.setdefault("device", f"{device_name(engine.device)} (TF32 matmuls " +
+                                   ("on" if torch.backends.cuda.matmul.allow_tf32 else "off") + ")")
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
+    answering = Answering(engine, writer, unanswered(prompts_in, skip), params, window=window, limit=limit,
+                          max_prompt_tokens=max_prompt_tokens, max_batch_size=max_batch_size,
+                          stop_repeat_ngram=stop_repeat_ngram, shard_rows=shard_rows, log=log)
+    return answering.run(max_seconds)
+
+
+def answer_set_settings(what: str, ids: str, chosen: str, *, max_new_tokens: int, stop_repeat_ngram: int | None,
+                        max_prompt_tokens: int, dtype: str, target: str | None, window: int, max_batch_size: int,
+                        max_model_len: int) -> dict:
+    """The manifest's description of a set's answers: what defines them (``ANSWER_DEFINING``) and how they were
+    made, so that a later run adds to a set only answers of the same kind."""
+    import torch
+
+    from eagle_ray.model.device import cpu_model
+
+    return {
         "settings": {"max_new_tokens": max_new_tokens, "stop_repeat_ngram": stop_repeat_ngram,   # "what": the rest
                      "max_prompt_tokens": max_prompt_tokens, "dtype": dtype},
         "what": f"{what} answered greedily by " + ("the embedded target (SmolLM2-135M-Instruct)" if target is None
@@ -416,87 +444,97 @@ def answer_prompts(set_dir: str | Path, *, max_batch_size: int = 48, max_new_tok
                     "fp32, up to fp32 near-ties)" if dtype == "float32" else f"greedy in {dtype}",
         "cpu": cpu_model(),
     }
-    writer = ShardWriter(set_dir, settings)   # a set made otherwise is refused before the target loads
-    skip = writer.done_ids()
-    if skip_sets:
-        skip |= answered_ids(skip_sets, exclude=writer.dir)
-    engine = EagleEngine.from_pretrained(target, draft="none", dtype=dtype, device=device,
-                                         max_batch_size=max_batch_size, max_model_len=max_model_len, threads=threads)
-    if engine.device.type == "cuda" and not writer.manifest["shards"]:   # a new set: where it is made
-        writer.manifest.setdefault("device", f"{device_name(engine.device)} (TF32 matmuls " +
-                                   ("on" if torch.backends.cuda.matmul.allow_tf32 else "off") + ")")
-    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
-    eos = engine.eos_ids
-    def unanswered(prompts):
-        for p in prompts:   # an id a source repeats is answered once
-            if p.id not in skip:
-                skip.add(p.id)
-                yield p
 
-    prompts = unanswered(prompts_in)
-    buffer: list[dict] = []
-    written = 0
-    queued = 0
-    t0, tokens = time.time(), 0
-    exhausted = False
 
-    def refill():
-        nonlocal queued, exhausted
+def unanswered(prompts, skip: set[str]):
+    """The prompts whose ids are not in ``skip``; an id a source repeats is answered once."""
+    for p in prompts:
+        if p.id not in skip:
+            skip.add(p.id)
+            yield p
+
+
+class Answering:
+    """One run's answering loop: prompts queued a window at a time (sorted by length within it), answers buffered
+    until a shard is full, and each running answer's n-grams for the repeat stop."""
+
+    def __init__(self, engine, writer: ShardWriter, prompts, params, *, window: int, limit: int | None,
+                 max_prompt_tokens: int, max_batch_size: int, stop_repeat_ngram: int | None, shard_rows: int, log):
+        self.engine, self.writer, self.prompts, self.params = engine, writer, prompts, params
+        self.window, self.limit, self.max_prompt_tokens = window, limit, max_prompt_tokens
+        self.max_batch_size, self.stop_repeat_ngram, self.shard_rows, self.log = \
+            max_batch_size, stop_repeat_ngram, shard_rows, log
+        self.eos = engine.eos_ids
+        self.buffer: list[dict] = []
+        self.written = 0
+        self.queued = 0
+        self.t0, self.tokens = time.time(), 0
+        self.exhausted = False
+        self.grams: dict[str, set] = {}
+
+    def refill(self) -> None:
+        """Queue the next window of prompts (fewer where ``limit`` is near), skipping any too long."""
+        from eagle_ray.errors import PromptTooLongError
+
         batch = []
-        room = window if limit is None else min(window, limit - queued)
-        for p in prompts:
+        room = self.window if self.limit is None else min(self.window, self.limit - self.queued)
+        for p in self.prompts:
             try:
-                ids = p.ids if p.ids is not None else engine.encode(p.messages)
+                ids = p.ids if p.ids is not None else self.engine.encode(p.messages)
             except PromptTooLongError:   # longer than the context: skipped, as prompts over max_prompt_tokens are
                 continue
-            if len(ids) <= max_prompt_tokens:
+            if len(ids) <= self.max_prompt_tokens:
                 batch.append((p.id, ids))
             if len(batch) >= room:
                 break
         else:
-            exhausted = True
+            self.exhausted = True
         for pid, ids in sorted(batch, key=lambda x: len(x[1])):
-            engine.add_request(ids, params, request_id=pid, speculative=False)
-            queued += 1
+            self.engine.add_request(ids, self.params, request_id=pid, speculative=False)
+            self.queued += 1
 
-    grams: dict[str, set] = {}
-
-    def repeats(seq) -> bool:
+    def repeats(self, seq) -> bool:
         """Whether the newest token of ``seq`` completes an n-gram it has written before."""
-        out, n = seq.output_ids, stop_repeat_ngram
+        out, n = seq.output_ids, self.stop_repeat_ngram
         if len(out) < n:
             return False
-        seen = grams.setdefault(seq.request_id, set())
+        seen = self.grams.setdefault(seq.request_id, set())
         gram = tuple(out[-n:])
         if gram in seen:
             return True
         seen.add(gram)
         return False
 
-    def record(seq) -> None:
-        nonlocal tokens
-        grams.pop(seq.request_id, None)
-        buffer.append({"id": seq.request_id, "prompt_ids": seq.prompt_ids, "answer_ids": list(seq.output_ids),
-                       "eos": bool(seq.output_ids) and seq.output_ids[-1] in eos})
-        tokens += len(seq.output_ids)
+    def record(self, seq) -> None:
+        self.grams.pop(seq.request_id, None)
+        self.buffer.append({"id": seq.request_id, "prompt_ids": seq.prompt_ids, "answer_ids": list(seq.output_ids),
+                            "eos": bool(seq.output_ids) and seq.output_ids[-1] in self.eos})
+        self.tokens += len(seq.output_ids)
 
-    while max_seconds is None or time.time() - t0 < max_seconds:
-        if not exhausted and len(engine.scheduler.waiting) < max_batch_size and (limit is None or queued < limit):
-            refill()
-        if not engine.has_unfinished():
-            break
-        for seq in engine.step():
-            if seq.finished:
-                record(seq)
-            elif stop_repeat_ngram and repeats(seq):
-                record(engine.abort(seq.request_id))
-        if buffer and (len(buffer) >= shard_rows or not engine.has_unfinished()):
-            path = writer.write(buffer)
-            written += len(buffer)
-            buffer = []
-            log(f"{path.name}: {written} answers this run, {writer.manifest['answer_tokens']} answer tokens in the "
-                f"set, {tokens / (time.time() - t0):.1f} tokens/s")
-    if buffer:   # stopped by max_seconds: keep what finished
-        writer.write(buffer)
-        written += len(buffer)
-    return written
+    def write_shard(self) -> None:
+        path = self.writer.write(self.buffer)
+        self.written += len(self.buffer)
+        self.buffer = []
+        self.log(f"{path.name}: {self.written} answers this run, {self.writer.manifest['answer_tokens']} answer "
+                 f"tokens in the set, {self.tokens / (time.time() - self.t0):.1f} tokens/s")
+
+    def run(self, max_seconds: float | None) -> int:
+        """Answer until the prompts (or ``limit``) run out or ``max_seconds`` pass; returns the answers written."""
+        engine = self.engine
+        while max_seconds is None or time.time() - self.t0 < max_seconds:
+            if not self.exhausted and len(engine.scheduler.waiting) < self.max_batch_size and \
+                    (self.limit is None or self.queued < self.limit):
+                self.refill()
+            if not engine.has_unfinished():
+                break
+            for seq in engine.step():
+                if seq.finished:
+                    self.record(seq)
+                elif self.stop_repeat_ngram and self.repeats(seq):
+                    self.record(engine.abort(seq.request_id))
+            if self.buffer and (len(self.buffer) >= self.shard_rows or not engine.has_unfinished()):
+                self.write_shard()
+        if self.buffer:   # stopped by max_seconds: keep what finished
+            self.writer.write(self.buffer)
+            self.written += len(self.buffer)
+        return self.written

@@ -306,17 +306,8 @@ def train(convs: list[dict], head: DraftHead, lm_weight: torch.Tensor, out_dir: 
     lm_weight = lm_weight.to(cfg.device)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    eval_set, train_set = split_held_out(convs, cfg.eval_fraction)
-    if not train_set:
-        raise TrainingDataError(f"no conversations to train on ({len(convs)} given, {len(eval_set)} of them held "
-                                "out)")
-    if len(train_set) + len(eval_set) < len(convs):
-        log(f"{len(convs) - len(train_set) - len(eval_set)} training conversations equal a held-out one: left out")
+    eval_set, train_set = training_sets(convs, cfg, log)
     identity = run_identity(convs, head, cfg, vocab, run)
-    if cfg.repeat_keep < 1.0:  # held-out scoring stays on every token
-        from eagle_ray.train.data import thin_repeats
-        train_set = [{**c, "loss_mask": thin_repeats(c["input_ids"], c["loss_mask"], cfg.repeat_keep, cfg.repeat_ngram,
-                                                     cfg.seed)} for c in train_set]
     lengths = [min(len(c["input_ids"]), cfg.max_len) for c in train_set]
     head.embed_tokens.weight.requires_grad_(False)
     params = [p for p in head.parameters() if p.requires_grad]
@@ -339,27 +330,10 @@ def train(convs: list[dict], head: DraftHead, lm_weight: torch.Tensor, out_dir: 
             if max_steps is not None and state["step"] >= max_steps:
                 return state
             if cfg.time_budget_s > 0 and "total" not in state and state["step"] >= 10:
-                now = clock()
-                timed_from = timed_from or (state["step"], now)
-                first, t_first = timed_from
-                if state["step"] == first + 20 or (state["step"] > first and state["step"] == total - 1):
-                    pace = (now - t_first) / (state["step"] - first)
-                    left = cfg.time_budget_s * 0.95 - (now - t0)
-                    evals = 1 + min(cfg.epochs, math.ceil(left / (pace * steps_per_epoch)))
-                    left -= evals * evaluation_cost(pace, len(eval_set))
-                    state["total"] = total = min(total, state["step"] + max(1, int(left / pace)))
-                    log(f"time budget {cfg.time_budget_s:.0f} s: {pace * 1e3:.1f} ms a step, {total} steps "
-                        f"({total / steps_per_epoch:.2f} epochs)")
-            gen = torch.Generator(device=cfg.device).manual_seed(cfg.seed * 7919 + state["step"])
-            for g in opt.param_groups:
-                g["lr"] = cfg.lr * sched(state["step"])
-            head.train()
-            loss, vloss, ploss, acc, scored, _ = batch_losses(head, lm_weight, train_set, batches[state["batch"]], cfg,
-                                                              gen, True, vocab)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_value_(params, cfg.grad_clip)
-            opt.step()
+                total, timed_from = fit_to_budget(state, cfg, clock(), t0, timed_from, total, steps_per_epoch,
+                                                  len(eval_set), log)
+            vloss, ploss, acc, scored = train_step(head, opt, params, lm_weight, train_set, batches[state["batch"]],
+                                                   cfg, state["step"], sched(state["step"]), vocab)
             state["step"] += 1
             state["batch"] += 1
             seen += scored
@@ -378,6 +352,56 @@ def train(convs: list[dict], head: DraftHead, lm_weight: torch.Tensor, out_dir: 
         save_checkpoint(ckpt, head, opt, state)
     state["finished"] = True
     return state
+
+
+def training_sets(convs: list[dict], cfg: TrainConfig, log) -> tuple[list[dict], list[dict]]:
+    """(held-out, training) conversations; a training conversation equal to a held-out one is left out, and with
+    ``repeat_keep`` < 1 the training set's repeated tokens are thinned (held-out scoring stays on every token)."""
+    eval_set, train_set = split_held_out(convs, cfg.eval_fraction)
+    if not train_set:
+        raise TrainingDataError(f"no conversations to train on ({len(convs)} given, {len(eval_set)} of them held "
+                                "out)")
+    if len(train_set) + len(eval_set) < len(convs):
+        log(f"{len(convs) - len(train_set) - len(eval_set)} training conversations equal a held-out one: left out")
+    if cfg.repeat_keep < 1.0:  # held-out scoring stays on every token
+        from eagle_ray.train.data import thin_repeats
+        train_set = [{**c, "loss_mask": thin_repeats(c["input_ids"], c["loss_mask"], cfg.repeat_keep, cfg.repeat_ngram,
+                                                     cfg.seed)} for c in train_set]
+    return eval_set, train_set
+
+
+def fit_to_budget(state: dict, cfg: TrainConfig, now: float, t0: float, timed_from, total: int,
+                  steps_per_epoch: int, n_eval: int, log):
+    """Once twenty steps from ``timed_from`` are timed (or the schedule is about to end), the schedule's total is
+    set from their pace so training ends within ``cfg.time_budget_s``, less room for the held-out evaluations; kept
+    in ``state`` so a resumed run follows it. Returns (total, timed_from)."""
+    timed_from = timed_from or (state["step"], now)
+    first, t_first = timed_from
+    if state["step"] == first + 20 or (state["step"] > first and state["step"] == total - 1):
+        pace = (now - t_first) / (state["step"] - first)
+        left = cfg.time_budget_s * 0.95 - (now - t0)
+        evals = 1 + min(cfg.epochs, math.ceil(left / (pace * steps_per_epoch)))
+        left -= evals * evaluation_cost(pace, n_eval)
+        state["total"] = total = min(total, state["step"] + max(1, int(left / pace)))
+        log(f"time budget {cfg.time_budget_s:.0f} s: {pace * 1e3:.1f} ms a step, {total} steps "
+            f"({total / steps_per_epoch:.2f} epochs)")
+    return total, timed_from
+
+
+def train_step(head: DraftHead, opt, params: list, lm_weight: torch.Tensor, train_set: list[dict], batch: list[int],
+               cfg: TrainConfig, step: int, lr_scale: float, vocab: torch.Tensor | None):
+    """One optimiser step on ``batch``, its random draws seeded from (seed, step) so a resumed run repeats them.
+    Returns (vloss, ploss, top-1, scored tokens)."""
+    gen = torch.Generator(device=cfg.device).manual_seed(cfg.seed * 7919 + step)
+    for g in opt.param_groups:
+        g["lr"] = cfg.lr * lr_scale
+    head.train()
+    loss, vloss, ploss, acc, scored, _ = batch_losses(head, lm_weight, train_set, batch, cfg, gen, True, vocab)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_value_(params, cfg.grad_clip)
+    opt.step()
+    return vloss, ploss, acc, scored
 
 
 def evaluation_cost(step_s: float, n_eval: int) -> float:

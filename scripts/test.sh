@@ -6,5 +6,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export RAY_USAGE_STATS_ENABLED=0
-.venv/bin/python -m pytest -q "$@"
-.venv/bin/python -m pytest -q -m slow "$@"
+.venv/bin/python -m pytest -q --durations=30 "$@"
+.venv/bin/python -m pytest -q -m slow --durations=30 "$@"

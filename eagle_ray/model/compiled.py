@@ -36,6 +36,10 @@ def compile_forwards(target, draft, mode: str, backend: str = "inductor") -> Non
         if model is None:
             continue
         model.run_block = torch.compile(model.run_block, **options)
+        # The cache's sizes are fixed for the engine's life: static, they give the tracer no symbols to reason
+        # about (with them, sympy took most of each trace) and Inductor constant strides
+        for t in (model.cache.kv, model.cache.k, model.cache.v):
+            torch._dynamo.mark_static(t)
         # Inductor (torch 2.13, CPU) can read a slice of the cache that the same graph has just written by index
         # wrongly: a ragged prefill into slots 2..3 read stale keys in layer 0 and gave other tokens (found by the
         # golden test at batch 4, where sequences join in the middle of the cache). Reads by slot index are exact.

@@ -11,10 +11,9 @@ Rank 0 is the engine: the scheduler, the head, the trees, acceptance and samplin
 holds a :class:`ShardedTarget`, a target like any other: each of its methods that touches the shards (a forward,
 moving accepted K/V, moving or copying a slot) sends a typed call (:class:`Forward`, :class:`KeepAccepted`...) to the
 other ranks first, which run it on their shards (``follow``); the forward's all-reduces keep the ranks in step. The
-layers see tensor parallelism only through :class:`RowSum`, the hook that sums a row-split product over the ranks.
-All that knows about ranks is in this module. A rank that
-dies makes the next collective fail at once, one that hangs makes it fail after ``timeout_s``: either way rank 0
-raises :class:`EngineDeadError` naming the rank, never hangs.
+layers see tensor parallelism only through :class:`RowSum`, the hook that sums a row-split product over the ranks. All
+that knows about ranks is in this module. A rank that dies makes the next collective fail at once, one that hangs
+makes it fail after ``timeout_s``: either way rank 0 raises :class:`EngineDeadError` naming the rank, never hangs.
 
 Collectives go through ``torch.distributed`` process groups made for the engine (gloo on CPU, NCCL on CUDA) over a
 ``TCPStore`` on 127.0.0.1, so several engines can live in one process; calls go to the other ranks over pipes.

@@ -35,22 +35,26 @@ def wait_stopped(pid: int, timeout_s: float = 300) -> None:
     raise AssertionError(f"process {pid} did not stop within {timeout_s} s")
 
 
-def _stop_after(parts: int) -> None:
+def acting_after_part(n: int, action):
+    """``PartWriter._commit`` that calls ``action(writer, first_row)`` once the writer's ``n``-th part is written
+    (``first_row``: that part's first row, a one-row table), whether or not the commit then raises."""
     from eagle_ray.batch.job import PartWriter
     commit = PartWriter._commit
 
-    def committing_then_stopping(self, *args, **kwargs):
-        before = self.parts
+    def committing_then_acting(self, *args, **kwargs):
+        before, first_row = self.parts, self.buffer[0].slice(0, 1)
         try:
             return commit(self, *args, **kwargs)
         finally:
-            if before < parts <= self.parts:
-                os.kill(os.getpid(), signal.SIGSTOP)
+            if before < n <= self.parts:
+                action(self, first_row)
 
-    PartWriter._commit = committing_then_stopping
+    return committing_then_acting
 
 
 if __name__ == "__main__":
-    _stop_after(int(os.environ["STOP_AFTER_PARTS"]))
+    from eagle_ray.batch.job import PartWriter
+    PartWriter._commit = acting_after_part(int(os.environ["STOP_AFTER_PARTS"]),
+                                           lambda writer, row: os.kill(os.getpid(), signal.SIGSTOP))
     sys.argv[0] = str(ROOT / "jobs" / "batch.py")
     runpy.run_path(sys.argv[0], run_name="__main__")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from stopping_driver import wait_stopped
+from stopping_driver import acting_after_part, wait_stopped
 from tiny import save_target
 
 from eagle_ray.batch.config import JobConfig
@@ -200,17 +200,13 @@ def test_a_killed_actor_loses_no_row(ray_local, pair, tmp_path, monkeypatch):
     cfg = config(pair, str(tmp_path / "in.jsonl"), str(out), sampling__max_new_tokens=24, output__rows_per_file=5,
                  actors__batch_size=2)   # blocks of 8 rows: 10 blocks for 2 actors, the first part after one
     killed: list = []
-    commit = PartWriter._commit
 
-    def commit_then_kill(self, n, *args, **kwargs):
-        worker = self.buffer[0].column("worker_id")[0].as_py()   # host:pid:actor of the part's first row
-        commit(self, n, *args, **kwargs)
-        if not killed:
-            pid = int(worker.split(":")[1])
-            os.kill(pid, signal.SIGKILL)
-            killed.append((pid, self.written))
+    def kill_its_actor(writer, first_row):
+        pid = int(first_row.column("worker_id")[0].as_py().split(":")[1])   # worker_id: host:pid:actor
+        os.kill(pid, signal.SIGKILL)
+        killed.append((pid, writer.written))
 
-    monkeypatch.setattr(PartWriter, "_commit", commit_then_kill)
+    monkeypatch.setattr(PartWriter, "_commit", acting_after_part(1, kill_its_actor))
     run_job(cfg, print_fn=lambda *_: None)
     ids = read_output(_local(), str(out)).column("id").to_pylist()
     assert killed and killed[0][1] == 5

@@ -110,7 +110,8 @@ def load_shard(path: str | Path, cfg, dtype: torch.dtype, device, rank: int, wor
 
 class RowSum:
     """The one hook the layers of a shard hold: a row-split product's partial sums added over the ranks. One per
-    rank, shared by its layers, so a restarted group is taken by swapping ``group`` here alone."""
+    rank, shared by its layers (and, on rank 0, by the sharded target and cache), so a restarted group is taken by
+    swapping ``group`` here alone."""
 
     def __init__(self, group: "Group"):
         self.group = group
@@ -453,10 +454,14 @@ class Delegate:
 
 class ShardedCache(Delegate):
     """Rank 0's KV cache: each K/V move goes to the other ranks first, then runs on rank 0's heads."""
-    _own = ("inner", "group")
+    _own = ("inner", "row_sum")
 
-    def __init__(self, cache, group: Group):
-        self.inner, self.group = cache, group
+    def __init__(self, cache, row_sum: RowSum):
+        self.inner, self.row_sum = cache, row_sum
+
+    @property
+    def group(self) -> Group:
+        return self.row_sum.group   # the target's, restarted or not
 
     def keep_accepted(self, slots: list[int], src: torch.Tensor, dst: torch.Tensor) -> None:
         self.group.send(KeepAccepted(slots, src, dst))
@@ -478,7 +483,7 @@ class ShardedTarget(Delegate):
 
     def __init__(self, shard, row_sum: RowSum):
         self.inner, self.row_sum = shard, row_sum
-        self.cache = ShardedCache(shard.cache, row_sum.group)
+        self.cache = ShardedCache(shard.cache, row_sum)
 
     @property
     def tp(self) -> Group:
@@ -503,8 +508,7 @@ class ShardedTarget(Delegate):
     def restart(self) -> None:
         """The other ranks stopped and started again in a new group (their state, or their process, is in doubt
         after a failed step); rank 0's shard stays loaded, its cache emptied."""
-        group = self.tp.restarted()
-        self.row_sum.group = self.cache.group = group
+        self.row_sum.group = self.tp.restarted()
         self.inner.restart()
 
     def close(self) -> None:

@@ -10,9 +10,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny import save_target, trained_head  # noqa: E402
 
 
+# Each test process runs torch on its share of the cores: the tiers run on as many processes as the machine has
+# cores (pytest-xdist, scripts/test.sh), and two processes of two threads each on two cores would fight.
+THREADS = max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+
+
 @pytest.fixture(autouse=True)
 def _threads():
-    torch.set_num_threads(2)
+    torch.set_num_threads(min(2, THREADS))
 
 
 @pytest.fixture(scope="session")
@@ -63,7 +68,10 @@ def ray_local():
     import ray
     for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                  "AWS_DEFAULT_REGION": "us-east-1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-                 "RAY_USAGE_STATS_ENABLED": "0", "EAGLE_RAY_TEST_API_KEY": "test-key"}.items():
+                 "RAY_USAGE_STATS_ENABLED": "0", "EAGLE_RAY_TEST_API_KEY": "test-key",
+                 # Ray Data's progress bars replace builtins.print in this process once a dataset runs, and a
+                 # function pickled by value later (bench/speed.py's table1 on Ray) no longer finds print there
+                 "RAY_TQDM_PATCH_PRINT": "0"}.items():
         os.environ.setdefault(k, v)
     ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=2, num_gpus=1,
              log_to_driver=False)

@@ -16,7 +16,8 @@ and the kernel choices rest on.
 ``linears``
     Which CPU layout for the target's linears (``model/linears.py``: native, input-major, packed), layouts
     interleaved: one linear of each of the target's shapes for 1-64 rows, and the whole verify pass of B x T tokens
-    with every linear in each layout (fp32).
+    with every linear in each layout, in ``--dtype`` (fp32; bf16 or fp16 at the default precision, with the layouts
+    this CPU runs: oneDNN packs low precision only where the CPU has native low-precision products).
 
 ``attention``
     Masked attention on CPU: grouped-query heads folded into query rows against SDPA's ``enable_gqa``, at the
@@ -110,35 +111,39 @@ LAYOUTS = ("native", "input_major", "packed")
 TARGET_LINEARS = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)]   # SmolLM2-135M's shapes
 
 
-def linear_table(shapes, rows, reps: int) -> list[dict]:
+def linear_table(shapes, rows, reps: int, dtype=torch.float32, layouts=LAYOUTS) -> list[dict]:
     from eagle_ray.model.linears import InputMajorLinear, PackedLinear
     out = []
     for d_in, d_out in shapes:
-        w = torch.randn(d_out, d_in)
-        impl = {"native": lambda x: F.linear(x, w), "input_major": InputMajorLinear(w, None),
-                "packed": PackedLinear(w, None)}
+        w = torch.randn(d_out, d_in).to(dtype)
+        impl = {"native": lambda x, w=w: F.linear(x, w), "input_major": InputMajorLinear(w, None),
+                "packed": PackedLinear(w, None) if "packed" in layouts else None}
+        impl = {k: impl[k] for k in layouts}
         for m in rows:
-            x = torch.randn(m, d_in)
-            us = {k: 1e6 * median_seconds(lambda f=f: f(x), reps, warmup=3) for k, f in impl.items()}
+            x = torch.randn(m, d_in).to(dtype)
+            warmup = 3 if reps >= 10 else 1
+            us = {k: 1e6 * median_seconds(lambda f=f: f(x), reps, warmup) for k, f in impl.items()}
             out.append({"in": d_in, "out": d_out, "rows": m, **{f"{k}_us": round(v, 1) for k, v in us.items()}})
             print(json.dumps(out[-1]), flush=True)
     return out
 
 
-def verify_table(blocks, reps: int, rounds: int, threads: int) -> list[dict]:
+def verify_table(blocks, reps: int, rounds: int, threads: int, dtype: str = "float32",
+                 layouts=LAYOUTS) -> list[dict]:
     from eagle_ray.config import EngineConfig
     from eagle_ray.engine.engine import EagleEngine
     from eagle_ray.engine.tuning import verify_seconds
-    engines = {k: EagleEngine.from_config(EngineConfig(dtype="float32", max_batch_size=max(b for b, _ in blocks),
-                                                       threads=threads, cpu_linears=k)) for k in LAYOUTS}
+    engines = {k: EagleEngine.from_config(EngineConfig(dtype=dtype, max_batch_size=max(b for b, _ in blocks),
+                                                       threads=threads, cpu_linears=k)) for k in layouts}
     out = []
     for b, t in blocks:
-        ms = {k: [] for k in LAYOUTS}
+        ms = {k: [] for k in layouts}
         for _ in range(rounds):                       # interleaved: drift hits every layout alike
             for k, e in engines.items():
                 ms[k].append(verify_seconds(e, b, t, repeats=reps) * 1e3)
         row = {"batch": b, "tokens": t, **{f"{k}_ms": round(statistics.median(v), 1) for k, v in ms.items()}}
-        row["packed_vs_native"] = round(row["packed_ms"] / row["native_ms"], 3)
+        for k in layouts[1:]:
+            row[f"{k}_vs_native"] = round(row[f"{k}_ms"] / row["native_ms"], 3)
         out.append(row)
         print(json.dumps(row), flush=True)
     return out
@@ -147,12 +152,19 @@ def verify_table(blocks, reps: int, rounds: int, threads: int) -> list[dict]:
 def cmd_linears(a) -> int:
     from eagle_ray.errors import ConfigError
     from eagle_ray.model.linears import packed_available
+    from eagle_ray.model.numerics import cpu_has_fast_bf16
     torch.set_num_threads(a.threads)
     if not packed_available():
         raise ConfigError("this torch build has no oneDNN linear kernel")
+    dtype = getattr(torch, a.dtype)
+    packs = dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_has_fast_bf16())
+    layouts = LAYOUTS if packs else LAYOUTS[:2]   # oneDNN refuses to pack what the CPU only emulates
     blocks = [(1, 1), (1, 2), (1, 4), (1, 8), (1, 12), (1, 16), (1, 32), (8, 1), (8, 4)]
-    write_result(a.out, {"dtype": "float32", "linears": linear_table(TARGET_LINEARS, [1, 2, 4, 8, 16, 32, 64], reps=20),
-                         "verify": verify_table(blocks, reps=3, rounds=3, threads=a.threads)}, a.command)
+    reps = 20 if packs else 3    # emulated products take up to seconds a call
+    write_result(a.out, {"dtype": a.dtype, "linears": linear_table(TARGET_LINEARS, [1, 2, 4, 8, 16, 32, 64], reps=reps,
+                                                                   dtype=dtype, layouts=layouts),
+                         "verify": verify_table(blocks, reps=3, rounds=3, threads=a.threads, dtype=a.dtype,
+                                                layouts=layouts)}, a.command)
     return 0
 
 
@@ -330,6 +342,7 @@ def add_forwards(sub) -> None:
 def add_kernels(sub) -> None:
     p = subcommand(sub, "linears", cmd_linears, "CPU layouts of the target's linears, per row count and verify pass")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p = subcommand(sub, "attention", cmd_attention, "GQA folded into query rows against SDPA's enable_gqa, on CPU",
                    out_required=True)
     p.add_argument("--threads", type=int, default=2)

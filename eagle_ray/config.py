@@ -273,8 +273,8 @@ class PrecisionConfig(StrictModel):
                                   "a 1-row bf16 decode up to ~2x")
     cpu_linears: Literal["auto", "native", "input_major", "packed"] = Field(
         "auto", description="layout of the target's linears on CPU (model/linears.py); auto: oneDNN-packed for fp32 "
-        "and for bf16 on CPUs with native bf16 (input-major when model.compile is on), input-major otherwise; "
-        "CUDA keeps them as loaded")
+        "and for bf16 on CPUs with native bf16 (input-major when model.compile is on), nn.Linear's own for fp16 and "
+        "emulated bf16; CUDA keeps them as loaded")
     fused_layers: Switch = Field("auto", description="run each decoder layer in few kernels (q/k/v and gate/up "
                                  "merged, fused norms, residual adds in the output GEMMs; model/fused.py); auto: on "
                                  "CUDA, where a kernel launch costs more than a small one's work")

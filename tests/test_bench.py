@@ -348,3 +348,12 @@ def test_the_reference_side_imports_nothing_of_eagle_ray_nor_of_the_modules_that
                 [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else []
             wrong.update({path.name: n for n in names if n.split(".")[0] in eagle_ray_side})
     assert len(files) >= 5 and wrong == {}, wrong
+
+
+def test_the_linear_layouts_table_times_each_layout_this_cpu_runs_in_the_asked_dtype():
+    """``costs.py linears --dtype``: bf16 and fp16 without native products compare nn.Linear's layout and the
+    input-major one (oneDNN packs neither); each row names its shape, row count and a time per layout."""
+    costs = repo_scripts.load("bench/costs.py")
+    rows = costs.linear_table([(8, 4)], [1, 3], reps=1, dtype=torch.bfloat16, layouts=costs.LAYOUTS[:2])
+    assert [(r["in"], r["out"], r["rows"]) for r in rows] == [(8, 4, 1), (8, 4, 3)]
+    assert all(set(r) == {"in", "out", "rows", "native_us", "input_major_us"} and r["native_us"] > 0 for r in rows)

@@ -107,11 +107,11 @@ def test_plan_equals_the_bytes_a_tiny_engine_allocates(case, tmp_path):
     assert plan.draft_kv_per_slot * 3 == engine.draft.cache.nbytes()
     packed = 64 * 32 * 4 if packed_available() else 0   # fp32 on CPU: the packed lm_head beside its dense weight
     # bf16: the fp32 copy, plus the packed lm_head beside its dense weight (which RefinedLogits reads) where the
-    # CPU packs bf16, else an out-major copy for RefinedLogits and, tied, the input-major lm_head's own weight
-    tied_bf16 = 2 if bf16_packed() else 2 + 2
-    expected_copies = {"fp32": packed, "bf16-tied": 64 * 32 * (4 + tied_bf16),
-                       "bf16-token-map": 64 * 32 * (4 + 2) + 40 * (32 * 2 + 8),  # + the gathered rows and the map
-                      "eagle3": 64 * 32 * (4 + 2) + 64 * 8}                        # + its draft-to-target ids
+    # CPU packs bf16; elsewhere the lm_head stays nn.Linear's, which RefinedLogits reads as it is, tied or not
+    dense = 2 if bf16_packed() else 0
+    expected_copies = {"fp32": packed, "bf16-tied": 64 * 32 * (4 + dense),
+                       "bf16-token-map": 64 * 32 * (4 + dense) + 40 * (32 * 2 + 8),  # + the gathered rows and map
+                       "eagle3": 64 * 32 * (4 + dense) + 64 * 8}                      # + its draft-to-target ids
     assert plan.lm_head_copies == expected_copies[case]
 
 
@@ -134,10 +134,12 @@ def test_copies_rule():
     assert copies_for("cuda", torch.bfloat16) == copies_for("cuda", torch.bfloat16, {"fp32_logits": "auto"})
     assert copies_for("cuda", torch.bfloat16).__dict__ == {"fp32_lm_head": False, "out_major_lm_head": False,
                                                            "input_major": False, "packed": False}
-    assert copies_for("cpu", torch.bfloat16).__dict__ == {"fp32_lm_head": True, "out_major_lm_head": not bf16_packed(),
-                                                          "input_major": True, "packed": bf16_packed()}
-    assert copies_for("cpu", torch.float16).__dict__ == {"fp32_lm_head": True, "out_major_lm_head": True,
-                                                         "input_major": True, "packed": False}
+    assert copies_for("cpu", torch.bfloat16).__dict__ == {"fp32_lm_head": True, "out_major_lm_head": False,
+                                                          "input_major": bf16_packed(), "packed": bf16_packed()}
+    assert copies_for("cpu", torch.float16).__dict__ == {"fp32_lm_head": True, "out_major_lm_head": False,
+                                                         "input_major": False, "packed": False}
+    assert copies_for("cpu", torch.float16, {"cpu_linears": "input_major"}).__dict__ == {
+        "fp32_lm_head": True, "out_major_lm_head": True, "input_major": True, "packed": False}
     assert copies_for("cpu", torch.bfloat16, {"fp32_logits": False}).fp32_lm_head is False
     assert copies_for("cpu", torch.float32).fp32_lm_head is False
     assert copies_for("cpu", torch.float32).packed is packed_available()

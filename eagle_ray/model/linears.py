@@ -6,9 +6,11 @@ multiplies, and on CPU the kernel behind ``nn.Linear`` makes them cost several s
 - ``packed`` (fp32 on CPU with oneDNN; bf16 too where the CPU has native bf16): the weight in oneDNN's own
   blocked layout, run by oneDNN's kernel, which keeps a few-row product close to the cost of one row where MKL's
   sgemm behind ``nn.Linear`` does not (figures per CPU: docs/benchmarks.md, ``bench/costs.py``).
-- ``input_major`` (fp16, and bf16 without native bf16, on CPU): the weight stored [in, out], faster than
-  ``nn.Linear``'s layout for MKL-DNN's emulated low-precision few-row products.
-- ``native`` (CUDA): ``nn.Linear`` as loaded.
+- ``input_major`` (fp32 where oneDNN is missing, and whenever Inductor compiles the forwards): the weight
+  stored [in, out].
+- ``native`` (CUDA; fp16, and bf16 without native bf16, on CPU): ``nn.Linear`` as loaded. oneDNN packs neither
+  emulated dtype, and an emulated product over an input-major weight costs several times one over this layout
+  (bf16 on an AVX2 CPU: a verify pass 5-7x, the lm_head 37-48x; ``bench/costs.py linears --dtype bfloat16``).
 
 Either CPU layout replaces the dense weight (same bytes), except the lm_head, which keeps it: the draft head and
 the exact logits read it.

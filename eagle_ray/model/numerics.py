@@ -114,9 +114,11 @@ def numerics_for(device: torch.device, dtype: torch.dtype, fp32_logits="auto", f
 
 def cpu_linears_for(device: torch.device, dtype: torch.dtype) -> str:
     """CUDA: as loaded. CPU: oneDNN's packed weights for fp32, and for bf16 where the CPU has native bf16;
-    input-major weights otherwise (fp16, bf16 without it: oneDNN's packed kernels emulate those)."""
+    ``nn.Linear``'s own layout otherwise (fp16, bf16 without it: oneDNN packs neither, and an emulated product
+    over an input-major weight costs several times one over the out-major weight; docs/benchmarks.md)."""
     from eagle_ray.model.linears import packed_available
     if not defaults_for(device).cpu_layouts:
         return "native"
-    fast = dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_has_fast_bf16())
-    return "packed" if fast and packed_available() else "input_major"
+    if dtype == torch.float32:
+        return "packed" if packed_available() else "input_major"
+    return "packed" if dtype == torch.bfloat16 and cpu_has_fast_bf16() and packed_available() else "native"

@@ -113,15 +113,15 @@ TARGET_LINEARS = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)
 
 def linear_table(shapes, rows, reps: int, dtype=torch.float32, layouts=LAYOUTS) -> list[dict]:
     from eagle_ray.model.linears import InputMajorLinear, PackedLinear
+    make = {"native": lambda w: (lambda x: F.linear(x, w)), "input_major": lambda w: InputMajorLinear(w, None),
+            "packed": lambda w: PackedLinear(w, None)}
+    warmup = 3 if reps >= 10 else 1
     out = []
     for d_in, d_out in shapes:
         w = torch.randn(d_out, d_in).to(dtype)
-        impl = {"native": lambda x, w=w: F.linear(x, w), "input_major": InputMajorLinear(w, None),
-                "packed": PackedLinear(w, None) if "packed" in layouts else None}
-        impl = {k: impl[k] for k in layouts}
+        impl = {k: make[k](w) for k in layouts}
         for m in rows:
             x = torch.randn(m, d_in).to(dtype)
-            warmup = 3 if reps >= 10 else 1
             us = {k: 1e6 * median_seconds(lambda f=f: f(x), reps, warmup) for k, f in impl.items()}
             out.append({"in": d_in, "out": d_out, "rows": m, **{f"{k}_us": round(v, 1) for k, v in us.items()}})
             print(json.dumps(out[-1]), flush=True)
@@ -152,12 +152,12 @@ def verify_table(blocks, reps: int, rounds: int, threads: int, dtype: str = "flo
 def cmd_linears(a) -> int:
     from eagle_ray.errors import ConfigError
     from eagle_ray.model.linears import packed_available
-    from eagle_ray.model.numerics import cpu_has_fast_bf16
+    from eagle_ray.model.numerics import cpu_linears_for
     torch.set_num_threads(a.threads)
     if not packed_available():
         raise ConfigError("this torch build has no oneDNN linear kernel")
     dtype = getattr(torch, a.dtype)
-    packs = dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_has_fast_bf16())
+    packs = cpu_linears_for(torch.device("cpu"), dtype) == "packed"   # the engine's own rule for this CPU
     layouts = LAYOUTS if packs else LAYOUTS[:2]   # oneDNN refuses to pack what the CPU only emulates
     blocks = [(1, 1), (1, 2), (1, 4), (1, 8), (1, 12), (1, 16), (1, 32), (8, 1), (8, 4)]
     reps = 20 if packs else 3    # emulated products take up to seconds a call

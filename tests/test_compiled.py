@@ -1,6 +1,6 @@
-"""The target's verify forward and a draft level trace into one graph each (``fullgraph=True``: a graph break
-fails) and give the eager engine's tokens in fp32, speculative and plain, for an EAGLE-2 and an EAGLE-3 head.
-Tracing costs about a minute per engine on two CPU cores, so these run in the slow tier."""
+"""The target's and the head's decoder layers trace into one graph each (``fullgraph=True``: a graph break fails),
+one graph serving every layer of a shape, and give the eager engine's tokens in fp32, speculative and plain, for an
+EAGLE-2 and an EAGLE-3 head. Tracing costs 20-70 s per engine on two CPU cores, so these run in the slow tier."""
 import pytest
 import torch
 
@@ -34,6 +34,24 @@ def test_traced_forwards_have_no_graph_break_and_match_eager(tiny_dir, tmp_path,
     engine, (spec, plain) = compiled_engine(target, head, backend="aot_eager")
     assert outputs(engine) == spec
     assert outputs(engine, speculative=False) == plain
+
+
+@pytest.mark.slow
+def test_one_graph_serves_every_layer_so_a_deeper_target_compiles_no_more(tmp_path):
+    """Graphs traced (Dynamo's, run eagerly by a counting backend) for the same plain decoding (its pass shapes do
+    not depend on the tokens) on a 2- and an 8-layer target: as many, of as many operations, since each layer runs
+    on its own LayerCache and the graph holds no layer index (a graph of the whole forward grows with the depth)."""
+    from torch._dynamo.testing import CompileCounter
+    graphs = []
+    for layers in (2, 8):
+        torch._dynamo.reset()
+        engine = EagleEngine.from_pretrained(str(save_target(tmp_path / f"l{layers}", layers=layers)), "random",
+                                             dtype="float32", max_batch_size=4, tree=TREE, cpu_linears="input_major")
+        counter = CompileCounter()
+        compile_forwards(engine.target, engine.draft, "inductor", backend=counter)
+        outputs(engine, speculative=False)
+        graphs.append((counter.frame_count, counter.op_count))
+    assert graphs[0] == graphs[1] and graphs[0][0] > 0, graphs
 
 
 @pytest.mark.slow

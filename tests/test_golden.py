@@ -69,9 +69,9 @@ def test_every_step_equals_the_reference_with_fused_layers(trace_file):
 @pytest.mark.slow
 @pytest.mark.parametrize("trace_file", TRACES, ids=lambda f: f.stem)
 def test_every_step_equals_the_reference_with_compiled_forwards(trace_file):
-    """The four traces share this process's compiled graphs (one target; a trace adds only the shapes and heads the
-    ones before it lacked): compiling each from scratch cost over a third more. ``fullgraph=True`` turns a compile
-    past the recompile limit into an error, so shared graphs never fall back to eager unnoticed."""
+    """The four traces share this process's compiled layer graphs (one target; a trace adds only the shapes and
+    heads the ones before it lacked). ``fullgraph=True`` turns a compile past the recompile limit into an error, so
+    shared graphs never fall back to eager unnoticed."""
     assert disagreements(trace_file, 4, compile="inductor") == []
 
 

@@ -32,6 +32,7 @@ from eagle_ray.speculative.tree import draft_log_probs
 class DraftHead(nn.Module):
     kind = "eagle2"
     feature_layers = None  # reads the target's final (post-norm) hidden state
+    run_layer = staticmethod(decoder_layer)   # compiled, the target's compiled layer function (model/compiled.py)
 
     def __init__(self, config: LlamaConfig, bias: bool = True, qkv_bias: bool = False):
         super().__init__()
@@ -190,6 +191,6 @@ class DraftHead(nn.Module):
         positions = meta.lengths.view(-1, 1) + depth
         cos, sin = self.rotary_emb(x, positions)
         meta = with_attention_mask(meta, self.config.num_attention_heads, self.config.num_key_value_heads)
-        return decoder_layer(self.layers[0], x, [Part(meta, cos, sin)], self.cache, 0)
+        return self.run_layer(self.layers[0], x, [Part(meta, cos, sin)], self.cache, 0)
 
 

@@ -42,8 +42,16 @@ def capture_layers(num_target_layers: int) -> tuple[int, int, int]:
     return (2, L // 2, L - 3)
 
 
+def midlayer(layer, emb: torch.Tensor, hidden: torch.Tensor, parts: list, cache: KVCache) -> torch.Tensor:
+    """The head's decoder layer: attention over its normed token embeddings beside its normed input states."""
+    x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(hidden)], dim=-1)
+    hidden = hidden + attention(layer.self_attn, x, parts, cache, 0)
+    return hidden + mlp(layer, hidden, parts[0].meta.invariant)
+
+
 class Eagle3Head(nn.Module):
     kind = "eagle3"
+    run_layer = staticmethod(midlayer)   # compiled alone (model/compiled.py)
     outside_map = None   # no context tokens in its draft vocabulary (see topk)
 
     def __init__(self, config: LlamaConfig, num_target_layers: int):
@@ -208,11 +216,8 @@ class Eagle3Head(nn.Module):
             hidden = self.fc(hidden)
         positions = meta.lengths.view(-1, 1) + depth
         cos, sin = self.rotary_emb(hidden, positions)
-        layer = self.midlayer
         meta = with_attention_mask(meta, self.config.num_attention_heads, self.config.num_key_value_heads)
-        x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(hidden)], dim=-1)
-        hidden = hidden + attention(layer.self_attn, x, [Part(meta, cos, sin)], self.cache, 0)
-        return hidden + mlp(layer, hidden, meta.invariant)
+        return self.run_layer(self.midlayer, emb, hidden, [Part(meta, cos, sin)], self.cache)
 
 
 def check_config(path, raw: dict, target_config) -> None:

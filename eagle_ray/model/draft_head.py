@@ -32,7 +32,7 @@ from eagle_ray.speculative.tree import draft_log_probs
 class DraftHead(nn.Module):
     kind = "eagle2"
     feature_layers = None  # reads the target's final (post-norm) hidden state
-    run_layer = staticmethod(decoder_layer)   # compiled, the target's compiled layer function (model/compiled.py)
+    run_layer = staticmethod(decoder_layer)   # compiled alone, sharing the target's layer graphs (model/compiled.py)
 
     def __init__(self, config: LlamaConfig, bias: bool = True, qkv_bias: bool = False):
         super().__init__()

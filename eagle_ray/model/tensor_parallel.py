@@ -38,6 +38,7 @@ from eagle_ray.errors import CheckpointError, EngineDeadError, first_line
 
 COLUMN_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")   # output rows by rank
 ROW_SPLIT = ("o_proj", "down_proj")                                      # input columns by rank
+DEATH_GRACE_S = 2.0   # how long a failed all-reduce waits to see which rank died (a loaded host is slow to reap)
 
 
 def check_shardable(cfg, world: int) -> None:
@@ -178,14 +179,21 @@ class Group:
         try:
             self.pg.allreduce([t]).wait()
         except Exception as e:   # noqa: BLE001 - gloo and NCCL raise RuntimeError subclasses of many kinds
-            raise EngineDeadError(f"tensor-parallel all-reduce failed on rank {self.rank}: {self.state()}"
-                                  f"({type(e).__name__}: {first_line(e)})") from None
+            # a dying rank's connections reset a moment before its process is seen to exit: wait that moment, so
+            # the error names the rank that died rather than only the reset
+            raise EngineDeadError(f"tensor-parallel all-reduce failed on rank {self.rank}: "
+                                  f"{self.state(grace_s=DEATH_GRACE_S)}({type(e).__name__}: {first_line(e)})") from None
         return t
 
-    def state(self) -> str:
-        dead = [f"rank {r} (pid {p.pid}) exited with code {p.exitcode}" for r, p in enumerate(self.procs, 1)
-                if not p.is_alive()]
-        return "; ".join(dead) + " " if dead else ""
+    def state(self, grace_s: float = 0.0) -> str:
+        """The other ranks that exited (rank 0 knows them), waiting up to ``grace_s`` for one to."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            dead = [f"rank {r} (pid {p.pid}) exited with code {p.exitcode}" for r, p in enumerate(self.procs, 1)
+                    if not p.is_alive()]
+            if dead or not self.procs or time.monotonic() >= deadline:
+                return "; ".join(dead) + " " if dead else ""
+            time.sleep(0.05)
 
     def send(self, call: "Call") -> None:
         """Rank 0: ``call`` to every other rank (they run it on their shards). Its tensors travel as host copies:

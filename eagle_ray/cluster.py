@@ -24,7 +24,9 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> str:
     head = _local_head_address()
     if head is not None:
         if _reachable(head):
-            ray.init(address=head)
+            # "auto", not the address read: Ray sends its token (~/.ray/auth_token, which `ray start` turns on
+            # by default where one exists) only to a head it found itself, never to an address it was given
+            ray.init(address="auto")
             return "connected to the Ray head running on this machine"
         log.warning("Ray records a head at %s on this machine but nothing answers there; starting a new one", head)
     ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=num_cpus)

@@ -321,16 +321,18 @@ def test_sigterm_commits_what_is_finished_and_stops_promptly(ray_local, pair, tm
 
 def test_the_job_joins_a_running_head_and_ignores_a_stale_record_of_one(pair, tmp_path):
     """`ray start --head` already running on this machine: the job connects to it. A record of a head that is
-    gone: the job starts its own Ray. (Separate Ray temp dirs keep this away from the test session's Ray.)"""
+    gone: the job starts its own Ray. (Separate Ray temp dirs keep this away from the test session's Ray.) Neither
+    the head nor the job is told an auth mode, as on a user's machine: with a token in ~/.ray the head requires it,
+    and the job must send it."""
     write_jsonl(tmp_path / "in.jsonl", prompts(6))
     tmp = Path(f"/tmp/er{uuid.uuid4().hex[:6]}")
     tmp.mkdir()
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
     env.update(RAY_TMPDIR=str(tmp), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
     ray_bin = str(Path(sys.executable).parent / "ray")
     head = subprocess.Popen([ray_bin, "start", "--head", "--block", "--num-cpus=2", "--node-ip-address=127.0.0.1",
                              "--include-dashboard=false", f"--temp-dir={tmp}/ray", "--port=0"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         record = tmp / "ray" / "ray_current_cluster"
         deadline = time.time() + 120
@@ -342,7 +344,7 @@ def test_the_job_joins_a_running_head_and_ignores_a_stale_record_of_one(pair, tm
         log, _ = proc.communicate(timeout=600)
         assert proc.returncode == 0 and "connected to the Ray head running on this machine" in log, log[-3000:]
     finally:
-        head.terminate()
+        os.killpg(head.pid, signal.SIGKILL)   # the head and every process it started: a graceful stop takes ~30 s
         head.wait(timeout=60)
     record.write_text("127.0.0.1:9")   # nothing listens there
     cfg = config(pair, str(tmp_path / "in.jsonl"), str(tmp_path / "out2"), actors__num_actors=1)

@@ -222,3 +222,25 @@ def test_a_script_without_the_main_guard_fails_at_once_saying_to_add_it(target_d
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("eagle_ray.model.tensor_parallel.NoMainGuard:"), proc.stderr[-3000:]
     assert 'if __name__ == "__main__":' in last and "did not join" not in proc.stderr
+
+
+
+def test_the_main_guard_is_read_from_the_scripts_source_so_no_rank_starts_without_it(tmp_path):
+    """Where a call to start ranks comes from: the main script's top level outside a guard's body (its own line,
+    or a function it calls there) is unguarded, inside the body (either way round) it is guarded; a script with no
+    source to read (``python -c``) is never refused (a rank then sees it: the test above)."""
+    import subprocess
+    import sys
+    source = ("from eagle_ray.model.tensor_parallel import called_from_unguarded_main as unguarded\n"
+              "def build():\n"
+              "    return unguarded()\n"
+              "print('top', unguarded(), build())\n"
+              "if __name__ == '__main__':\n"
+              "    print('guarded', unguarded(), build())\n"
+              "if '__main__' == __name__:\n"
+              "    print('reversed', unguarded())\n")
+    (tmp_path / "where.py").write_text(source)
+    run = subprocess.run([sys.executable, "where.py"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.stdout.splitlines() == ["top True True", "guarded False False", "reversed False"], run.stderr
+    run = subprocess.run([sys.executable, "-c", source], capture_output=True, text=True, timeout=300)
+    assert run.stdout.splitlines() == ["top False False", "guarded False False", "reversed False"], run.stderr

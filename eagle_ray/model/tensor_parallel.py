@@ -20,6 +20,7 @@ Collectives go through ``torch.distributed`` process groups made for the engine 
 """
 from __future__ import annotations
 
+import ast
 import multiprocessing as mp
 import os
 import sys
@@ -260,6 +261,36 @@ class NoMainGuard(RuntimeError):
     """The script that starts ranks runs again in each of them: it lacks ``if __name__ == "__main__":``."""
 
 
+def called_from_unguarded_main() -> bool:
+    """Whether this call comes from the main script's top level outside the body of an ``if __name__ ==
+    "__main__":`` block: every spawned rank would run that line again. Read from the main script's source, so a
+    script without the guard fails before a rank starts (a rank would see it too, after importing the script:
+    :func:`check_not_spawning`); no source to read (``python -c``, a notebook) says no."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_globals is getattr(main, "__dict__", None)
+                                     and frame.f_code.co_name == "<module>"):
+        frame = frame.f_back
+    if frame is None or not path:
+        return False
+    try:
+        tree = ast.parse(Path(path).read_bytes())
+    except (OSError, SyntaxError, ValueError):
+        return False
+    line = frame.f_lineno
+    return not any(isinstance(node, ast.If) and _is_main_test(node.test)
+                   and node.body[0].lineno <= line <= node.body[-1].end_lineno for node in ast.walk(tree))
+
+
+def _is_main_test(test: ast.expr) -> bool:
+    """``__name__ == "__main__"``, either way round."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return False
+    sides = {ast.dump(test.left), ast.dump(test.comparators[0])}
+    return sides == {ast.dump(ast.Name("__name__", ast.Load())), ast.dump(ast.Constant("__main__"))}
+
+
 def check_not_spawning() -> None:
     """Called where ranks are about to start: in a rank still importing the main script (a script without the main
     guard runs its engine-building code again there), exit with :data:`MAIN_GUARD_EXIT` at once; rank 0 reads that
@@ -307,6 +338,8 @@ def wait_for_ranks(procs: list, pipes: list, timeout_s: float) -> None:
 def start_ranks(spec: Spec, world: int, make_target, timeout_s: float) -> Group:
     """Ranks 1..N-1 started (each loads its shard and follows) and rank 0's side of a new group."""
     check_not_spawning()
+    if called_from_unguarded_main():
+        raise NoMainGuard(MAIN_GUARD)
     device = torch.device(spec.device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     port = free_port()

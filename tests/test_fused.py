@@ -43,7 +43,8 @@ def kernels_per_layer(monkeypatch, fused: bool, model_type: str = "llama") -> co
     hf = make_target(layers=2, model_type=model_type)
     target = TargetModel(hf, 2, 64, fp32_logits=False, fp32_activations=False, batch_invariant=False,
                          cpu_linears="native", fused_layers=fused)
-    layer_fn, counts = target_module.fused_decoder_layer if fused else target.run_layer, []
+    owner, name = (target_module, "fused_decoder_layer") if fused else (target, "run_layer")
+    layer_fn, counts = getattr(owner, name), []
 
     def counted(*args, **kwargs):
         with KernelCount() as c:
@@ -51,10 +52,7 @@ def kernels_per_layer(monkeypatch, fused: bool, model_type: str = "llama") -> co
         counts.append(c.ops)
         return out
 
-    if fused:
-        monkeypatch.setattr(target_module, "fused_decoder_layer", counted)
-    else:
-        monkeypatch.setattr(target, "run_layer", counted)
+    monkeypatch.setattr(owner, name, counted)
     idx = torch.arange(4)
     mask = (idx.view(-1, 1) >= idx.view(1, -1)).expand(2, 4, 4)
     with torch.inference_mode():

@@ -322,13 +322,17 @@ def test_sigterm_commits_what_is_finished_and_stops_promptly(ray_local, pair, tm
 def test_the_job_joins_a_running_head_and_ignores_a_stale_record_of_one(pair, tmp_path):
     """`ray start --head` already running on this machine: the job connects to it. A record of a head that is
     gone: the job starts its own Ray. (Separate Ray temp dirs keep this away from the test session's Ray.) Neither
-    the head nor the job is told an auth mode, as on a user's machine: with a token in ~/.ray the head requires it,
-    and the job must send it."""
+    the head nor the job is told an auth mode, as on a user's machine where a local Ray has run before: with a token
+    in ~/.ray (a home of its own here, so whatever ran before does not decide it) the head requires it, and the job
+    must send it."""
+    import secrets
     write_jsonl(tmp_path / "in.jsonl", prompts(6))
     tmp = Path(f"/tmp/er{uuid.uuid4().hex[:6]}")
-    tmp.mkdir()
+    (tmp / "home" / ".ray").mkdir(parents=True)
+    (tmp / "home" / ".ray" / "auth_token").write_text(secrets.token_hex(32))   # what a local ray.init() writes
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
-    env.update(RAY_TMPDIR=str(tmp), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
+    env.update(HOME=str(tmp / "home"), RAY_TMPDIR=str(tmp), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
+               RAY_USAGE_STATS_ENABLED="0")
     ray_bin = str(Path(sys.executable).parent / "ray")
     head = subprocess.Popen([ray_bin, "start", "--head", "--block", "--num-cpus=2", "--node-ip-address=127.0.0.1",
                              "--include-dashboard=false", f"--temp-dir={tmp}/ray", "--port=0"],

@@ -200,6 +200,9 @@ class ModelConfig(StrictModel):
         "README, Models and devices")
     tensor_parallel: int = Field(1, ge=1, le=64, description="processes (GPUs) one engine's target is split over "
                                  "(model/tensor_parallel.py); must divide its attention and KV heads")
+    collective_timeout_s: float = Field(30.0, gt=0, le=3600, description="how long a tensor-parallel collective "
+                                        "waits for a rank that hangs before the engine fails (one that dies fails it "
+                                        "at once)")
 
 
 class CacheConfig(StrictModel):

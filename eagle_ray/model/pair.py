@@ -106,7 +106,7 @@ def load_sharded_target(config: EngineConfig, ckpts: Checkpoints, dtype: torch.d
     spec = tensor_parallel.Spec(str(ckpts.target_dir), ckpts.target_config, str(dtype).removeprefix("torch."),
                                 str(device), config.cache.max_batch_size, config.cache.max_model_len,
                                 config.precision.model_dump(), m.threads)
-    return tensor_parallel.start(spec, m.tensor_parallel, TargetModel)
+    return tensor_parallel.start(spec, m.tensor_parallel, TargetModel, m.collective_timeout_s)
 
 
 def load_draft(draft: str | None, ckpts: Checkpoints, target: TargetModel, dtype: torch.dtype, device):

@@ -9,7 +9,7 @@ import collections
 
 import pytest
 import torch
-from test_sampling_lossless import BATCH, PROMPT, V, chi_square_p, small_vocab  # noqa: F401 - a fixture
+from test_sampling_lossless import PROMPT, V, chi_square_p, draws_engine, small_vocab  # noqa: F401 - a fixture
 from tiny import tiny_engine
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
@@ -143,8 +143,7 @@ def test_sampled_speculation_has_the_penalised_distribution(small_vocab):  # noq
     path, hf = small_vocab
     settings = {"frequency+presence": dict(frequency_penalty=1.0, presence_penalty=0.8),
                 "repetition": dict(repetition_penalty=2.0)}
-    engine = tiny_engine(path, None, TreeConfig(total_tokens=8, depth=2, top_k=3, lookup=3, lookup_ngram=1),
-                         max_batch_size=BATCH, max_model_len=32, max_step_tokens=11 * BATCH)
+    engine = draws_engine(path)
     names = list(settings) * 3000
     outs = engine.generate([PROMPT] * len(names), [SamplingParams(temperature=1.0, max_new_tokens=3, ignore_eos=True,
                                                                   seed=i, **settings[n])

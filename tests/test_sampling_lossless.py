@@ -17,6 +17,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 import eagle_ray.engine.model_runner as runner_module
 from eagle_ray.config import SamplingParams, TreeConfig
+from eagle_ray.engine.budgets import verify_budget
 from eagle_ray.speculative.accept import accept
 
 SETTINGS = {"T=1": dict(temperature=1.0), "T=0.7,top_p=0.9": dict(temperature=0.7, top_p=0.9),
@@ -24,8 +25,9 @@ SETTINGS = {"T=1": dict(temperature=1.0), "T=0.7,top_p=0.9": dict(temperature=0.
 N = 20_000
 PROMPT = [3, 5, 2, 7]
 V = 8
-# sequences a step, each with room for its whole tree and lookup chain (8 + 3 tokens): on a model this small a step
-# costs little more at 128 sequences than at 48, so the draws take fewer, more speculative steps (tau 2.81, not 2.68)
+TREE = TreeConfig(total_tokens=8, depth=2, top_k=3, lookup=3, lookup_ngram=1)
+# sequences a step, each with room for its whole tree and lookup chain: on a model this small a step costs little
+# more at 128 sequences than at 48, so the draws take fewer, more speculative steps (tau 2.81, not 2.68)
 BATCH = 128
 
 
@@ -64,10 +66,15 @@ def chi_square_p(samples: list[tuple], exact: dict[tuple, float]) -> float:
     return chisquare(obs, [e * sum(obs) / total for e in exp]).pvalue
 
 
+def draws_engine(path):
+    """The engine every distribution test draws from: an untrained head's trees with lookup chains grafted on."""
+    return tiny_engine(path, None, TREE, max_batch_size=BATCH, max_model_len=32,
+                       max_step_tokens=BATCH * verify_budget(TREE))
+
+
 def sample_mixed(path, seed=0, n=N) -> dict[str, list[tuple]]:
     torch.manual_seed(seed)
-    engine = tiny_engine(path, None, TreeConfig(total_tokens=8, depth=2, top_k=3, lookup=3, lookup_ngram=1),
-                         max_batch_size=BATCH, max_model_len=32, max_step_tokens=11 * BATCH)
+    engine = draws_engine(path)
     names = list(SETTINGS) * n
     params = [SamplingParams(max_new_tokens=3, ignore_eos=True, **SETTINGS[n]) for n in names]
     outs = engine.generate([PROMPT] * len(names), params)
@@ -106,8 +113,7 @@ def test_each_of_n_samples_has_the_targets_distribution(small_vocab):
     sample, each index's first token is too. The samples copied their request's prompt instead of prefilling it."""
     path, hf = small_vocab
     torch.manual_seed(2)
-    engine = tiny_engine(path, None, TreeConfig(total_tokens=8, depth=2, top_k=3, lookup=3, lookup_ngram=1),
-                         max_batch_size=BATCH, max_model_len=32, max_step_tokens=11 * BATCH)
+    engine = draws_engine(path)
     prefilled, block = [], engine.runner.prefill_block
     engine.runner.prefill_block = lambda chunks: prefilled.append(sum(c.end - c.start for c in chunks)) or block(chunks)
     requests = 250

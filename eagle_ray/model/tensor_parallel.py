@@ -235,7 +235,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(spec: Spec, world: int, make_target, timeout_s: float = 30.0) -> "ShardedTarget":
+def start(spec: Spec, world: int, make_target, timeout_s: float) -> "ShardedTarget":
     """Start ranks 1..N-1 (each loads its shard and follows), join the group as rank 0 and load shard 0; returns
     the target the engine holds (rank 0's shard, built by ``make_target``, ``TargetModel``)."""
     group = start_ranks(spec, world, make_target, timeout_s)

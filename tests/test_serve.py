@@ -251,17 +251,21 @@ def test_32_concurrent_streams_complete_and_share_verify_passes(server):
 
 
 def test_metrics_add_up_to_what_the_responses_report(server, client):
-    """/metrics (Prometheus text, vLLM's names, no API key) grows by exactly what the responses carry."""
+    """/metrics (Prometheus text, vLLM's names, no API key) grows by exactly what the responses carry. The answers
+    are sampled and run their 12 tokens (no end-of-sequence stop), so each one speculates and adds to the tau
+    histogram: one whose first sampled token ended it would run no verify step."""
     from test_metrics import samples
     base = server[0]
     before = samples(httpx.get(base + "/metrics").content)
-    resps = [client.completions.create(model=MODEL, prompt=p, max_tokens=12) for p in PROMPTS]
+    resps = [client.completions.create(model=MODEL, prompt=p, max_tokens=12, extra_body={"ignore_eos": True})
+             for p in PROMPTS]
     after = samples(httpx.get(base + "/metrics").content)
 
     def grew(name):
         return after.get((name, ()), 0) - before.get((name, ()), 0)
 
     eagle = [r.model_extra["eagle"] for r in resps]
+    assert all(e["verify_steps"] >= 1 for e in eagle)
     assert grew("vllm:prompt_tokens_total") == sum(r.usage.prompt_tokens for r in resps)
     assert grew("vllm:generation_tokens_total") == sum(r.usage.completion_tokens for r in resps)
     assert grew("vllm:spec_decode_num_accepted_tokens_total") == sum(e["accepted_draft_tokens"] for e in eagle)

@@ -1,7 +1,8 @@
-"""The house's shape: imports flow down the layers the README draws, no two files import each other, and building an
-engine reads each checkpoint's config once."""
+"""The house's shape: imports flow down the layers the README draws, no two files import each other, building an
+engine reads each checkpoint's config once, and the README and docs render as written."""
 import builtins
 import io
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -62,3 +63,30 @@ def test_a_jobs_driver_imports_no_model_code():
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr[-2000:]
     from eagle_ray import EagleEngine, SamplingParams   # the public names still resolve
     assert EagleEngine.__module__ == "eagle_ray.engine.engine" and SamplingParams.__module__ == "eagle_ray.config"
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def fence_errors(text: str) -> list[str]:
+    """Code fences that would not render as written: a fence line with text after it (Markdown does not close a
+    block there, so the block runs on and swallows the headings below) and a block left open at the end."""
+    errors, open_at = [], None
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.lstrip().startswith("```"):
+            continue
+        if open_at is None and re.fullmatch(r" *```[\w+-]*", line):
+            open_at = n
+        elif open_at is not None and re.fullmatch(r" *```", line):
+            open_at = None
+        else:
+            errors.append(f"line {n}: {line[:60]!r}")
+    return errors + ([f"line {open_at}: a code block never closed"] if open_at is not None else [])
+
+
+def test_every_code_block_in_the_readme_and_docs_opens_and_closes_on_a_line_of_its_own():
+    assert fence_errors("```python\nx = 1\n``` then text\n\n## A heading\n```\n") == \
+        ["line 3: '``` then text'"]
+    assert fence_errors("```bash\nrun\n") == ["line 1: a code block never closed"]
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    assert {str(p.relative_to(ROOT)): e for p in pages if (e := fence_errors(p.read_text()))} == {}

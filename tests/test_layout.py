@@ -6,7 +6,7 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from repo_scripts import load
+from repo_scripts import ROOT, load
 
 from eagle_ray.config import EngineConfig
 
@@ -63,9 +63,6 @@ def test_a_jobs_driver_imports_no_model_code():
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr[-2000:]
     from eagle_ray import EagleEngine, SamplingParams   # the public names still resolve
     assert EagleEngine.__module__ == "eagle_ray.engine.engine" and SamplingParams.__module__ == "eagle_ray.config"
-
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def fence_errors(text: str) -> list[str]:

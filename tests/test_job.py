@@ -54,7 +54,8 @@ def config(pair, inp: str, out: str, **kw) -> JobConfig:
                        "max_model_len": 128, "tree": {"total_tokens": 8, "depth": 3, "top_k": 3}},
             "sampling": {"max_new_tokens": 12, "ignore_eos": True},
             "input": {"uri": inp}, "output": {"uri": out, "rows_per_file": 25},
-            "actors": {"num_actors": 2, "num_cpus": 1, "batch_size": 8, "max_concurrent_batches": 2}}
+            # one actor, as most scenarios need: each actor is a process that imports torch and transformers
+            "actors": {"num_actors": 1, "num_cpus": 1, "batch_size": 8, "max_concurrent_batches": 2}}
     for key, value in kw.items():
         node = data
         *parents, last = key.split("__")
@@ -76,7 +77,8 @@ def test_end_to_end_on_s3_with_two_actors(ray_local, pair, s3, tmp_path):
     rows = prompts(210)
     write_jsonl(tmp_path / "in.jsonl", rows)
     fs.put(str(tmp_path / "in.jsonl"), f"{bucket}/in/prompts.jsonl")
-    cfg = config(pair, f"s3://{bucket}/in/", f"s3://{bucket}/out/", s3={"endpoint_url": opts["endpoint_url"]})
+    cfg = config(pair, f"s3://{bucket}/in/", f"s3://{bucket}/out/", s3={"endpoint_url": opts["endpoint_url"]},
+                 actors__num_actors=2)
     summary = run_job(cfg, print_fn=lambda *_: None)
     table = read_output(fs, f"{bucket}/out")
     ids = table.column("id").to_pylist()
@@ -110,7 +112,7 @@ def test_bad_rows_become_error_rows_and_the_rest_complete(ray_local, pair, tmp_p
     good = prompts(20)
     write_jsonl(tmp_path / "in.jsonl", good + list(BAD_ROWS.values()),
                 raw_lines=[b'{"id": "bad-utf8", "prompt": "caf\xe9 \xff"}', b'{"id": "bad-json", "prompt": '])
-    cfg = config(pair, str(tmp_path / "in.jsonl"), str(tmp_path / "out"), actors__num_actors=1)
+    cfg = config(pair, str(tmp_path / "in.jsonl"), str(tmp_path / "out"))
     summary = run_job(cfg, print_fn=lambda *_: None)
     rows = {r["id"]: r for r in read_output(_local(), str(tmp_path / "out")).to_pylist()}
     assert all(rows[r["id"]]["error"] is None and rows[r["id"]]["output_tokens"] == 12 * (2 if "turns" in r else 1)
@@ -198,7 +200,7 @@ def test_a_killed_actor_loses_no_row(ray_local, pair, tmp_path, monkeypatch):
     write_jsonl(tmp_path / "in.jsonl", prompts(80))
     out = tmp_path / "out"
     cfg = config(pair, str(tmp_path / "in.jsonl"), str(out), sampling__max_new_tokens=24, output__rows_per_file=5,
-                 actors__batch_size=2)   # blocks of 8 rows: 10 blocks for 2 actors, the first part after one
+                 actors__batch_size=2, actors__num_actors=2)   # blocks of 8 rows: 10 blocks, a part after one
     killed: list = []
 
     def kill_its_actor(writer, first_row):
@@ -245,7 +247,7 @@ def test_rows_that_failed_on_an_engine_failure_are_run_again_on_resume(ray_local
     rows = prompts(12)
     write_jsonl(tmp_path / "in.jsonl", rows + [{"id": "bad", "prompt": ""}])
     out = tmp_path / "out"
-    cfg = config(pair, str(tmp_path / "in.jsonl"), str(out), actors__num_actors=1)
+    cfg = config(pair, str(tmp_path / "in.jsonl"), str(out))
     run_job(cfg, print_fn=lambda *_: None)
     table = read_output(_local(), str(out)).to_pylist()
     for r in table:  # pretend q0 and q1 died with the engine, and q2 on a bug
@@ -270,7 +272,7 @@ def test_a_resume_says_how_many_written_rows_no_input_row_claims_any_more(ray_lo
     how many match no input row, since their prompts run again under the new ids."""
     write_jsonl(tmp_path / "in.jsonl", prompts(3))
     out = tmp_path / "out"
-    cfg = config(pair, str(tmp_path / "in.jsonl"), str(out), actors__num_actors=1)
+    cfg = config(pair, str(tmp_path / "in.jsonl"), str(out))
     assert run_job(cfg, print_fn=lambda *_: None)["rows_matching_no_input"] == 0
     write_jsonl(tmp_path / "in.jsonl", [r | {"id": f"new-{r['id']}"} if r["id"] == "q1" else r for r in prompts(3)])
     said = []
@@ -302,8 +304,7 @@ def test_sigterm_commits_what_is_finished_and_stops_promptly(ray_local, pair, tm
     (status 143) within seconds; a re-run completes the rest exactly once."""
     write_jsonl(tmp_path / "in.jsonl", prompts(120))
     out = tmp_path / "out"
-    cfg = config(pair, str(tmp_path / "in.jsonl"), str(out), sampling__max_new_tokens=24, output__rows_per_file=10,
-                 actors__num_actors=1)
+    cfg = config(pair, str(tmp_path / "in.jsonl"), str(out), sampling__max_new_tokens=24, output__rows_per_file=10)
     proc = _job_process(tmp_path, cfg, _on_session_ray(ray_local), stop_after_parts=1)
     wait_stopped(proc.pid)
     proc.send_signal(signal.SIGTERM)
@@ -343,7 +344,7 @@ def test_the_job_joins_a_running_head_and_ignores_a_stale_record_of_one(pair, tm
         while time.time() < deadline and not record.exists():
             time.sleep(0.2)
         assert record.exists()
-        cfg = config(pair, str(tmp_path / "in.jsonl"), str(tmp_path / "out1"), actors__num_actors=1)
+        cfg = config(pair, str(tmp_path / "in.jsonl"), str(tmp_path / "out1"))
         proc = _job_process(tmp_path, cfg, env)
         log, _ = proc.communicate(timeout=600)
         assert proc.returncode == 0 and "connected to the Ray head running on this machine" in log, log[-3000:]
@@ -351,7 +352,7 @@ def test_the_job_joins_a_running_head_and_ignores_a_stale_record_of_one(pair, tm
         os.killpg(head.pid, signal.SIGKILL)   # the head and every process it started: a graceful stop takes ~30 s
         head.wait(timeout=60)
     record.write_text("127.0.0.1:9")   # nothing listens there
-    cfg = config(pair, str(tmp_path / "in.jsonl"), str(tmp_path / "out2"), actors__num_actors=1)
+    cfg = config(pair, str(tmp_path / "in.jsonl"), str(tmp_path / "out2"))
     proc = _job_process(tmp_path, cfg, env)
     log, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0 and "started a local Ray" in log, log[-3000:]

@@ -5,6 +5,7 @@ import time
 
 import pytest
 import torch
+from cache_sharer import fetch_and_hash
 
 from eagle_ray.config import SamplingParams
 from eagle_ray.engine.engine import EagleEngine
@@ -28,36 +29,7 @@ def test_target_and_head_from_s3(s3, tiny_dir, tiny_head, tmp_path):
         assert torch.equal(a, b)
 
 
-def _fetch_and_hash(uri, opts, cache, first, asking, copied, results):
-    """One process of several sharing a model cache (every actor of a node, every pod on one volume). The first
-    one starts its copy once all have asked for the model (``asking``); a copy of another's own begins only once
-    the first one's is written (``copied``), as a slower process's would."""
-    import hashlib
-
-    import s3fs
-    os.environ["EAGLE_RAY_CACHE"] = cache
-    from eagle_ray.model.loading import download_s3
-    get = s3fs.S3FileSystem.get
-
-    def watched_get(self, *args, **kwargs):
-        if first:
-            asking.wait(300)
-            time.sleep(0.5)   # the others are past their look at the cache by now
-            try:
-                return get(self, *args, **kwargs)
-            finally:
-                copied.set()
-        copied.wait(300)
-        return get(self, *args, **kwargs)
-    s3fs.S3FileSystem.get = watched_get
-    if not first:
-        asking.wait(300)
-    local = download_s3(uri, opts)
-    results.put({f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(local.iterdir())
-                 if not f.name.startswith(".")})
-
-
-@pytest.mark.slow   # six processes, each importing torch
+@pytest.mark.slow   # six processes and an S3 server
 def test_processes_sharing_a_cache_each_read_the_sources_bytes(s3, tmp_path):
     """Six processes ask for one s3:// model at once, the first to copy it starting a moment later: every one reads files whose hashes
     are the source's, and no reader looking at the cache ever finds an entry marked whole whose files are not (the
@@ -78,7 +50,7 @@ def test_processes_sharing_a_cache_each_read_the_sources_bytes(s3, tmp_path):
     ctx = mp.get_context("spawn")
     asking, copied, results = ctx.Barrier(6), ctx.Event(), ctx.Queue()
     cache = tmp_path / "cache"
-    procs = [ctx.Process(target=_fetch_and_hash, args=("s3://models/shared", opts, str(cache), i == 0, asking,
+    procs = [ctx.Process(target=fetch_and_hash, args=("s3://models/shared", opts, str(cache), i == 0, asking,
                                                        copied, results)) for i in range(6)]
     seen_broken, done = [], threading.Event()
 

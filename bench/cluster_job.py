@@ -1,22 +1,24 @@
 """The batch job on a simulated multi-node Ray cluster (``ray.cluster_utils.Cluster``), in a process of its own so
-that its Ray stays apart from any other: a head with no resources (as in infra/), worker nodes with one CPU and one
-logical GPU each, one engine per node (``actors.num_gpus: 1``, one thread).
+that its Ray stays apart from any other: a head with no resources (as in infra/), three worker nodes with one CPU
+and one logical GPU each, one engine per node (``actors.num_gpus: 1``, one thread).
 
     python bench/cluster_job.py node_loss --target DIR --draft DIR --workdir DIR [--out RESULT.json]
     python bench/cluster_job.py node_loss --target embedded --workdir DIR [--out RESULT.json]
+    python bench/cluster_job.py bad_start node_loss --target DIR --draft DIR --workdir DIR
 
 ``node_loss``
-    Three workers, two actors, 48 rows. Once rows are committed, the node of the actor that wrote the first one is
-    killed (its raylet and workers, no goodbye: a lost or preempted machine). Reports whether the job finished,
-    every id's count, the first row any actor finished after the loss (``first_row_after_loss_s``) and the first row
-    the lost actor's restarted process started and finished on the spare node (``lost_actor_started_s``,
+    Two actors, 48 rows. Once rows are committed, the node of the actor that wrote the first one is killed (its
+    raylet and workers, no goodbye: a lost or preempted machine). Reports whether the job finished, every id's
+    count, the first row any actor finished after the loss (``first_row_after_loss_s``) and the first row the lost
+    actor's restarted process started and finished on the spare node (``lost_actor_started_s``,
     ``lost_actor_back_s``).
 
 ``bad_start``
-    Two workers, two actors, 24 rows; the first engine to start raises in its constructor (a bad device, say).
+    Two actors, 24 rows; the first engine to start raises in its constructor (a bad device, say).
 
-The result (``WORKDIR/result.json``, and ``--out`` with the hardware and command) holds every written id.
-``tests/test_cluster.py`` runs both with the tests' tiny pair.
+Several scenarios run in turn on one cluster (a node lost stays lost: put ``node_loss`` last), each in
+``WORKDIR/<scenario>/``; its result (``result.json`` there, and ``--out`` with the hardware and command, for one
+scenario) holds every written id. ``tests/test_cluster.py`` runs both with the tests' tiny pair.
 """
 from __future__ import annotations
 
@@ -84,26 +86,34 @@ def node_of(cluster, pid: int):
     raise LookupError(f"no worker node holds pid {pid}")
 
 
-def main(scenario: str, target: str, head: str, workdir: str) -> dict:
+def main(scenarios: list[str], target: str, head: str, workdir: str) -> dict[str, dict]:
+    """Each of ``scenarios`` in turn on one cluster; returns their results by name."""
     import ray
     from ray.cluster_utils import Cluster
 
-    from eagle_ray.batch.job import run_job
-
-    work = Path(workdir)
-    n_rows, n_workers = {"node_loss": (48, 3), "bad_start": (24, 2)}[scenario]
-    (work / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows(n_rows)))
-    out = work / "out"
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "num_gpus": 0, "include_dashboard": False})
-    for _ in range(n_workers):
+    for _ in range(3):
         cluster.add_node(num_cpus=1, num_gpus=1)
     cluster.wait_for_nodes()
-    runtime_env = {}
-    if scenario == "bad_start":
-        marker = work / "fail-next-start"
-        marker.touch()
-        runtime_env = {"worker_process_setup_hook": fail_first_start(str(marker))}
+    marker = Path(workdir) / "bad_start" / "fail-next-start"   # present from the start of bad_start
+    runtime_env = {"worker_process_setup_hook": fail_first_start(str(marker))} if "bad_start" in scenarios else {}
     ray.init(address=cluster.address, runtime_env=runtime_env, log_to_driver=False)
+    try:
+        return {name: run_scenario(name, cluster, target, head, Path(workdir) / name) for name in scenarios}
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def run_scenario(scenario: str, cluster, target: str, head: str, work: Path) -> dict:
+    from eagle_ray.batch.job import run_job
+
+    work.mkdir(parents=True, exist_ok=True)
+    n_rows = {"node_loss": 48, "bad_start": 24}[scenario]
+    (work / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows(n_rows)))
+    out = work / "out"
+    if scenario == "bad_start":
+        (work / "fail-next-start").touch()
     cfg = job_config(target, head, str(work / "in.jsonl"), str(out), 2)
     result: dict = {"scenario": scenario, "rows": n_rows}
     stop = threading.Event()
@@ -155,8 +165,6 @@ def main(scenario: str, target: str, head: str, workdir: str) -> dict:
         result["failed_starts"] = len(list(work.glob("fail-next-start.taken")))
     result["workers"] = sorted({r["worker_id"] for r in written})
     (work / "result.json").write_text(json.dumps(result, default=str))
-    ray.shutdown()
-    cluster.shutdown()
     return result
 
 
@@ -165,15 +173,17 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from harness import command_line, write_result
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("scenario", choices=["node_loss", "bad_start"])
+    p.add_argument("scenario", nargs="+", choices=["node_loss", "bad_start"])
     p.add_argument("--target", required=True, help="a target's folder, or `embedded` for the embedded pair")
     p.add_argument("--draft", default=None, help="the head's folder (not with `--target embedded`)")
     p.add_argument("--notes", default=None, help="said in the result file (e.g. what else ran on the machine)")
     p.add_argument("--workdir", required=True)
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None, help="the result with the hardware and command (one scenario)")
     a = p.parse_args()
-    outcome = main(a.scenario, a.target, a.draft, a.workdir)
-    write_result(a.out, {k: v for k, v in outcome.items() if k != "ids"} |
-                 {"ids_written": len(outcome["ids"]), "ids_distinct": len(set(outcome["ids"]))} |
-                 ({"notes": a.notes} if a.notes else {}),
-                 command_line("bench/cluster_job.py", sys.argv[1:]))
+    if a.out and len(a.scenario) > 1:
+        p.error("--out takes the result of one scenario")
+    for outcome in main(a.scenario, a.target, a.draft, a.workdir).values():
+        write_result(a.out, {k: v for k, v in outcome.items() if k != "ids"} |
+                     {"ids_written": len(outcome["ids"]), "ids_distinct": len(set(outcome["ids"]))} |
+                     ({"notes": a.notes} if a.notes else {}),
+                     command_line("bench/cluster_job.py", sys.argv[1:]))

@@ -1,5 +1,5 @@
-"""The batch job on a multi-node Ray cluster (``ray.cluster_utils.Cluster``: a head with no resources, worker nodes
-with one logical GPU each), run by ``bench/cluster_job.py`` in a process of its own: a worker node lost mid-job
+"""The batch job on a multi-node Ray cluster (``ray.cluster_utils.Cluster``: a head with no resources, three worker
+nodes with one logical GPU each), run by ``bench/cluster_job.py`` in a process of its own: a worker node lost mid-job
 costs no row and its actor comes back on the spare node; an actor whose engine cannot start is replaced and the job
 finishes on the others. Every id is written exactly once."""
 import json
@@ -15,20 +15,25 @@ pytestmark = pytest.mark.slow  # three Ray nodes and their actors
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_scenario(name: str, pair, workdir: Path) -> dict:
+@pytest.fixture(scope="module")
+def results(pair, tmp_path_factory) -> dict:
+    """Both scenarios in turn on one cluster (its start and stop, and the script's, paid once): the bad start
+    first, then the node loss, which leaves the cluster a node short."""
+    workdir = tmp_path_factory.mktemp("cluster")
     ray_tmp = Path(f"/tmp/er{uuid.uuid4().hex[:6]}")   # Ray's socket paths must stay short
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(RAY_TMPDIR=str(ray_tmp), RAY_USAGE_STATS_ENABLED="0",
                PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "cluster_job.py"), name, "--target", pair[0],
-                           "--draft", pair[1], "--workdir", str(workdir)],
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "cluster_job.py"), "bad_start", "node_loss",
+                           "--target", pair[0], "--draft", pair[1], "--workdir", str(workdir)],
                           env=env, capture_output=True, text=True, timeout=1200)
-    assert (workdir / "result.json").exists(), proc.stderr[-4000:]
-    return json.loads((workdir / "result.json").read_text())
+    found = {name: workdir / name / "result.json" for name in ("bad_start", "node_loss")}
+    assert all(f.exists() for f in found.values()), proc.stderr[-4000:]
+    return {name: json.loads(f.read_text()) for name, f in found.items()}
 
 
-def test_a_worker_node_lost_mid_job_costs_no_row_and_its_actor_comes_back_on_the_spare(pair, tmp_path):
-    r = run_scenario("node_loss", pair, tmp_path)
+def test_a_worker_node_lost_mid_job_costs_no_row_and_its_actor_comes_back_on_the_spare(results):
+    r = results["node_loss"]
     print(f"\nnode lost after {r['rows_before']} rows: rows flowing again {r['first_row_after_loss_s']} s after; "
           f"the lost actor's first row on the spare node started {r['lost_actor_started_s']} s and finished "
           f"{r['lost_actor_back_s']} s after; job {r['wall_s']} s")
@@ -38,8 +43,8 @@ def test_a_worker_node_lost_mid_job_costs_no_row_and_its_actor_comes_back_on_the
     # them first (bench/cluster_job.py measures the recovery with rows left for it)
 
 
-def test_an_actor_whose_engine_cannot_start_is_replaced_and_the_job_finishes(pair, tmp_path):
-    r = run_scenario("bad_start", pair, tmp_path)
+def test_an_actor_whose_engine_cannot_start_is_replaced_and_the_job_finishes(results):
+    r = results["bad_start"]
     assert r["failed_starts"] == 1
     assert r["exit"] == "ok", r["exit"]   # it failed with 0 rows
     assert sorted(r["ids"]) == sorted(f"q{i}" for i in range(r["rows"]))

@@ -50,6 +50,9 @@ def job_config(target: str, head: str, inp: str, out: str, n_actors: int):
                    "max_concurrent_batches": 2}})
 
 
+MARKER = "fail-next-start"   # bad_start's file: the engine start that renames it fails
+
+
 def fail_first_start(marker: str):
     """A worker setup hook: the first GenerateStage to start (the one that takes ``marker``) raises."""
     def hook():
@@ -95,7 +98,7 @@ def main(scenarios: list[str], target: str, head: str, workdir: str) -> dict[str
     for _ in range(3):
         cluster.add_node(num_cpus=1, num_gpus=1)
     cluster.wait_for_nodes()
-    marker = Path(workdir) / "bad_start" / "fail-next-start"   # present from the start of bad_start
+    marker = Path(workdir) / "bad_start" / MARKER   # put there as bad_start begins
     runtime_env = {"worker_process_setup_hook": fail_first_start(str(marker))} if "bad_start" in scenarios else {}
     ray.init(address=cluster.address, runtime_env=runtime_env, log_to_driver=False)
     try:
@@ -113,7 +116,7 @@ def run_scenario(scenario: str, cluster, target: str, head: str, work: Path) -> 
     (work / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows(n_rows)))
     out = work / "out"
     if scenario == "bad_start":
-        (work / "fail-next-start").touch()
+        (work / MARKER).touch()
     cfg = job_config(target, head, str(work / "in.jsonl"), str(out), 2)
     result: dict = {"scenario": scenario, "rows": n_rows}
     stop = threading.Event()
@@ -162,7 +165,7 @@ def run_scenario(scenario: str, cluster, target: str, head: str, work: Path) -> 
             result[key] = round((first - removed).total_seconds(), 1) if first else None
         result["rows_by_restarted_actor"] = len(restarted)
     if scenario == "bad_start":
-        result["failed_starts"] = len(list(work.glob("fail-next-start.taken")))
+        result["failed_starts"] = len(list(work.glob(f"{MARKER}.taken")))
     result["workers"] = sorted({r["worker_id"] for r in written})
     (work / "result.json").write_text(json.dumps(result, default=str))
     return result

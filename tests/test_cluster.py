@@ -13,21 +13,21 @@ import pytest
 
 pytestmark = pytest.mark.slow  # three Ray nodes and their actors
 ROOT = Path(__file__).resolve().parent.parent
+SCENARIOS = ("bad_start", "node_loss")   # in this order: the node loss leaves the cluster a node short
 
 
 @pytest.fixture(scope="module")
 def results(pair, tmp_path_factory) -> dict:
-    """Both scenarios in turn on one cluster (its start and stop, and the script's, paid once): the bad start
-    first, then the node loss, which leaves the cluster a node short."""
+    """Both scenarios in turn on one cluster (its start and stop, and the script's, paid once)."""
     workdir = tmp_path_factory.mktemp("cluster")
     ray_tmp = Path(f"/tmp/er{uuid.uuid4().hex[:6]}")   # Ray's socket paths must stay short
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(RAY_TMPDIR=str(ray_tmp), RAY_USAGE_STATS_ENABLED="0",
                PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "cluster_job.py"), "bad_start", "node_loss",
-                           "--target", pair[0], "--draft", pair[1], "--workdir", str(workdir)],
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "cluster_job.py"), *SCENARIOS, "--target", pair[0],
+                           "--draft", pair[1], "--workdir", str(workdir)],
                           env=env, capture_output=True, text=True, timeout=1200)
-    found = {name: workdir / name / "result.json" for name in ("bad_start", "node_loss")}
+    found = {name: workdir / name / "result.json" for name in SCENARIOS}
     assert all(f.exists() for f in found.values()), proc.stderr[-4000:]
     return {name: json.loads(f.read_text()) for name, f in found.items()}
 

@@ -276,6 +276,8 @@ def compare_summary(engines: dict, outs: dict, walls: dict, batch: int) -> dict:
         per_run = tokens if batch == 1 else tokens * len(walls[n])   # larger batches: every round the whole set
         out[n] = {"tokens_per_s": per_run / sum(walls[n]), "tokens": tokens, "speculative": speculative,
                   "tau": statistics.mean(o.stats.tau for o in outs[n]),
+                  "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs[n]),
+                  "cached_prompt_tokens": sum(o.stats.cached_prompt_tokens for o in outs[n]),
                   "tree": engine.config.speculation.tree.model_dump(), "trees": engine.policy.summary(),
                   "dtype": str(engine.target.dtype), "threads": engine.config.model.threads,
                   "tensor_parallel": engine.config.model.tensor_parallel}

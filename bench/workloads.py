@@ -7,7 +7,9 @@
 - ``alternating``: MT-bench and HumanEval first turns in turn, short and long prompts mixed (what the tree tuner
   traces);
 - ``mixed``: raw text of 10 to 1,900 tokens cut from the bundled CNN/DM articles, lengths spread evenly and shuffled
-  (:func:`mixed_length_prompts`; needs the tokenizer).
+  (:func:`mixed_length_prompts`; needs the tokenizer);
+- ``gsm8k_fewshot``: GSM8K questions as a five-shot eval asks them, raw text, every prompt under the same five
+  worked examples (:func:`fewshot_prompts`): what prefix sharing is measured on.
 
 :func:`prompts` reads any of them by name (``--workload``). A module, not a command.
 """
@@ -20,7 +22,7 @@ from eagle_ray.prompts import (EAGLE_TASKS, benchmark_path, demo_prompts_path, f
                                read_jsonl)
 
 DOMAINS = ("sympy_code", "bbc_news")   # one domain and style each: what online adaptation is measured on
-NAMES = ("demo", "alternating", "mixed", *DOMAINS, *EAGLE_TASKS)
+NAMES = ("demo", "alternating", "mixed", "gsm8k_fewshot", *DOMAINS, *EAGLE_TASKS)
 
 
 def task_records(spec: str) -> tuple[str, list[dict]]:
@@ -59,6 +61,15 @@ def alternating_prompts(n: int, skip: int = 0) -> list:
     mt, he = read_jsonl(benchmark_path("mt_bench")), read_jsonl(benchmark_path("humaneval"))
     return [first_turn_prompt((mt if i % 2 == 0 else he)[(skip + i // 2) % len(mt if i % 2 == 0 else he)])
             for i in range(n)]
+
+
+def fewshot_prompts(n: int, shots: int = 5) -> list[str]:
+    """``n`` bundled GSM8K questions after the first ``shots`` questions with their worked answers, as
+    lm-evaluation-harness's five-shot GSM8K writes them ("Question: ...\nAnswer: ..."): about 1,000 tokens of
+    examples (the embedded tokenizer's) shared by every prompt, then 40 to 170 of its own."""
+    records = read_jsonl(benchmark_path("gsm8k"))
+    examples = "".join(f"Question: {r['turns'][0]}\nAnswer: {r['reference'][0]}\n\n" for r in records[:shots])
+    return [f"{examples}Question: {r['turns'][0]}\nAnswer:" for r in records[shots: shots + n]]
 
 
 def mixed_length_prompts(tokenizer, n: int, lo: int = 10, hi: int = 1900, seed: int = 0) -> list[str]:
@@ -146,6 +157,8 @@ def prompts(name: str, n: int | None = None, tokenizer=None) -> list:
         return alternating_prompts(n or 64)
     if name == "mixed":
         return mixed_length_prompts(tokenizer or embedded_tokenizer(), n or 48)
+    if name == "gsm8k_fewshot":
+        return fewshot_prompts(n or 64)
     if name == "sympy_code":
         return sympy_code_prompts(n or 1000)
     if name == "bbc_news":

@@ -220,6 +220,8 @@ class CacheConfig(StrictModel):
         "latency", description="the device's step budget when max_step_tokens is None: latency (short steps, so "
         "prompts arriving stall running streams little: Serve) or throughput (wide steps, so trees and prompt chunks "
         "share a step: the batch job and processors); model/numerics.py DEVICE_DEFAULTS")
+    prefix_sharing: bool = Field(True, description="a prompt that begins like one in a running sequence's slot "
+                                 "copies those positions' K/V and prefills the rest (engine/prefix_sharing.py)")
     memory_share: float | None = Field(None, gt=0, le=1, description="the share of the device's memory this engine "
                                        "plans for with max_batch_size auto (None: all that is free); a Ray actor or "
                                        "replica with num_gpus 0.5 gets 0.5")

@@ -22,6 +22,7 @@ class RequestStats:
     ttft_s: float = 0.0
     total_s: float = 0.0
     head_version: int = 0                                        # the head it finished with (online adaptation)
+    cached_prompt_tokens: int = 0   # prompt tokens copied from a running sequence's slot, not prefilled
 
     @property
     def tau(self) -> float:
@@ -50,7 +51,7 @@ class RequestStats:
     def merge(self, other: "RequestStats") -> None:
         """Add another request's counts and times (a multi-turn row is one row of stats)."""
         for name in ("verify_steps", "new_tokens", "step_tokens", "tree_tokens", "prefill_s", "draft_s", "verify_s",
-                     "other_s", "total_s"):
+                     "other_s", "total_s", "cached_prompt_tokens"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         if not self.ttft_s:
             self.ttft_s = other.ttft_s

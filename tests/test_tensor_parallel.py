@@ -46,6 +46,22 @@ def test_two_ranks_give_one_ranks_tokens_greedy_and_sampled(target_dir, head, fu
     assert got[0] == [reference_greedy(hf, p, 20) for p in prompts]
 
 
+def test_two_ranks_copy_a_prompt_start_from_a_running_sequence_as_one_rank_does(target_dir):
+    """Automatic prefix sharing (engine/prefix_sharing.py) copies K/V slot to slot on every rank."""
+    from test_prefix_sharing import one_long_then_short, under_one_preamble
+    prompts, params = under_one_preamble(4), one_long_then_short(4)
+    runs = {}
+    for tp in (1, 2):
+        e = EagleEngine.from_pretrained(str(target_dir), "random", dtype="float32", max_batch_size=2, tree=TREE,
+                                        tensor_parallel=tp, threads=1, cpu_linears="native")
+        try:
+            runs[tp] = e.generate(prompts, params)
+        finally:
+            e.close()
+    assert [o.stats.cached_prompt_tokens for o in runs[2]] == [0, 0, 39, 39]
+    assert [o.token_ids for o in runs[2]] == [o.token_ids for o in runs[1]]
+
+
 def test_each_rank_holds_its_slices_only(target_dir):
     from transformers import AutoConfig, AutoModelForCausalLM
     cfg = AutoConfig.from_pretrained(target_dir)

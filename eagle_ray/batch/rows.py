@@ -375,7 +375,7 @@ STAT_FIELDS = [
     ("accept_hist", pa.list_(pa.int64())), ("accepted_per_depth", pa.list_(pa.int64())),
     ("mean_tree_size", pa.float64()), ("prefill_s", pa.float64()), ("draft_s", pa.float64()),
     ("verify_s", pa.float64()), ("other_s", pa.float64()), ("ttft_s", pa.float64()), ("total_s", pa.float64()),
-    ("tokens_per_s", pa.float64()), ("head_version", pa.int64()),
+    ("tokens_per_s", pa.float64()), ("head_version", pa.int64()), ("cached_prompt_tokens", pa.int64()),
 ]
 
 # per token: its top alternatives, most probable first (a list of structs: pandas reads dicts, duckdb a STRUCT[])

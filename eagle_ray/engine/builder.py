@@ -87,7 +87,8 @@ def build_stepping(target: TargetModel, draft, config: EngineConfig, policy: Tre
         pair = pending_pair_bytes(draft.feature_size, target.dtype, target.numerics.fp32_activations)
         feeding = Feeding(extend, max_pending_pairs(pair, target.max_len))
     scheduler = Scheduler(config.cache.max_batch_size, budget, policy, feeding,
-                          one_pass=defaults_for(target.device).one_target_pass)
+                          one_pass=defaults_for(target.device).one_target_pass,
+                          prefix_sharing=config.cache.prefix_sharing)
     return scheduler, runner
 
 

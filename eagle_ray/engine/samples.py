@@ -133,7 +133,7 @@ def copy_prefix(target, draft, source: Sequence, seq: Sequence, shared: int) -> 
     consumed = min(int(draft.cache.lengths[source.slot]), shared)
     draft.cache.copy_prefix(source.slot, seq.slot, consumed)
     pending = PendingPairs()
-    pending.kept = None if seq.pending.kept is None else []
+    pending.kept = None if seq.pending.kept is None else source.pending.kept_first(consumed)
     rest = shared - consumed
     if rest:
         pending.add(source.pending.tokens[:rest], source.pending.features()[:rest])

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from eagle_ray.config import TreeConfig, is_plain
 from eagle_ray.engine.budgets import max_emitted
+from eagle_ray.engine.prefix_sharing import share_running_prefixes
 from eagle_ray.engine.samples import prefill_end, share_prefixes
 from eagle_ray.engine.sequence import Sequence
 from eagle_ray.engine.tree_policy import TreePolicy
@@ -172,7 +173,7 @@ MIN_PREFILL = 16  # prompt tokens a step runs even when decoding fills its budge
 
 class Scheduler:
     def __init__(self, num_slots: int, step_budget: int, policy: TreePolicy, feeding: Feeding | None = None,
-                 one_pass: bool = False):
+                 one_pass: bool = False, prefix_sharing: bool = True):
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []          # in slot order after defragment()
         self.prefilling: list[Sequence] = []       # running sequences still in their prompt, oldest first
@@ -182,6 +183,7 @@ class Scheduler:
         self.feeding = feeding                     # how the head takes its pairs (None: no head)
         self.max_running: int | None = None  # run fewer sequences than there are slots (benchmarks of batch size)
         self.one_pass = one_pass                   # StepPlan.one_pass of every step
+        self.prefix_sharing = prefix_sharing       # prompts copy the start they share with a running sequence
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -195,7 +197,8 @@ class Scheduler:
         tree could overrun its slot decodes plainly from then on, so it ends where plain decoding would; one whose
         next token cannot fit finishes with ``length``. With prompt chunks in the step, the speculative sequences'
         verify tokens (their roots included) take only what the chunks leave. A sequence sharing its prompt's start
-        with others (``engine/samples.py``) copies it with ``fork`` where another holds it."""
+        with others (``engine/samples.py``), or with any sequence in a slot (``engine/prefix_sharing.py``), copies it
+        with ``fork`` where another holds it."""
         self._admit()
         share_prefixes(self.prefilling, fork)
         room = {True: self.policy.max_verify_budget(), False: 1}   # verify tokens a sequence's step may take
@@ -216,6 +219,8 @@ class Scheduler:
         if not prompts:
             return plan_decode(StepPlan([], decode, one_pass=self.one_pass), self.policy, self.feeding)
         chunks = plan_chunks(prompts, max(MIN_PREFILL, self.step_budget - len(decode)))
+        if self.prefix_sharing and fork is not None:
+            share_running_prefixes(chunks, self.running, fork)
         n_spec = sum(s.speculative for s in decode)
         prompt_tokens = len(chunks) * max(c.end - c.start for c in chunks)   # the pass is padded
         left = self.step_budget - prompt_tokens - (len(decode) - n_spec)

@@ -44,6 +44,17 @@ class PendingPairs:
         self.chunks = [feats[n:]] if self.tokens else []
         return tokens, feats[:n]
 
+    def kept_first(self, n: int) -> list[tuple[list[int], torch.Tensor]]:
+        """The first ``n`` pairs ever added, as kept (a sequence that copies another's first positions keeps
+        its pairs from position 0 too)."""
+        out = []
+        for tokens, feats in self.kept or []:
+            if n <= 0:
+                break
+            out.append((tokens[:n], feats[:n]))
+            n -= len(tokens)
+        return out
+
     def features(self) -> torch.Tensor | None:
         """Every pending feature ``[len, d]`` (a copy; None when empty)."""
         return torch.cat(self.chunks) if self.chunks else None

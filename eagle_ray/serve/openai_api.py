@@ -390,7 +390,8 @@ def eagle_stats(stats: RequestStats) -> dict:
     """Speculative-decoding stats returned with every response (``eagle`` field)."""
     return {"tau": round(stats.tau, 4), "verify_steps": stats.verify_steps,
             "accepted_draft_tokens": sum(stats.accepted_per_depth), "mean_tree_size": round(stats.mean_tree_size, 3),
-            "accept_hist": stats.accept_hist, "ttft_s": round(stats.ttft_s, 4)}
+            "accept_hist": stats.accept_hist, "ttft_s": round(stats.ttft_s, 4),
+            "cached_prompt_tokens": stats.cached_prompt_tokens}
 
 
 def new_id(prefix: str) -> str:

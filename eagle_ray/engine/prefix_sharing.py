@@ -3,9 +3,9 @@
 Batch and eval jobs send many prompts under one system prompt or one set of few-shot examples. When a step plans
 a prompt's first chunk, the prompt looks among the sequences in slots for the one whose prompt begins with most of
 its own tokens, copies those positions' K/V and the head's state of them (``copy_prefix``, as the ``n`` samples of
-one prompt do, ``engine/samples.py``), and the chunk runs from there. The copy stops one token short of where the prompts part (the
-head's input at a position holds the next token) and short of the prompt's last token (the first output token is
-drawn from the prompt's own pass), so a prompt prefills at least one token of its own.
+one prompt do, ``engine/samples.py``), and the chunk runs from there. The copy stops one token short of where the
+prompts part (the head's input at a position holds the next token) and short of the prompt's last token (the first
+output token is drawn from the prompt's own pass), so a prompt prefills at least one token of its own.
 
 Only sequences in slots are sources: a prompt that starts in the same step as its twins, or after all of them have
 finished, prefills in full (finished prompts are not kept). Prompts that ask for their prompt logprobs, and the
@@ -59,8 +59,9 @@ def best_source(seq: Sequence, running: list[Sequence]) -> tuple[Sequence | None
 
 
 def share_running_prefixes(chunks: list, running: list[Sequence], fork) -> None:
-    """A step's prompt chunks as planned (``scheduler.PrefillChunk``): each that starts a prompt copies the longest start its prompt shares with
-    a sequence in a slot (``fork(source, seq, n)``) and runs from there instead, as wide as planned."""
+    """A step's prompt chunks as planned (``scheduler.PrefillChunk``): each that starts a prompt copies the longest
+    start its prompt shares with a sequence in a slot (``fork(source, seq, n)``) and runs from there instead, as
+    wide as planned."""
     for c in chunks:
         if c.start == 0 and may_share(c.seq):
             source, n = best_source(c.seq, running)

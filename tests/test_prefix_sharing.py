@@ -18,10 +18,10 @@ def under_one_preamble(n: int, preamble: int = 40, seed: int = 3) -> list[list[i
             for i, k in enumerate(torch.randint(1, 8, (n,), generator=g))]
 
 
-def one_long_then_short(n: int, **extra) -> list[SamplingParams]:
+def one_long_then_short(n: int) -> list[SamplingParams]:
     """The first request outlives the others, so each later prompt starts while it runs (the others run 6
     tokens each, two at a time)."""
-    return [SamplingParams(max_new_tokens=120 if i == 0 else 6, ignore_eos=True, **extra) for i in range(n)]
+    return [SamplingParams(max_new_tokens=120 if i == 0 else 6, ignore_eos=True) for i in range(n)]
 
 
 def run(engine, prompts, params, sharing: bool):

@@ -21,8 +21,8 @@ def target_dir(tmp_path_factory):
     return save_target(tmp_path_factory.mktemp("tp"), layers=7)   # 7 layers: an EAGLE-3 head reads three
 
 
-def engine(path, tp: int, head: str = "random", **kw) -> EagleEngine:
-    return EagleEngine.from_pretrained(str(path), head, dtype="float32", max_batch_size=4, tree=TREE,
+def engine(path, tp: int, head: str = "random", max_batch_size: int = 4, **kw) -> EagleEngine:
+    return EagleEngine.from_pretrained(str(path), head, dtype="float32", max_batch_size=max_batch_size, tree=TREE,
                                        tensor_parallel=tp, threads=1, cpu_linears="native", **kw)
 
 
@@ -52,8 +52,7 @@ def test_two_ranks_copy_a_prompt_start_from_a_running_sequence_as_one_rank_does(
     prompts, params = under_one_preamble(4), one_long_then_short(4)
     runs = {}
     for tp in (1, 2):
-        e = EagleEngine.from_pretrained(str(target_dir), "random", dtype="float32", max_batch_size=2, tree=TREE,
-                                        tensor_parallel=tp, threads=1, cpu_linears="native")
+        e = engine(target_dir, tp, max_batch_size=2)
         try:
             runs[tp] = e.generate(prompts, params)
         finally:

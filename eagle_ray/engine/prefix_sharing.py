@@ -13,6 +13,7 @@ members of a sample or scoring group (which share their prompt within the group)
 """
 from __future__ import annotations
 
+from eagle_ray.engine.samples import may_copy_from
 from eagle_ray.engine.sequence import Sequence
 
 MIN_SHARED = 16   # shared tokens worth a copy of every layer's slot (fewer prefill with the rest of the prompt)
@@ -42,15 +43,12 @@ def may_share(seq: Sequence) -> bool:
 
 def best_source(seq: Sequence, running: list[Sequence]) -> tuple[Sequence | None, int]:
     """The sequence in a slot that gives ``seq`` the most positions, and how many (at least ``MIN_SHARED``; else
-    ``(None, 0)``). A source holds them in its target cache (``prefilled``) and, where ``seq`` drafts, drafts too
-    (the head's state of them), and keeps its pairs for online adaptation where ``seq`` does."""
+    ``(None, 0)``), among those ``seq`` may copy from (``samples.may_copy_from``), no further than each has
+    prefilled."""
     head = seq.prompt_ids[:MIN_SHARED + 1]
     best, most = None, MIN_SHARED - 1
     for m in running:
-        if (m is seq or m.slot < 0 or m.finished or not m.fork_ready or m.prefilled < MIN_SHARED
-                or (seq.speculative and not m.speculative)
-                or (seq.pending.kept is not None and m.pending.kept is None)
-                or m.prompt_ids[:MIN_SHARED + 1] != head):
+        if m.prefilled < MIN_SHARED or m.prompt_ids[:MIN_SHARED + 1] != head or not may_copy_from(m, seq):
             continue
         n = min(common_start(m.prompt_ids, seq.prompt_ids) - 1, m.prefilled, len(seq.prompt_ids) - 1)
         if n > most:

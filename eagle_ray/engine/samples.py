@@ -35,6 +35,15 @@ def sample_seed(seed: int, index: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
+def may_copy_from(source: Sequence, seq: Sequence) -> bool:
+    """Whether ``seq`` may take its first positions from ``source`` with :func:`copy_prefix` (as far as ``source``
+    has prefilled): ``source`` runs in a slot with its own prefix in place, and where ``seq`` drafts, or keeps its
+    pairs for online adaptation, ``source`` does too (every (feature, token) pair, in the head's cache or pending)."""
+    return (source is not seq and source.slot >= 0 and not source.finished and source.fork_ready
+            and (source.speculative or not seq.speculative)
+            and (seq.pending.kept is None or source.pending.kept is not None))
+
+
 @dataclass(eq=False)
 class ForkGroup:
     """Sequences whose prompts begin with the same ``shared`` tokens (``shared`` 0: nothing to share)."""
@@ -43,11 +52,9 @@ class ForkGroup:
     forks: int = 0          # members that copied the prefix instead of prefilling it (tests count them)
 
     def source_for(self, seq: Sequence) -> Sequence | None:
-        """A member holding the prefix in its slot (its K/V, and where ``seq`` drafts, every (feature, token) pair
-        of it, in the head's cache or pending)."""
+        """A member holding the prefix in its slot (:func:`may_copy_from`)."""
         for m in self.members:
-            if m is not seq and m.slot >= 0 and not m.finished and m.fork_ready and m.prefilled >= self.shared \
-                    and (m.speculative or not seq.speculative):
+            if may_copy_from(m, seq) and m.prefilled >= self.shared:
                 return m
         return None
 

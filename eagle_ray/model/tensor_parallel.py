@@ -252,8 +252,8 @@ def start(spec: Spec, world: int, make_target, timeout_s: float) -> "ShardedTarg
 
 MAIN_GUARD_EXIT = 3   # a rank's exit status when it was about to start ranks of its own (see check_not_spawning)
 MAIN_GUARD = ('the script that builds a tensor-parallel engine has no `if __name__ == "__main__":` guard: each rank '
-              "is a new Python process (multiprocessing's spawn) that imports the script again, so every rank ran "
-              "the script and tried to build an engine of its own. Put the code that builds the engine under "
+              "is a new Python process (multiprocessing's fork server) that imports the script again, so every rank "
+              "ran the script and tried to build an engine of its own. Put the code that builds the engine under "
               '`if __name__ == "__main__":`')
 
 
@@ -335,6 +335,21 @@ def wait_for_ranks(procs: list, pipes: list, timeout_s: float) -> None:
                                       "before it joined; its output above says why")
 
 
+# what every rank imports before it loads its shard: the fork server imports it once, then each rank starts as a fork
+# of it (a spawned interpreter would import torch and transformers again for every rank of every start)
+RANK_PRELOAD = ["eagle_ray.model.tensor_parallel", "eagle_ray.model.target",
+                "transformers.models.llama.modeling_llama"]
+
+
+def rank_context():
+    """multiprocessing's fork server, preloaded: ranks start as forks of a process that has imported what they need
+    and has run nothing (no thread pools, no device), and like spawned ones they import the main script again. The
+    server starts at the first ranks' start and keeps that moment's environment for every later one."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(RANK_PRELOAD)
+    return ctx
+
+
 def start_ranks(spec: Spec, world: int, make_target, timeout_s: float) -> Group:
     """Ranks 1..N-1 started (each loads its shard and follows) and rank 0's side of a new group."""
     check_not_spawning()
@@ -343,7 +358,7 @@ def start_ranks(spec: Spec, world: int, make_target, timeout_s: float) -> Group:
     device = torch.device(spec.device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     port = free_port()
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     procs, pipes = [], []
     for rank in range(1, world):
         ours, theirs = ctx.Pipe()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from eagle_ray.config import SamplingParams
 from eagle_ray.fidelity import SCORE_TOL, compare, engine_like, read_trace, run_prompts
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -73,6 +74,22 @@ def test_every_step_equals_the_reference_with_compiled_forwards(trace_file):
     heads the ones before it lacked). ``fullgraph=True`` turns a compile past the recompile limit into an error, so
     shared graphs never fall back to eager unnoticed."""
     assert disagreements(trace_file, 4, compile="inductor") == []
+
+
+@pytest.mark.slow
+def test_inductor_kernels_give_the_eager_tokens_speculative_and_plain():
+    """Inductor's kernels against eager layers on the golden pair (the EAGLE-2 head, the first trace's engine),
+    speculative and plain. After the traces above, in this process: their graphs serve the speculative steps, so
+    only plain decoding's shapes compile here (on a target of its own, every graph would)."""
+    trace = read_trace(TRACES[0])
+    paths = [str(REPO / trace["settings"][k]) for k in ("target", "head")]
+    prompts = [p["prompt_ids"] for p in trace["prompts"]]
+    eager = engine_like(trace, *paths, 4, cpu_linears="input_major")   # the linears model.compile picks on CPU
+    compiled = engine_like(trace, *paths, 4, compile="inductor")
+    for speculative in (True, False):
+        want, got = (e.generate(prompts, SamplingParams(max_new_tokens=24), speculative=speculative)
+                     for e in (eager, compiled))
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
 
 
 def test_a_score_off_by_more_than_the_tolerance_is_a_difference():

@@ -218,9 +218,9 @@ def test_a_rank_that_hangs_fails_the_engine_after_the_collective_timeout(target_
 
 
 def test_a_script_without_the_main_guard_fails_at_once_saying_to_add_it(target_dir, tmp_path):
-    """Each rank is a spawned process that imports the main script again: a script that builds its engine at the
-    top level (no ``if __name__ == "__main__":``) fails with that advice, not after the join timeout with "ranks did
-    not join"."""
+    """Each rank is a new process (a fork of the rank server) that imports the main script again: a script that
+    builds its engine at the top level (no ``if __name__ == "__main__":``) fails with that advice, not after the join
+    timeout with "ranks did not join"."""
     import os
     import subprocess
     import sys

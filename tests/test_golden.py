@@ -22,10 +22,15 @@ TRACES = sorted((GOLDEN / "traces").glob("*.json"))
 REFERENCE_COMMIT = "cb7e0841fe0c206c6ed74a197ad5e2a1f13f5a2b"   # SafeAILab/EAGLE
 
 
+def golden_engine(trace: dict, batch: int, **options):
+    """The engine the reference's trace describes, on the committed golden pair."""
+    s = trace["settings"]
+    return engine_like(trace, str(REPO / s["target"]), str(REPO / s["head"]), batch, **options)
+
+
 def disagreements(trace_file: Path, batch: int, kv_bucket: int = 1, **options) -> list[dict]:
     trace = read_trace(trace_file)
-    engine = engine_like(trace, str(REPO / trace["settings"]["target"]), str(REPO / trace["settings"]["head"]),
-                         batch, **options)
+    engine = golden_engine(trace, batch, **options)
     engine.target.cache.kv_bucket = engine.draft.cache.kv_bucket = kv_bucket
     runs = run_prompts(engine, [p["prompt_ids"] for p in trace["prompts"]], trace["settings"]["max_new_tokens"])
     rows = [compare(run, ref) for run, ref in zip(runs, trace["prompts"])]
@@ -82,10 +87,9 @@ def test_inductor_kernels_give_the_eager_tokens_speculative_and_plain():
     speculative and plain. After the traces above, in this process: their graphs serve the speculative steps, so
     only plain decoding's shapes compile here (on a target of its own, every graph would)."""
     trace = read_trace(TRACES[0])
-    paths = [str(REPO / trace["settings"][k]) for k in ("target", "head")]
     prompts = [p["prompt_ids"] for p in trace["prompts"]]
-    eager = engine_like(trace, *paths, 4, cpu_linears="input_major")   # the linears model.compile picks on CPU
-    compiled = engine_like(trace, *paths, 4, compile="inductor")
+    eager = golden_engine(trace, 4, cpu_linears="input_major")   # the linears model.compile picks on CPU
+    compiled = golden_engine(trace, 4, compile="inductor")
     for speculative in (True, False):
         want, got = (e.generate(prompts, SamplingParams(max_new_tokens=24), speculative=speculative)
                      for e in (eager, compiled))

@@ -7,6 +7,8 @@ a GPU each would stall the step until the device catches up. The one read every 
 of every sequence; a tree that may hold padding (``min_cum_prob``, a batch verify budget) adds the read of its
 width. The step's inputs go up through the device's ``Uploads``: one copy per decode step.
 """
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -16,6 +18,7 @@ from eagle_ray.engine.engine import EagleEngine
 from eagle_ray.engine.host_reads import count_host_reads
 from eagle_ray.engine.scheduler import extend_passes
 from eagle_ray.engine.clock import Elapsed
+from eagle_ray.model.numerics import DEVICE_DEFAULTS
 from eagle_ray.uploads import Uploads, uploads_for
 
 
@@ -52,7 +55,10 @@ def test_sampling_and_plain_steps_read_once_and_copy_once(tiny_dir):
                                      one_decode_step(tiny_dir, 4, DEPTH3, speculative=False))] == [(1, 1), (1, 1)]
 
 
-def test_trees_with_padding_add_only_the_read_of_their_width(tiny_dir):
+def test_trees_with_padding_add_only_the_read_of_their_width(tiny_dir, monkeypatch):
+    """Counted as a GPU verifies them: in one block (a CPU verifies trees of very different sizes in two blocks,
+    each read back: reads cost a CPU nothing, padding rows cost it their compute; tests/test_verify_blocks.py)."""
+    monkeypatch.setitem(DEVICE_DEFAULTS, "cpu", dataclasses.replace(DEVICE_DEFAULTS["cpu"], split_verify=False))
     pruned = TreeConfig(total_tokens=12, depth=3, top_k=3, min_cum_prob=0.01)
     assert [(len(r), c) for r, c in (one_decode_step(tiny_dir, 4, pruned),
                                      one_decode_step(tiny_dir, 8, DEPTH3, verify_cap=40))] == [(2, 1), (2, 1)]

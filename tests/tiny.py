@@ -67,7 +67,7 @@ def save_target(path: Path, vocab_size: int = 64, **kw) -> Path:
 
 def tiny_engine(target_dir: Path, head: DraftHead | None = None, tree: TreeConfig | None = None,
                 max_batch_size: int = 4, max_model_len: int = 256, dtype=torch.float32,
-                max_step_tokens: int = 256) -> EagleEngine:
+                max_step_tokens: int = 256, **options) -> EagleEngine:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype)
@@ -78,7 +78,7 @@ def tiny_engine(target_dir: Path, head: DraftHead | None = None, tree: TreeConfi
         head.embed_tokens.weight.data.copy_(hf.model.embed_tokens.weight)
     # a tiny model's step costs next to nothing: a 256-token budget keeps chunking for long prompts, not short ones
     cfg = EngineConfig(tree=tree or TreeConfig(total_tokens=12, depth=3, top_k=3), max_batch_size=max_batch_size,
-                       max_model_len=max_model_len, max_step_tokens=max_step_tokens)
+                       max_model_len=max_model_len, max_step_tokens=max_step_tokens, **options)
     return EagleEngine(target, head.to(dtype).eval(), AutoTokenizer.from_pretrained(target_dir), cfg)
 
 

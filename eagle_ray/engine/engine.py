@@ -312,7 +312,7 @@ class EagleEngine:
             self.counters["decode_passes"] += 1
             self.counters["drafted_passes"] += speculative
             self.counters["decode_sequences"] += n
-            self.counters["verify_tokens"] += n * (t.verify_width if speculative else 1)
+            self.counters["verify_tokens"] += t.verify_tokens if speculative else n
         self.counters["tree_nodes"] += t.tree_nodes
         if out.decoded and not plan.prefill:  # decode-only steps: what share of a step is not model forwards
             self.counters["decode_step_s"] += t.total_s

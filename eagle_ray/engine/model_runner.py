@@ -25,6 +25,7 @@ from eagle_ray.engine.sequence import Sequence
 from eagle_ray.engine.clock import Clock, resolve_times
 from eagle_ray.uploads import Uploads, uploads_for
 from eagle_ray.model.draft_head import DraftHead
+from eagle_ray.model.numerics import defaults_for
 from eagle_ray.model.target import TargetModel
 from eagle_ray.speculative.accept import accept
 from eagle_ray.speculative.context_vocab import ContextTokens, context_rows
@@ -34,7 +35,7 @@ from eagle_ray.speculative.lookup import TokenHistory, lookup_rows
 from eagle_ray.speculative.penalties import PenaltyBatch, apply_penalties
 from eagle_ray.speculative.sampling import SamplingBatch, choose_tokens
 from eagle_ray.speculative.tree import (Tree, drop_padding, fit_batch_budget, graft_chain, grow_tree, rows_of,
-                                        stack_trees)
+                                        select_rows, size_order, split_by_size, stack_trees)
 
 
 @dataclass
@@ -55,7 +56,7 @@ class StepTimes:
     verify_s: float = 0.0
     total_s: float = 0.0
     forward_s: float = 0.0        # inside model forwards: target verify + logits, head passes + scoring
-    verify_width: int = 0         # columns of the drafted trees' verify pass (B x width target tokens)
+    verify_tokens: int = 0        # target tokens the drafted trees' verify blocks hold, padding included
     tree_nodes: int = 0           # real nodes the speculative sequences verified (a root alone in a plain step)
 
 
@@ -170,13 +171,14 @@ class ModelRunner:
         tree = self.draft_trees(ready, tree_cfg, plan.verify_cap, context, chains) if ready else None
         if tree is not None and any(s.guide is not None for s in ready):   # structured output: forbidden nodes go
             tree = prune_tree(tree, ready)
-            out.times.verify_width = tree.tokens.shape[1]
         if ready and plain and self.stacks_for_graph(prefill, len(ready) + len(plain), tree.tokens.shape[1]):
             W = tree.tokens.shape[1]
             blocks = [VerifyBlock(ready + plain, stack_trees(tree, self.root_trees(plain)),
                                   [W] * len(ready) + [1] * len(plain), len(ready))]
+            out.times.verify_tokens = len(ready) * W
         else:
-            blocks = [VerifyBlock(ready, tree)] if ready else []
+            blocks = self.verify_blocks(ready, tree, plan.one_pass) if ready else []
+            out.times.verify_tokens = sum(len(b.seqs) * b.tree.tokens.shape[1] for b in blocks)
             blocks += [VerifyBlock(plain, self.root_trees(plain))] if plain else []
         if plan.one_pass and (prefill or blocks):
             out.results += self.target_pass(prefill, blocks)
@@ -189,6 +191,26 @@ class ModelRunner:
         uploads_for(self.device).clear()
         resolve_times(out.times)
         return out
+
+    def verify_blocks(self, seqs: list[Sequence], tree: Tree, one_pass: bool) -> list[VerifyBlock]:
+        """The drafted trees' verify blocks: one; or, on a device whose table says so (``split_verify``: a padding
+        row costs a verified token's compute there) and in a step whose blocks share one pass, two blocks of their
+        own widths where the trees' sizes differ enough (``split_by_size``). Not while a trace records the step's
+        trees as one block, nor with captured graphs (they replay one width)."""
+        if not (one_pass and tree.padded and len(seqs) > 1 and self.trace is None and self.target.graphs is None
+                and defaults_for(self.device).split_verify):
+            return [VerifyBlock(seqs, tree)]
+        sizes = tree.size.tolist()
+        groups = split_by_size(sizes)
+        if len(groups) == 1:
+            return [VerifyBlock(seqs, tree)]
+        rows, order = sorted(range(len(seqs)), key=lambda i: -sizes[i]), size_order(tree)   # the same order
+        blocks, start = [], 0
+        for n, width in groups:
+            blocks.append(VerifyBlock([seqs[i] for i in rows[start:start + n]],
+                                      select_rows(tree, order[start:start + n], width)))
+            start += n
+        return blocks
 
     def stacks_for_graph(self, prefill: PrefillBlock | None, rows: int, width: int) -> bool:
         """Whether a decode-only step's drafted and plain rows go in one block, the plain roots padded to the trees'
@@ -432,7 +454,6 @@ class ModelRunner:
             tree = fit_batch_budget(tree, verify_cap)
         tree = drop_padding(tree)
         times.draft_s += clock() - t0
-        times.verify_width = tree.tokens.shape[1]
         return tree
 
     def root_trees(self, seqs: list[Sequence]) -> Tree:

@@ -322,6 +322,30 @@ def rows_of(tree: Tree, n: int) -> Tree:
                    valid=tree.valid[:n], ancestors=tree.ancestors[:n], scores=tree.scores[:n])
 
 
+def split_by_size(sizes: list[int], min_saving: float = 0.25) -> list[tuple[int, int]]:
+    """(rows, width) of each verify block, its rows next in ``size_order``: one block, or two (the
+    largest trees, then the rest) where that verifies at least ``min_saving`` fewer tokens. A block is as wide as its
+    largest tree, and under a batch verify cap most trees shrink to their root while a few keep many nodes: in one
+    block every root would be verified as wide as the widest tree."""
+    widths = sorted(sizes, reverse=True)
+    B = len(widths)
+    best, k = min(((k * widths[0] + (B - k) * widths[k], k) for k in range(1, B)), default=(B * widths[0], B))
+    return [(B, widths[0])] if best > (1 - min_saving) * B * widths[0] else [(k, widths[0]), (B - k, widths[k])]
+
+
+def size_order(tree: Tree) -> torch.Tensor:
+    """The rows by tree size, largest first, ties in row order (what ``split_by_size`` counts in), on the device."""
+    return torch.sort(tree.size, descending=True, stable=True).indices
+
+
+def select_rows(tree: Tree, index: torch.Tensor, width: int) -> Tree:
+    """The trees of rows ``index``, cut to their first ``width`` nodes: for trees whose valid nodes lie at the front
+    (``drop_padding``) and hold at most ``width``, the same trees in a narrower block."""
+    return replace(tree, tokens=tree.tokens[index, :width], parents=tree.parents[index, :width],
+                   depth=tree.depth[index, :width], valid=tree.valid[index, :width],
+                   ancestors=tree.ancestors[index, :width, :width], scores=tree.scores[index, :width])
+
+
 def stack_trees(first: Tree, second: Tree) -> Tree:
     """Both batches' trees as one batch, the narrower padded to the wider with padding nodes (invalid, their own
     parent, seeing only themselves): one verify pass, so one read of the weights, for drafted and plain rows."""

@@ -3,11 +3,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny import save_target, trained_head  # noqa: E402
+# torch, transformers and eagle_ray are imported where a fixture needs them, not here: under pytest-xdist the
+# controlling process loads this file too, runs no test, and would spend seconds importing them before it starts
+# the test processes.
 
 
 # Each test process runs torch on its share of the cores: the tiers run on as many processes as the machine has
@@ -17,16 +18,19 @@ THREADS = max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("PYTEST_XDIS
 
 @pytest.fixture(autouse=True)
 def _threads():
+    import torch
     torch.set_num_threads(min(2, THREADS))
 
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
+    from tiny import save_target
     return save_target(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="session")
 def tiny_hf(tiny_dir):
+    import torch
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
 
@@ -35,6 +39,7 @@ def tiny_hf(tiny_dir):
 def tiny_head(tiny_hf):
     """A head trained for a few seconds on the tiny target's own greedy outputs: it drafts well enough that
     multi-token acceptance, KV compaction and every tree path are exercised."""
+    from tiny import trained_head
     return trained_head(tiny_hf)
 
 

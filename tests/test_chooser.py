@@ -102,3 +102,14 @@ def test_steps_with_prompt_chunks_sample_their_decode_rows(tiny_dir, tiny_head):
     sampled = sum(len(b.samples[True]) for b in chooser.buckets.values())
     whole_steps = sum(t[2] for (drafted, _), t in engine.steady_steps.items() if drafted)
     assert sampled > 2 * whole_steps
+
+
+def test_a_fixed_tree_is_measured_per_batch_size(tiny_dir, tiny_head):
+    """With a fixed tree and ``measured_choice`` on, full batches and a job's tail of a few sequences are timed and
+    chosen apart: a bucket at every power of two up to the slots (a tuned or configured table gives its own)."""
+    engine = tiny_engine(tiny_dir, tiny_head, TREE, max_batch_size=5, measured_choice=True)
+    assert sorted(engine.policy.chooser.buckets) == [1, 2, 4]
+    assert [engine.policy.chooser.bucket(b) is engine.policy.chooser.buckets[k] for b, k in ((3, 2), (5, 4))] == \
+        [True, True]
+    engine.policy.set_trees(trees_by_batch={1: TREE, 3: PLAIN})
+    assert {k: b.speculate for k, b in engine.policy.chooser.buckets.items()} == {1: True, 3: False}

@@ -46,7 +46,7 @@ def load(config: EngineConfig, storage_options: dict | None = None) -> LoadedPai
 def wire(target: TargetModel, draft, tokenizer, config: EngineConfig) -> Wiring:
     """The parts an engine steps with: its trees checked against the context and the head, the head bound to the
     target's lm_head with its draft cache, the forwards compiled as ``model.compile`` says."""
-    policy = TreePolicy(config.speculation, drafting=draft is not None)
+    policy = TreePolicy(config.speculation, drafting=draft is not None, slots=target.cache.num_slots)
     check_prompt_room(target.max_len, policy.trees())
     scheduler, runner = build_stepping(target, draft, config, policy)
     if draft is not None:

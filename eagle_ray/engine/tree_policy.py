@@ -35,19 +35,26 @@ def by_batch(table: dict, batch: int, below_all):
 class TreePolicy:
     """The live speculation settings (``spec``: the configured ones, then the tuner's) and the measured choice."""
 
-    def __init__(self, spec: SpeculationConfig, drafting: bool = True):
+    def __init__(self, spec: SpeculationConfig, drafting: bool = True, slots: int = 1):
         self.spec = spec
+        self.slots = slots                                # sequences a step may hold (the measured choice's buckets)
         self.chooser: SpeculationChooser | None = None   # speculate or not per batch size, measured
         self.tuning = None                                # the TuningResult, with tree_policy "auto"
         if drafting and self.measured and spec.tree_policy != "auto":   # tuning starts it from its own choices
-            self.chooser = SpeculationChooser.for_trees(spec.trees_by_batch or {1: spec.tree})
+            self.chooser = SpeculationChooser.for_trees(self.table())
+
+    def table(self, trees_by_batch: dict[int, TreeConfig] | None = None) -> dict[int, TreeConfig]:
+        """The tree per batch size the measured choice starts from, one bucket per key: ``trees_by_batch``
+        (configured or tuned), else the one tree at every power of two up to the slots, so that full batches and a
+        job's tail of a few sequences, where drafting pays differently, are timed and chosen apart."""
+        table = trees_by_batch if trees_by_batch is not None else self.spec.trees_by_batch
+        return table or {1 << i: self.spec.tree for i in range(max(self.slots, 1).bit_length())}
 
     def restart_chooser(self) -> None:
         """The measured choice forgets what it measured and starts again from its priors: the tuner's choices, or
         the configured trees (a benchmark's every run starts where a new engine would)."""
         if self.chooser is not None:
-            priors = self.tuning.trees_by_batch() if self.tuning is not None else \
-                (self.spec.trees_by_batch or {1: self.spec.tree})
+            priors = self.tuning.trees_by_batch() if self.tuning is not None else self.table()
             self.chooser = SpeculationChooser.for_trees(priors)
 
     @property
@@ -95,7 +102,7 @@ class TreePolicy:
         """A new tree table (benchmarks, the tuner); a measured choice starts again from it."""
         self.spec = self.spec.model_copy(update={"tree": tree or self.spec.tree, "trees_by_batch": trees_by_batch})
         if self.chooser is not None:
-            self.chooser = SpeculationChooser.for_trees(trees_by_batch or {1: self.spec.tree})
+            self.chooser = SpeculationChooser.for_trees(self.table(trees_by_batch))
 
     def adopt(self, tuning) -> None:
         """Take the tuner's result: its trees (speculative ones where the measured choice decides), its caps, and
@@ -112,7 +119,7 @@ class TreePolicy:
         s = self.spec
         if not s.trees_by_batch and self.chooser is None:
             return s.tree.model_dump(exclude_none=True)
-        table = s.trees_by_batch or {1: s.tree}
+        table = self.table() if self.chooser is not None else s.trees_by_batch
         out = {"policy": s.tree_policy, "trees_by_batch": {
             str(b): "plain" if is_plain(t) or (self.chooser and not self.chooser.bucket(b).speculate) else
             t.model_dump(exclude_none=True) for b, t in sorted(table.items())}}

@@ -316,10 +316,7 @@ def keep_nodes(tree: Tree, valid: torch.Tensor, width: int) -> Tree:
 
 def rows_of(tree: Tree, n: int) -> Tree:
     """The first ``n`` sequences' trees."""
-    if n == tree.tokens.shape[0]:
-        return tree
-    return replace(tree, tokens=tree.tokens[:n], parents=tree.parents[:n], depth=tree.depth[:n],
-                   valid=tree.valid[:n], ancestors=tree.ancestors[:n], scores=tree.scores[:n])
+    return tree if n == tree.tokens.shape[0] else select_rows(tree, slice(0, n), tree.tokens.shape[1])
 
 
 def split_by_size(sizes: list[int], min_saving: float = 0.25) -> list[tuple[int, int]]:
@@ -338,7 +335,7 @@ def size_order(tree: Tree) -> torch.Tensor:
     return torch.sort(tree.size, descending=True, stable=True).indices
 
 
-def select_rows(tree: Tree, index: torch.Tensor, width: int) -> Tree:
+def select_rows(tree: Tree, index: torch.Tensor | slice, width: int) -> Tree:
     """The trees of rows ``index``, cut to their first ``width`` nodes: for trees whose valid nodes lie at the front
     (``drop_padding``) and hold at most ``width``, the same trees in a narrower block."""
     return replace(tree, tokens=tree.tokens[index, :width], parents=tree.parents[index, :width],

@@ -56,9 +56,9 @@ def test_sampling_and_plain_steps_read_once_and_copy_once(tiny_dir):
 
 
 def test_trees_with_padding_add_only_the_read_of_their_width(tiny_dir, monkeypatch):
-    """Counted as a GPU verifies them: in one block (a CPU verifies trees of very different sizes in two blocks,
-    each read back: reads cost a CPU nothing, padding rows cost it their compute; tests/test_verify_blocks.py)."""
-    monkeypatch.setitem(DEVICE_DEFAULTS, "cpu", dataclasses.replace(DEVICE_DEFAULTS["cpu"], split_verify=False))
+    """Counted as a GPU verifies them: in one block (a CPU verifies trees of different sizes in blocks of their own
+    widths, each read back: reads cost a CPU nothing, padding rows cost it their compute; tests/test_verify_blocks.py)."""
+    monkeypatch.setitem(DEVICE_DEFAULTS, "cpu", dataclasses.replace(DEVICE_DEFAULTS["cpu"], verify_block_tokens=None))
     pruned = TreeConfig(total_tokens=12, depth=3, top_k=3, min_cum_prob=0.01)
     assert [(len(r), c) for r, c in (one_decode_step(tiny_dir, 4, pruned),
                                      one_decode_step(tiny_dir, 8, DEPTH3, verify_cap=40))] == [(2, 1), (2, 1)]

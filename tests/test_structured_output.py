@@ -45,7 +45,7 @@ def chat(text: str) -> list[dict]:
 def test_200_sampled_objects_are_valid_under_three_schemas(engine):
     """67 + 67 + 66 objects at temperature 0.8 (seeded), eight prompts a schema, in mixed batches of 32. A CPU
     step's token budget (48) then leaves most sequences their root alone and some a few draft tokens, verified in
-    two blocks of their own widths (tests/test_verify_blocks.py); a seeded sample depends on neither its batch nor
+    blocks of their own widths (tests/test_verify_blocks.py); a seeded sample depends on neither its batch nor
     its tree, and hundreds of drafted tokens are still accepted under the grammars."""
     names = list(SCHEMAS)
     jobs = [(names[i % 3], PROMPTS[names[i % 3]][(i // 3) % 8], i) for i in range(200)]

@@ -193,15 +193,16 @@ class ModelRunner:
         return out
 
     def verify_blocks(self, seqs: list[Sequence], tree: Tree, one_pass: bool) -> list[VerifyBlock]:
-        """The drafted trees' verify blocks: one; or, on a device whose table says so (``split_verify``: a padding
-        row costs a verified token's compute there) and in a step whose blocks share one pass, two blocks of their
-        own widths where the trees' sizes differ enough (``split_by_size``). Not while a trace records the step's
-        trees as one block, nor with captured graphs (they replay one width)."""
+        """The drafted trees' verify blocks: one; or, on a device whose table says so (``verify_block_tokens``: a
+        padding row costs a verified token's compute there) and in a step whose blocks share one pass, blocks of
+        their own widths where the trees' sizes differ enough (``split_by_size``). Not while a trace records the
+        step's trees as one block, nor with captured graphs (they replay one width)."""
+        block_tokens = defaults_for(self.device).verify_block_tokens
         if not (one_pass and tree.padded and len(seqs) > 1 and self.trace is None and self.target.graphs is None
-                and defaults_for(self.device).split_verify):
+                and block_tokens is not None):
             return [VerifyBlock(seqs, tree)]
         sizes = tree.size.tolist()
-        groups = split_by_size(sizes)
+        groups = split_by_size(sizes, block_tokens)
         if len(groups) == 1:
             return [VerifyBlock(seqs, tree)]
         rows, order = sorted(range(len(seqs)), key=lambda i: -sizes[i]), size_order(tree)   # the same order

@@ -33,14 +33,15 @@ class DeviceDefaults:
     #                               default anywhere: bench/gpu_step.py measures it against sdpa)
     one_target_pass: bool = True  # a step's prompt chunks, drafted trees and plain roots in one target pass, each
     #                               weight read once (engine/model_runner.py target_pass)
-    split_verify: bool = False    # drafted trees of very different sizes verified in two blocks of their own widths
-    #                               (speculative/tree.py split_by_size): where a padding row costs a token's compute
-    #                               and a host read costs nothing; one block where graphs replay one width
+    verify_block_tokens: int | None = None   # drafted trees of different sizes verified in blocks of their own
+    #                               widths, each further block counted as this many tokens (speculative/tree.py
+    #                               split_by_size): where a padding row costs a token's compute and a host read costs
+    #                               nothing; None: one block (graphs replay one width)
 
 
 DEVICE_DEFAULTS = {
     "cpu": DeviceDefaults(step_tokens=48, throughput_step_tokens=256, auto_max_slots=32, exact_low_precision=True, cpu_layouts=True, kv_bucket=1,
-                          sdpa_backends=None, fused_layers=False, split_verify=True),
+                          sdpa_backends=None, fused_layers=False, verify_block_tokens=8),
     "cuda": DeviceDefaults(step_tokens=8192, throughput_step_tokens=8192, auto_max_slots=256, exact_low_precision=False, cpu_layouts=False,
                            kv_bucket=256, sdpa_backends=("EFFICIENT_ATTENTION", "FLASH_ATTENTION", "MATH"),
                            fused_layers=True),

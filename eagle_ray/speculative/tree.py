@@ -319,15 +319,22 @@ def rows_of(tree: Tree, n: int) -> Tree:
     return tree if n == tree.tokens.shape[0] else select_rows(tree, slice(0, n), tree.tokens.shape[1])
 
 
-def split_by_size(sizes: list[int], min_saving: float = 0.25) -> list[tuple[int, int]]:
-    """(rows, width) of each verify block, its rows next in ``size_order``: one block, or two (the
-    largest trees, then the rest) where that verifies at least ``min_saving`` fewer tokens. A block is as wide as its
-    largest tree, and under a batch verify cap most trees shrink to their root while a few keep many nodes: in one
-    block every root would be verified as wide as the widest tree."""
+def split_by_size(sizes: list[int], block_tokens: int) -> list[tuple[int, int]]:
+    """(rows, width) of each verify block, its rows next in ``size_order``: the split of the trees, largest first,
+    into blocks as wide as their largest tree that verifies the fewest tokens, each block after the first counted as
+    ``block_tokens`` more (what a further block costs: its attention calls, its acceptance). Under a batch verify cap
+    most trees shrink to their root while a few keep many nodes: in one block every root would be verified as wide
+    as the widest tree. Blocks start only where the width changes, so the search is over the distinct sizes."""
     widths = sorted(sizes, reverse=True)
-    B = len(widths)
-    best, k = min(((k * widths[0] + (B - k) * widths[k], k) for k in range(1, B)), default=(B * widths[0], B))
-    return [(B, widths[0])] if best > (1 - min_saving) * B * widths[0] else [(k, widths[0]), (B - k, widths[k])]
+    starts = [i for i, w in enumerate(widths) if i == 0 or w != widths[i - 1]] + [len(widths)]
+    # best[j]: (cost, blocks) of the rows from starts[j] on; a block from starts[j] ends at some later start
+    best: list[tuple[float, list[tuple[int, int]]]] = [(0.0, [])] * len(starts)
+    for j in range(len(starts) - 2, -1, -1):
+        first, w = starts[j], widths[starts[j]]
+        splits = (((starts[m] - first) * w + block_tokens + best[m][0], [(starts[m] - first, w)] + best[m][1])
+                  for m in range(j + 1, len(starts)))
+        best[j] = min(splits, key=lambda c: (c[0], len(c[1])))   # ties: fewer blocks
+    return best[0][1]
 
 
 def size_order(tree: Tree) -> torch.Tensor:

@@ -151,7 +151,7 @@ def verify_table(blocks, reps: int, rounds: int, threads: int, dtype: str = "flo
 
 def cmd_linears(a) -> int:
     from eagle_ray.errors import ConfigError
-    from eagle_ray.model.linears import packed_available
+    from eagle_ray.model.device import packed_available
     from eagle_ray.model.numerics import cpu_linears_for
     torch.set_num_threads(a.threads)
     if not packed_available():

@@ -3,9 +3,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eagle_ray.model.device import cpu_has_fast_bf16
+from eagle_ray.model.device import cpu_has_fast_bf16, packed_available
+from eagle_ray.model.linears import InputMajorLinear, PackedLinear, lay_out_linears, layout_of, scorer
 from eagle_ray.model.numerics import numerics_for
-from eagle_ray.model.linears import InputMajorLinear, PackedLinear, lay_out_linears, packed_available, scorer
 
 needs_onednn = pytest.mark.skipif(not packed_available(), reason="torch built without oneDNN")
 
@@ -21,16 +21,28 @@ def test_a_layout_computes_the_linear(layout, rows):
 
 @needs_onednn
 def test_laying_out_a_model_swaps_every_linear_and_keeps_the_named_dense_weight():
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
-    model.lm_head = torch.nn.Linear(8, 5, bias=False)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU())   # 2^18 weights: packed
+    model.lm_head = torch.nn.Linear(512, 600, bias=False)
     dense = model.lm_head.weight
     lay_out_linears(model, "packed", keep_dense=("lm_head",))
     assert isinstance(model[0], PackedLinear) and not hasattr(model[0], "weight")
     assert isinstance(model.lm_head, PackedLinear) and model.lm_head.weight is not None
     assert torch.equal(model.lm_head.weight, dense)
-    h = torch.randn(3, 8)
-    assert torch.allclose(scorer(dense, "packed")(h), F.linear(h, dense), atol=1e-5)
+    h = torch.randn(3, 512)
+    assert torch.allclose(scorer(dense, "packed")(h), F.linear(h, dense), atol=1e-4)
     assert torch.equal(scorer(dense, "native")(h), F.linear(h, dense))
+
+
+def test_a_small_fp32_weight_stays_input_major_where_the_layout_says_packed():
+    """oneDNN's call costs more than a product of fewer than the CPU's ``packed_min_weights`` takes."""
+    model = torch.nn.Sequential(torch.nn.Linear(576, 192), torch.nn.Linear(192, 576))   # a 135M target's k/v shape
+    lay_out_linears(model, "packed")
+    assert all(isinstance(m, InputMajorLinear) for m in model)
+    assert isinstance(scorer(torch.randn(600, 64), "packed").linear, InputMajorLinear)
+    small = torch.zeros(8, 8)
+    assert layout_of("packed", small) == "input_major" and layout_of("native", small) == "native"
+    assert layout_of("packed", small.bfloat16()) == "packed"      # measured in fp32 only
+    assert layout_of("packed", torch.zeros(512, 512)) == "packed"
 
 
 def test_each_device_and_dtype_gets_its_layout():

@@ -18,7 +18,7 @@ from eagle_ray.model.draft_head import DraftHead
 from eagle_ray.model.eagle3_head import Eagle3Head
 from eagle_ray.model.numerics import DEVICE_DEFAULTS, cpu_linears_for
 from eagle_ray.model.kv_cache import KVCache
-from eagle_ray.model.linears import packed_available
+from eagle_ray.model.device import packed_available
 from eagle_ray.model.sizing import plan_engine
 from eagle_ray.model.memory import (GiB, MemoryPlan, copies_for, fit_slots, free_memory,
                                     gpu_usable_bytes, module_bytes, plan_memory)
@@ -88,10 +88,11 @@ def tied_target():
 
 
 # ---- the plan is what the engine allocates ----------------------------------------------------------------------
-@pytest.mark.parametrize("case", ["fp32", "bf16-tied", "bf16-token-map", "eagle3"])
+@pytest.mark.parametrize("case", ["fp32", "fp32-large-vocab", "bf16-tied", "bf16-token-map", "eagle3"])
 def test_plan_equals_the_bytes_a_tiny_engine_allocates(case, tmp_path):
-    hf = tied_target() if case == "bf16-tied" else make_target(layers=8 if case == "eagle3" else 2)
-    dtype = torch.float32 if case == "fp32" else torch.bfloat16
+    vocab = 8192 if case == "fp32-large-vocab" else 64
+    hf = tied_target() if case == "bf16-tied" else make_target(vocab, layers=8 if case == "eagle3" else 2)
+    dtype = torch.float32 if case.startswith("fp32") else torch.bfloat16
     kind = "eagle3" if case == "eagle3" else "eagle2"
     torch.manual_seed(1)
     head = (Eagle3Head if kind == "eagle3" else DraftHead).for_target(hf.config)
@@ -105,11 +106,13 @@ def test_plan_equals_the_bytes_a_tiny_engine_allocates(case, tmp_path):
     assert plan.weights == held_bytes(engine.target, engine.draft)  # target, head, lm_head copies, each tensor once
     assert plan.kv_per_slot * 3 == engine.target.cache.nbytes()
     assert plan.draft_kv_per_slot * 3 == engine.draft.cache.nbytes()
-    packed = 64 * 32 * 4 if packed_available() else 0   # fp32 on CPU: the packed lm_head beside its dense weight
+    # fp32 on CPU: an lm_head of the CPU's packed_min_weights (2^18) or more is packed beside its dense weight; a
+    # smaller one is input-major (tests/test_linears.py), its dense weight a view of that
+    packed = 8192 * 32 * 4 if packed_available() else 0
     # bf16: the fp32 copy, plus the packed lm_head beside its dense weight (which RefinedLogits reads) where the
     # CPU packs bf16; elsewhere the lm_head stays nn.Linear's, which RefinedLogits reads as it is, tied or not
     dense = 2 if bf16_packed() else 0
-    expected_copies = {"fp32": packed, "bf16-tied": 64 * 32 * (4 + dense),
+    expected_copies = {"fp32": 0, "fp32-large-vocab": packed, "bf16-tied": 64 * 32 * (4 + dense),
                        "bf16-token-map": 64 * 32 * (4 + dense) + 40 * (32 * 2 + 8),  # + the gathered rows and map
                        "eagle3": 64 * 32 * (4 + dense) + 64 * 8}                      # + its draft-to-target ids
     assert plan.lm_head_copies == expected_copies[case]

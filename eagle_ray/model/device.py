@@ -24,6 +24,11 @@ def pick_device(device: str) -> torch.device:
     return dev
 
 
+def packed_available() -> bool:
+    """Whether this torch build has oneDNN's linear kernel over a packed weight (model/linears.py)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
 def cpu_has_fast_bf16() -> bool:
     """bf16 pays off on CPUs with native bf16 dot products (AVX512-BF16 / AMX); elsewhere fp32 is faster."""
     try:

@@ -13,17 +13,16 @@ multiplies, and on CPU the kernel behind ``nn.Linear`` makes them cost several s
   (bf16 on an AVX2 CPU: a verify pass 5-7x, the lm_head 37-48x; ``bench/costs.py linears --dtype bfloat16``).
 
 Either CPU layout replaces the dense weight (same bytes), except the lm_head, which keeps it: the draft head and
-the exact logits read it.
+the exact logits read it. A packed call costs tens of microseconds around oneDNN's kernel, more than a small
+product takes in any layout: fp32 weights under the device table's ``packed_min_weights`` (a tiny model's, a
+135M target's key and value projections) stay input-major (``layout_of``).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-
-
-def packed_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+from eagle_ray.model.numerics import defaults_for
 
 
 class InputMajorLinear(torch.nn.Module):
@@ -67,8 +66,21 @@ class PackedLinear(torch.nn.Module):
 LAYOUTS = {"input_major": InputMajorLinear, "packed": PackedLinear}   # the CPU layouts by name ("native": none)
 
 
+def packs(numel: int, dtype: torch.dtype, device_type: str) -> bool:
+    """Whether the packed layout packs a weight of ``numel`` elements: not an fp32 one under the device table's
+    ``packed_min_weights`` (measured in fp32 only), whose product is shorter than oneDNN's call."""
+    return dtype != torch.float32 or numel >= defaults_for(device_type).packed_min_weights
+
+
+def layout_of(kind: str, weight: torch.Tensor) -> str:
+    """The layout a linear of ``weight`` takes where the target's is ``kind``: a weight the packed layout does not
+    pack (``packs``) is input-major."""
+    return "input_major" if kind == "packed" and not packs(weight.numel(), weight.dtype, weight.device.type) else kind
+
+
 def laid_out(linear: torch.nn.Linear, kind: str, keep_dense: bool = False) -> torch.nn.Module:
-    """``linear`` in layout ``kind``."""
+    """``linear`` in layout ``kind`` (``layout_of``)."""
+    kind = layout_of(kind, linear.weight)
     if kind == "native":
         return linear
     return LAYOUTS[kind](linear.weight, linear.bias, keep_dense)
@@ -102,6 +114,7 @@ class Scorer:
 
 def scorer(weight: torch.Tensor, kind: str) -> Scorer:
     """Scores against a [rows, hidden] matrix, laid out like the target's linears (``kind``)."""
+    kind = layout_of(kind, weight)
     if kind == "native":
         return Scorer(weight=weight)
     return Scorer(LAYOUTS[kind](weight, None))

@@ -18,6 +18,7 @@ from eagle_ray.errors import InsufficientMemoryError
 from eagle_ray.model.checkpoint import ARCHITECTURES, HeadCheckpoint, head_biases
 from eagle_ray.model.draft_head import DraftHead
 from eagle_ray.model.eagle3_head import Eagle3Head
+from eagle_ray.model.linears import packs
 from eagle_ray.model.numerics import defaults_for, numerics_for
 
 GiB = 2**30
@@ -57,6 +58,7 @@ class Copies:
     input_major: bool        # every linear in a CPU layout (model/linears.py): a tied lm_head gets its own copy,
     #                          and the draft scores the full vocabulary with that lm_head itself
     packed: bool = False     # oneDNN-packed: the lm_head keeps its dense weight beside the packed one, tied or not
+    #                          (where the layout packs a weight its size: ``linears.packs``)
 
 
 def copies_for(device_type: str, dtype: torch.dtype | str, precision=None) -> Copies:
@@ -155,7 +157,8 @@ def plan_memory(target_config, head_kind: str | None, head_config: dict | None, 
 
     copies = copies_for(device_type, dt, precision)
     lm_copies = vocab * hidden * (4 * copies.fp32_lm_head + size * copies.out_major_lm_head)
-    if copies.packed or (copies.input_major and getattr(cfg, "tie_word_embeddings", False)):
+    lm_head_packed = copies.packed and packs(vocab * hidden, dt, device_type)
+    if lm_head_packed or (copies.input_major and getattr(cfg, "tie_word_embeddings", False)):
         lm_copies += vocab * hidden * size
 
     draft_weights = draft_kv = draft_scoring = pending = adapt = adapt_per_slot = 0

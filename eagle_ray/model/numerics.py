@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle_ray.model.device import cpu_has_fast_bf16
+from eagle_ray.model.device import cpu_has_fast_bf16, packed_available
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,8 @@ class DeviceDefaults:
     #                               default anywhere: bench/gpu_step.py measures it against sdpa)
     one_target_pass: bool = True  # a step's prompt chunks, drafted trees and plain roots in one target pass, each
     #                               weight read once (engine/model_runner.py target_pass)
+    packed_min_weights: int = 0   # fp32 weights with fewer elements stay input-major where the layout says packed:
+    #                               oneDNN's call costs more than such a product (model/linears.py layout_of)
     verify_block_tokens: int | None = None   # drafted trees of different sizes verified in blocks of their own
     #                               widths, each further block counted as this many tokens (speculative/tree.py
     #                               split_by_size): where a padding row costs a token's compute and a host read costs
@@ -40,7 +42,8 @@ class DeviceDefaults:
 
 
 DEVICE_DEFAULTS = {
-    "cpu": DeviceDefaults(step_tokens=48, throughput_step_tokens=256, auto_max_slots=32, exact_low_precision=True, cpu_layouts=True, kv_bucket=1,
+    "cpu": DeviceDefaults(step_tokens=48, throughput_step_tokens=256, auto_max_slots=32, exact_low_precision=True, cpu_layouts=True,
+                          packed_min_weights=1 << 18, kv_bucket=1,
                           sdpa_backends=None, fused_layers=False, verify_block_tokens=8),
     "cuda": DeviceDefaults(step_tokens=8192, throughput_step_tokens=8192, auto_max_slots=256, exact_low_precision=False, cpu_layouts=False,
                            kv_bucket=256, sdpa_backends=("EFFICIENT_ATTENTION", "FLASH_ATTENTION", "MATH"),
@@ -120,7 +123,6 @@ def cpu_linears_for(device: torch.device, dtype: torch.dtype) -> str:
     """CUDA: as loaded. CPU: oneDNN's packed weights for fp32, and for bf16 where the CPU has native bf16;
     ``nn.Linear``'s own layout otherwise (fp16, bf16 without it: oneDNN packs neither, and an emulated product
     over an input-major weight costs several times one over the out-major weight; docs/benchmarks.md)."""
-    from eagle_ray.model.linears import packed_available
     if not defaults_for(device).cpu_layouts:
         return "native"
     if dtype == torch.float32:

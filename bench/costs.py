@@ -16,7 +16,8 @@ and the kernel choices rest on.
 ``linears``
     Which CPU layout for the target's linears (``model/linears.py``: native, input-major, packed), layouts
     interleaved: one linear of each of the target's shapes for 1-64 rows, and the whole verify pass of B x T tokens
-    with every linear in each layout, in ``--dtype`` (fp32; bf16 or fp16 at the default precision, with the layouts
+    with the target's linears in each layout (packed: as the engine packs, fp32 weights under the device table's
+    ``packed_min_weights`` input-major), in ``--dtype`` (fp32; bf16 or fp16 at the default precision, with the layouts
     this CPU runs: oneDNN packs low precision only where the CPU has native low-precision products).
 
 ``attention``

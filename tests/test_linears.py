@@ -35,7 +35,7 @@ def test_laying_out_a_model_swaps_every_linear_and_keeps_the_named_dense_weight(
 
 def test_a_small_fp32_weight_stays_input_major_where_the_layout_says_packed():
     """oneDNN's call costs more than a product of fewer than the CPU's ``packed_min_weights`` takes."""
-    model = torch.nn.Sequential(torch.nn.Linear(576, 192), torch.nn.Linear(192, 576))   # a 135M target's k/v shape
+    model = torch.nn.Sequential(torch.nn.Linear(576, 192), torch.nn.Linear(192, 576))   # 576 -> 192: 135M's k/v
     lay_out_linears(model, "packed")
     assert all(isinstance(m, InputMajorLinear) for m in model)
     assert isinstance(scorer(torch.randn(600, 64), "packed").linear, InputMajorLinear)

@@ -337,7 +337,7 @@ def cache_key(engine) -> str:
     blob = json.dumps([fingerprint(engine.target_dir), fingerprint(getattr(engine, "draft_dir", None)),
                        str(engine.target.dtype), name, torch.get_num_threads(), engine.target.numerics.cpu_linears,
                        engine.config.speculation.draft_vocab_size, engine.runner.context_vocab,
-                       engine.config.speculation.tree.lookup, engine.config.speculation.tree.lookup_ngram, 9],
+                       engine.config.speculation.tree.lookup, engine.config.speculation.tree.lookup_ngram, 10],
                       sort_keys=True)
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
 

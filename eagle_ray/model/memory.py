@@ -64,9 +64,10 @@ class Copies:
 def copies_for(device_type: str, dtype: torch.dtype | str, precision=None) -> Copies:
     """The one rule for lm_head copies, read off the target's numerics (``numerics.numerics_for``).
 
-    CPU: linears are stored in a CPU layout (``device.cpu_linears_for``). The oneDNN-packed lm_head keeps its dense
-    weight beside the packed one, and RefinedLogits reads that dense weight; an input-major lm_head has no out-major
-    weight, so RefinedLogits keeps its own copy. Either way RefinedLogits adds the fp32 copy when a bf16/fp16 target
+    CPU: linears are stored in a CPU layout (``device.cpu_linears_for``). The oneDNN-packed lm_head (where the layout
+    packs one of its size, ``linears.packs``, which ``plan_memory`` checks) keeps its dense weight beside the packed
+    one, and RefinedLogits reads that dense weight; an input-major lm_head has no out-major weight, so RefinedLogits
+    keeps its own copy. Either way RefinedLogits adds the fp32 copy when a bf16/fp16 target
     has ``fp32_logits`` on (``auto``: on), and the draft head scores with the laid-out lm_head itself.
     CUDA: native bf16 (``fp32_logits: auto`` is off), logits from the model-dtype lm_head with fp32 accumulation,
     the draft scoring with the target's own weight: no copies, unless ``fp32_logits: true`` asks for the fp32 one

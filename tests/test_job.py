@@ -335,15 +335,19 @@ def test_the_job_joins_a_running_head_and_ignores_a_stale_record_of_one(pair, tm
     env.update(HOME=str(tmp / "home"), RAY_TMPDIR=str(tmp), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
                RAY_USAGE_STATS_ENABLED="0")
     ray_bin = str(Path(sys.executable).parent / "ray")
-    head = subprocess.Popen([ray_bin, "start", "--head", "--block", "--num-cpus=2", "--node-ip-address=127.0.0.1",
-                             "--include-dashboard=false", f"--temp-dir={tmp}/ray", "--port=0"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    head_log = tmp / "head.log"
+    with head_log.open("w") as log_file:
+        head = subprocess.Popen([ray_bin, "start", "--head", "--block", "--num-cpus=2", "--node-ip-address=127.0.0.1",
+                                 "--include-dashboard=false", f"--temp-dir={tmp}/ray", "--port=0"],
+                                env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
     try:
+        # The head writes its record once it is up: 10-30 s alone, several times that beside another test process
+        # on a busy 2-core machine, so the wait ends when the head is up or gone, not at a guessed time.
         record = tmp / "ray" / "ray_current_cluster"
-        deadline = time.time() + 120
-        while time.time() < deadline and not record.exists():
+        deadline = time.time() + 600
+        while time.time() < deadline and not record.exists() and head.poll() is None:
             time.sleep(0.2)
-        assert record.exists()
+        assert record.exists(), f"the head (exit {head.poll()}) wrote no record: {head_log.read_text()[-3000:]}"
         cfg = config(pair, str(tmp_path / "in.jsonl"), str(tmp_path / "out1"))
         proc = _job_process(tmp_path, cfg, env)
         log, _ = proc.communicate(timeout=600)

@@ -321,10 +321,10 @@ def test_sigterm_commits_what_is_finished_and_stops_promptly(ray_local, pair, tm
 
 
 def _start_head(tmp: Path, env: dict, tries: int = 3):
-    """`ray start --head --block` up: its process and the record it wrote. Ray gives a new node's raylet 30 s to
-    register with its GCS and exits when that passes ("timed out during startup"), which a loaded 2-core machine can
-    exceed with another test process beside it: such a start is tried again. The wait ends when the head is up or
-    gone, not at a guessed time."""
+    """`ray start --head --block` up: its process and the record it wrote. A new node's raylet waits a fixed 15 s
+    for each port its dashboard agent (a Python process importing ray) writes and aborts when one is late; Ray then
+    exits "timed out during startup". A loaded 2-core machine, another test process beside it, can exceed that:
+    such a start is tried again. The wait ends when the head is up or gone, not at a guessed time."""
     ray_bin = str(Path(sys.executable).parent / "ray")
     record = tmp / "ray" / "ray_current_cluster"
     for attempt in range(tries):

@@ -6,6 +6,8 @@ import time
 import pytest
 import torch
 from cache_sharer import fetch_and_hash
+from test_engine import reference_greedy
+from tiny import GGUF_VOCAB, make_target, save_gguf
 
 from eagle_ray.config import SamplingParams
 from eagle_ray.engine.engine import EagleEngine
@@ -77,3 +79,25 @@ def test_processes_sharing_a_cache_each_read_the_sources_bytes(s3, tmp_path):
     (entry,) = [p for p in (cache / "s3").iterdir() if not p.name.endswith(".lock")]
     assert sorted(p.name for p in entry.iterdir()) == [".complete", "config.json", "model.safetensors",
                                                        "tokenizer.json"]
+
+
+def test_a_gguf_target_is_read_once_into_the_cache_and_gives_the_source_models_tokens(tmp_path, monkeypatch):
+    """A ``.gguf`` target (the embedded default is one) is read by transformers' GGUF reader into a safetensors copy
+    in the model cache on its first use: exactly the source's weights, and tokens the source model itself would
+    give. A fresh machine always takes this path, and the reader asks for packages of its own (it refuses to read
+    without accelerate), so it runs here from an empty cache."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("EAGLE_RAY_CACHE", str(tmp_path / "cache"))
+    source = make_target(vocab_size=GGUF_VOCAB)
+    save_gguf(tmp_path / "tiny.gguf", source)
+    engine = EagleEngine.from_pretrained(target=str(tmp_path / "tiny.gguf"), draft="random", dtype="float32",
+                                         max_model_len=128)
+    (copy,) = [d for d in (tmp_path / "cache").iterdir() if d.name.startswith("tiny-") and d.is_dir()]
+    read = AutoModelForCausalLM.from_pretrained(copy, dtype=torch.float32).state_dict()
+    assert read.keys() == source.state_dict().keys()
+    assert all(torch.equal(read[k], w) for k, w in source.state_dict().items())
+    prompt = engine.tokenizer("hello world").input_ids
+    assert engine.tokenizer.decode(prompt) == "hello world"
+    out = engine.generate([prompt], SamplingParams(max_new_tokens=24, ignore_eos=True))[0].token_ids
+    assert out == reference_greedy(source, prompt, 24)

@@ -129,3 +129,65 @@ def wait_healthy(base: str, timeout_s: float, every_s: float = 0.5) -> None:
         except httpx.HTTPError:
             pass
         time.sleep(every_s)
+
+
+GGUF_VOCAB = 3 + 256   # <unk> </s> <s>, then one token per byte: a byte-level BPE with no merges
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's byte-to-character table (every byte one printable character), the alphabet of a "gpt2" GGUF
+    tokenizer."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    rest = [b for b in range(256) if b not in printable]
+    chars = dict(zip(printable, map(chr, printable))) | {b: chr(256 + i) for i, b in enumerate(rest)}
+    return [chars[b] for b in range(256)]
+
+
+def save_gguf(path: Path, model: LlamaForCausalLM) -> Path:
+    """``model`` (vocabulary ``GGUF_VOCAB``) as an F32 GGUF file, laid out as llama.cpp writes a Llama: its tensor
+    names, and the query and key rows of each head interleaved (transformers' reader undoes that)."""
+    import gguf
+    cfg = model.config
+
+    def interleaved(w, heads):
+        return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    tokens = ["<unk>", "</s>", "<s>", *_byte_chars()]
+    assert cfg.vocab_size == len(tokens) == GGUF_VOCAB
+    out = gguf.GGUFWriter(str(path), "llama")
+    out.add_block_count(cfg.num_hidden_layers)
+    out.add_context_length(cfg.max_position_embeddings)
+    out.add_embedding_length(cfg.hidden_size)
+    out.add_feed_forward_length(cfg.intermediate_size)
+    out.add_head_count(cfg.num_attention_heads)
+    out.add_head_count_kv(cfg.num_key_value_heads)
+    out.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    out.add_rope_freq_base(10000.0)
+    out.add_vocab_size(cfg.vocab_size)
+    out.add_file_type(gguf.LlamaFileType.ALL_F32)
+    out.add_tokenizer_model("gpt2")
+    out.add_token_list(tokens)
+    out.add_token_scores([0.0] * len(tokens))
+    out.add_token_types([gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL] * 256)
+    out.add_token_merges([])
+    out.add_unk_token_id(0)
+    out.add_eos_token_id(1)
+    out.add_bos_token_id(2)
+    weights = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    out.add_tensor("token_embd.weight", weights["model.embed_tokens.weight"])
+    out.add_tensor("output_norm.weight", weights["model.norm.weight"])
+    out.add_tensor("output.weight", weights["lm_head.weight"])
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    for i in range(cfg.num_hidden_layers):
+        for hf_name, gguf_name in names.items():
+            w = weights[f"model.layers.{i}.{hf_name}.weight"]
+            if gguf_name in ("attn_q", "attn_k"):
+                w = interleaved(w, cfg.num_attention_heads if gguf_name == "attn_q" else cfg.num_key_value_heads)
+            out.add_tensor(f"blk.{i}.{gguf_name}.weight", w.copy())
+    out.write_header_to_file()
+    out.write_kv_data_to_file()
+    out.write_tensors_to_file()
+    out.close()
+    return path

@@ -134,25 +134,17 @@ def wait_healthy(base: str, timeout_s: float, every_s: float = 0.5) -> None:
 GGUF_VOCAB = 3 + 256   # <unk> </s> <s>, then one token per byte: a byte-level BPE with no merges
 
 
-def _byte_chars() -> list[str]:
-    """GPT-2's byte-to-character table (every byte one printable character), the alphabet of a "gpt2" GGUF
-    tokenizer."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    rest = [b for b in range(256) if b not in printable]
-    chars = dict(zip(printable, map(chr, printable))) | {b: chr(256 + i) for i, b in enumerate(rest)}
-    return [chars[b] for b in range(256)]
-
-
 def save_gguf(path: Path, model: LlamaForCausalLM) -> Path:
     """``model`` (vocabulary ``GGUF_VOCAB``) as an F32 GGUF file, laid out as llama.cpp writes a Llama: its tensor
     names, and the query and key rows of each head interleaved (transformers' reader undoes that)."""
     import gguf
+    from transformers.convert_slow_tokenizer import bytes_to_unicode   # byte -> its one-character token
     cfg = model.config
 
     def interleaved(w, heads):
         return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
-    tokens = ["<unk>", "</s>", "<s>", *_byte_chars()]
+    tokens = ["<unk>", "</s>", "<s>", *(bytes_to_unicode()[b] for b in range(256))]
     assert cfg.vocab_size == len(tokens) == GGUF_VOCAB
     out = gguf.GGUFWriter(str(path), "llama")
     out.add_block_count(cfg.num_hidden_layers)
@@ -162,7 +154,7 @@ def save_gguf(path: Path, model: LlamaForCausalLM) -> Path:
     out.add_head_count(cfg.num_attention_heads)
     out.add_head_count_kv(cfg.num_key_value_heads)
     out.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    out.add_rope_freq_base(10000.0)
+    out.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     out.add_vocab_size(cfg.vocab_size)
     out.add_file_type(gguf.LlamaFileType.ALL_F32)
     out.add_tokenizer_model("gpt2")

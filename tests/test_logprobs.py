@@ -242,6 +242,23 @@ def test_lm_evaluation_harness_reads_echo_responses_as_transformers_scores(engin
         assert is_greedy == bool((rows.argmax(-1) == torch.tensor(cont)).all())
 
 
+def test_a_byte_level_tokens_bytes_are_its_own_even_inside_a_character():
+    """OpenAI's ``bytes`` of a chat logprob are the token's own bytes: a byte-level token holding half a character
+    gives that byte, not the replacement character its decoded text shows, so a token's bytes join to the text's."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from eagle_ray.serve.logprobs import TokenText, chat_logprobs
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())  # one token per byte
+    tok = Tokenizer(models.BPE({c: i for i, c in enumerate(alphabet)}, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
+    ids = fast(" naïve 東京")["input_ids"]
+    content = chat_logprobs(TokenLogprobs([-1.0] * len(ids), [[] for _ in ids]), ids, 0, TokenText(fast))["content"]
+    assert [e["bytes"] for e in content] == [[b] for b in " naïve 東京".encode()]
+
+
 def test_completions_token_texts_join_to_the_choice_text_and_offsets_index_it():
     """A completions token's text is what it adds after the tokens before it, as the engine detokenizes the
     output: joined they are the text (a word-level tokenizer's spaces, a byte-level one's half characters), each

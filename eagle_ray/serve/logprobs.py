@@ -28,12 +28,8 @@ class TokenText:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self._byte_of = None
-        try:
-            from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
-            self._byte_of = {c: b for b, c in bytes_to_unicode().items()}
-        except ImportError:   # pragma: no cover - transformers always has it
-            pass
+        from transformers.convert_slow_tokenizer import bytes_to_unicode   # byte-level BPE's byte -> character
+        self._byte_of = {c: b for b, c in bytes_to_unicode().items()}
         self.text = functools.lru_cache(maxsize=65536)(self._text)
         self.bytes = functools.lru_cache(maxsize=65536)(self._bytes)
 
@@ -51,7 +47,7 @@ class TokenText:
 
     def _bytes(self, token_id: int) -> list[int]:
         piece = self.tokenizer.convert_ids_to_tokens(token_id)
-        if self._byte_of is not None and isinstance(piece, str) and piece and all(c in self._byte_of for c in piece):
+        if isinstance(piece, str) and piece and all(c in self._byte_of for c in piece):
             return [self._byte_of[c] for c in piece]        # byte-level BPE: the token's own bytes
         return list(self.text(token_id).encode("utf-8"))
 

@@ -1,7 +1,8 @@
 """eagle-ray: EAGLE-2/3 speculative decoding with batched dynamic trees, for Ray Data and Ray Serve.
 
 The names below load on first use (PEP 562): a process that imports one of the package's modules (a job's driver, a
-Ray Data task) does not pay for torch's compiler and transformers' model code unless it builds an engine."""
+Ray Data task) does not import torch and transformers unless it builds an engine (which imports neither
+transformers' model code nor torch's compiler: see model/decoder.py)."""
 import importlib
 
 _WHERE = {"ProcessorConfig": "eagle_ray.batch.processor", "build_processor": "eagle_ray.batch.processor",

@@ -128,7 +128,7 @@ def test_weights_come_from_the_config_built_on_meta():
         assert sum(p.numel() for p in model.parameters()) == params
         plan = plan_memory(cfg, None, None, "bfloat16", "cuda", 4096, 1)
         head_dim = cfg.hidden_size // cfg.num_attention_heads
-        assert plan.target_weights == params * 2 + 2 * (head_dim // 2) * 4  # + rotary inv_freq buffers (fp32)
+        assert plan.target_weights == params * 2 + (head_dim // 2) * 4  # + the rotary inv_freq buffer (fp32)
         assert plan.kv_per_slot == cfg.num_hidden_layers * 2 * 8 * 4097 * head_dim * 2
         assert plan.lm_head_copies == 0 and plan.draft_weights == 0
 

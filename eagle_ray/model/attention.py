@@ -1,8 +1,8 @@
 """The one attention path shared by target and draft: a decoder layer over a block of new tokens on top of a
 per-slot KV cache, with an arbitrary mask inside the block (causal for prefill, ancestors for a tree).
 
-We run transformers' own layer modules (norms, projections, MLP, Qwen3's q/k norms, biases) and its rotary
-embedding; only the cache and the mask are ours.
+The layer modules (norms, projections, MLP, Qwen3's q/k norms, biases) are transformers' or ``decoder.py``'s, which
+hold the same names; this module runs them over our cache with our mask.
 """
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 import torch.nn.functional as F
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from eagle_ray.uploads import uploads_for
+from eagle_ray.model.decoder import apply_rotary
 from eagle_ray.model.kv_cache import KVCache
 
 
@@ -169,7 +169,7 @@ def attention(attn, x: torch.Tensor, parts: list[Part], cache: KVCache, layer_id
         v = v_all[rows].view(B, T, -1, head_dim).transpose(1, 2)
         if getattr(attn, "q_norm", None) is not None:  # Qwen3
             q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), part.cos, part.sin)
+        q, k = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), part.cos, part.sin)
         cache.write(layer_idx, meta.slot_index, meta.write_pos, k, v)
         keys, values = cache.read(layer_idx, meta.slots, meta.kv_len)
         if meta.invariant:  # fp32 activations on CPU: attention whose rows do not depend on the block's shape

@@ -15,10 +15,10 @@ import numpy as np
 import torch
 from torch import nn
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from eagle_ray.errors import CheckpointError
 from eagle_ray.model.attention import FP32Rope, Part, decoder_layer, make_block_meta, with_attention_mask
+from eagle_ray.model.decoder import DecoderLayer, embedding, RotaryEmbedding
 from eagle_ray.model.checkpoint import (CONFIG_KEYS, HeadCheckpoint, add_legacy_rope_keys, head_biases,
                                         load_checked, read_head, read_state_dict, read_token_map)
 from eagle_ray.model.kv_cache import KVCache
@@ -39,16 +39,16 @@ class DraftHead(nn.Module):
         config.num_hidden_layers = 1
         self.config, self.bias, self.qkv_bias = config, bias, qkv_bias
         d = config.hidden_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, d, padding_idx=config.pad_token_id)
+        self.embed_tokens = embedding(config.vocab_size, d, config.pad_token_id)
         self.fc = nn.Linear(2 * d, d, bias=bias)
-        layer = LlamaDecoderLayer(config, layer_idx=0)
+        layer = DecoderLayer(config)
         layer.input_layernorm = nn.Identity()  # EAGLE layer 0 attends to the fused input directly
         if qkv_bias:  # Qwen2 heads: bias on q/k/v only
             for name in ("q_proj", "k_proj", "v_proj"):
                 old = getattr(layer.self_attn, name)
                 setattr(layer.self_attn, name, nn.Linear(old.in_features, old.out_features, bias=True))
         self.layers = nn.ModuleList([layer])
-        self.rotary_emb = LlamaRotaryEmbedding(config)
+        self.rotary_emb = RotaryEmbedding(config)
         self.rope_fp32 = FP32Rope(self.rotary_emb)
         self.cache: KVCache | None = None
         # Optional draft vocabulary: target token ids the draft may propose, most frequent first (vLLM's

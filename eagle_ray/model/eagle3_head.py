@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 from torch import nn
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from eagle_ray.errors import CheckpointError
 from eagle_ray.model.attention import FP32Rope, Part, attention, make_block_meta, mlp, with_attention_mask
+from eagle_ray.model.decoder import DecoderLayer, embedding, RMSNorm, RotaryEmbedding
 from eagle_ray.model.checkpoint import (ARCHITECTURES, CONFIG_KEYS, HeadCheckpoint, add_legacy_rope_keys,
                                         load_checked, read_head, read_state_dict)
 from eagle_ray.model.kv_cache import KVCache
@@ -61,22 +61,22 @@ class Eagle3Head(nn.Module):
         d = config.hidden_size
         target_d = getattr(config, "target_hidden_size", None) or d
         self.draft_vocab_size = getattr(config, "draft_vocab_size", None) or config.vocab_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, d, padding_idx=config.pad_token_id)
+        self.embed_tokens = embedding(config.vocab_size, d, config.pad_token_id)
         self.fc = nn.Linear(3 * target_d, d, bias=False)
-        layer = LlamaDecoderLayer(config, layer_idx=0)
+        layer = DecoderLayer(config)
         attn = layer.self_attn
         for name in ("q_proj", "k_proj", "v_proj"):  # q/k/v read concat(normed embedding, normed hidden)
             old = getattr(attn, name)
             setattr(attn, name, nn.Linear(2 * d, old.out_features, bias=old.bias is not None))
-        layer.hidden_norm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
+        layer.hidden_norm = RMSNorm(d, eps=config.rms_norm_eps)
         self.midlayer = layer
-        self.norm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
+        self.norm = RMSNorm(d, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(d, self.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool) if
                              self.draft_vocab_size == config.vocab_size else
                              torch.zeros(config.vocab_size, dtype=torch.bool))
-        self.rotary_emb = LlamaRotaryEmbedding(config)
+        self.rotary_emb = RotaryEmbedding(config)
         self.rope_fp32 = FP32Rope(self.rotary_emb)
         self.feature_layers = capture_layers(num_target_layers)
         self.cache: KVCache | None = None

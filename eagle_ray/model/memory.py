@@ -221,11 +221,9 @@ def max_pending_pairs(pair_bytes: int, max_len: int) -> int:
 def target_weight_bytes(target_config, dtype: torch.dtype | str, tensor_parallel: int = 1) -> int:
     """Parameter and buffer bytes of the target built from its config on the meta device (one rank's, split over
     ``tensor_parallel`` ranks: see ``model/tensor_parallel.py``)."""
-    from transformers import AutoModelForCausalLM
-
+    from eagle_ray.model.decoder import on_meta
     from eagle_ray.model.tensor_parallel import split_dim
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(target_config, dtype=_dtype(dtype))
+    model = on_meta(target_config, _dtype(dtype))
     if tensor_parallel == 1:
         return module_bytes(model)
     split = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if split_dim(name) is not None)

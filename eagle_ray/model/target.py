@@ -1,7 +1,8 @@
-"""The target model runtime: transformers modules, our KV cache, block/tree forwards.
+"""The target model runtime: the decoder's modules, our KV cache, block/tree forwards.
 
-transformers gives config, weights, tokenizer, chat template and RoPE (incl. Llama-3 scaling); we run its layers
-with :func:`decoder_layer`, so a tree of candidate tokens is verified in one pass. ``forward`` returns the final
+transformers gives config, tokenizer, chat template and RoPE's tables (incl. Llama-3 scaling); the modules are
+``decoder.py``'s (or a transformers model's, which hold the same names), run with :func:`decoder_layer`, so a tree
+of candidate tokens is verified in one pass. ``forward`` returns the final
 post-norm hidden states: the draft head's input features, and the lm_head's input.
 """
 from __future__ import annotations
@@ -10,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from eagle_ray.errors import CheckpointError, first_line
+from eagle_ray.errors import CheckpointError
+from eagle_ray.model import decoder
 from eagle_ray.model.attention import Part, decoder_layer, make_block_meta, masked_sdpa, pad_rows, with_attention_mask
 from eagle_ray.model.fused import RopeTables, fuse_layer, fused_decoder_layer
 from eagle_ray.model.kv_cache import KVCache
@@ -27,17 +29,6 @@ def check_model_type(config) -> None:
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise CheckpointError(f"target model_type '{config.model_type}' is not supported; eagle-ray runs "
                               f"Llama-family decoders: {sorted(SUPPORTED_MODEL_TYPES)}")
-
-
-def check_loading_info(path, info: dict) -> None:
-    """transformers fills a tensor the files lack (or hold in another shape) with random values and only logs
-    it: such a checkpoint is refused, naming the tensors."""
-    missing = sorted(info.get("missing_keys") or []) + sorted(
-        str(k[0] if isinstance(k, (tuple, list)) else k) for k in info.get("mismatched_keys") or [])
-    if missing:
-        raise CheckpointError(f"target {path} lacks {len(missing)} of the model's tensors or holds them in "
-                              f"another shape ({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}): "
-                              "not a complete checkpoint of this config")
 
 
 class TargetModel:
@@ -96,20 +87,13 @@ class TargetModel:
     @classmethod
     def load(cls, path: str | Path, dtype: torch.dtype, device, max_slots: int, max_len: int, config=None,
              **precision) -> "TargetModel":
-        """The target's weights; ``config``: its transformers config, if already read (it is not read again)."""
-        from transformers import AutoModelForCausalLM
-
-        try:
-            hf, info = AutoModelForCausalLM.from_pretrained(str(path), config=config, dtype=dtype,
-                                                            attn_implementation="sdpa",
-                                                            output_loading_info=True, ignore_mismatched_sizes=True,
-                                                            use_safetensors=True)   # never a pickle
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as e:  # noqa: BLE001 - transformers and safetensors raise many types for a bad file
-            raise CheckpointError(f"cannot load target from {path}: {type(e).__name__}: {first_line(e)}") from None
-        check_loading_info(path, info)
-        return cls(hf.to(device), max_slots, max_len, **precision)
+        """The target's weights (safetensors only, never a pickle; see ``decoder.load``); ``config``: its
+        transformers config, if already read (it is not read again)."""
+        if config is None:
+            from transformers import AutoConfig
+            config = AutoConfig.from_pretrained(str(path))
+        check_model_type(config)
+        return cls(decoder.load(path, config, dtype, device), max_slots, max_len, **precision)
 
     @property
     def hidden_size(self) -> int:

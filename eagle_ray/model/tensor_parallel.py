@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle_ray.errors import CheckpointError, EngineDeadError, first_line
+from eagle_ray.model import decoder
 
 COLUMN_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")   # output rows by rank
 ROW_SPLIT = ("o_proj", "down_proj")                                      # input columns by rank
@@ -63,51 +64,28 @@ def split_dim(name: str) -> int | None:
 
 def load_shard(path: str | Path, cfg, dtype: torch.dtype, device, rank: int, world: int,
                row_sum: "RowSum | None" = None):
-    """The transformers model of ``cfg`` holding rank ``rank``'s shard of the safetensors in ``path``: built empty
-    (meta device), each tensor read as its slice only; with ``row_sum``, its o and down projections sum their
-    partial products over the ranks (:class:`RowParallel`)."""
-    from safetensors import safe_open
-    from transformers import AutoModelForCausalLM
-
+    """The model of ``cfg`` holding rank ``rank``'s shard of the safetensors in ``path`` (``decoder.load``, each
+    tensor read as its slice only); with ``row_sum``, its o and down projections sum their partial products over
+    the ranks (:class:`RowParallel`)."""
     check_shardable(cfg, world)
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
+    if not decoder.weight_files(Path(path)):
         raise CheckpointError(f"target {path} has no safetensors files: tensor parallelism reads shards from them")
-    with torch.device("meta"):
-        hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
-    params = dict(hf.named_parameters())
-    loaded = set()
-    for f in files:
-        with safe_open(str(f), framework="pt", device="cpu") as st:
-            for name in st.keys():
-                if name not in params:
-                    continue
-                piece = st.get_slice(name)
-                dim = split_dim(name)
-                if dim is None:
-                    t = piece[:]
-                else:
-                    size = piece.get_shape()[dim] // world
-                    index = [slice(None)] * len(piece.get_shape())
-                    index[dim] = slice(rank * size, (rank + 1) * size)
-                    t = piece[tuple(index)]
-                owner, _, attr = name.rpartition(".")
-                module = hf.get_submodule(owner)
-                setattr(module, attr, nn.Parameter(t.to(device=device, dtype=dtype), requires_grad=False))
-                loaded.add(name)
-    if getattr(cfg, "tie_word_embeddings", False) and "lm_head.weight" not in loaded:
-        hf.lm_head.weight = hf.model.embed_tokens.weight
-        loaded.add("lm_head.weight")
-    missing = sorted(set(params) - loaded)
-    if missing:
-        raise CheckpointError(f"target {path} lacks {len(missing)} of the model's tensors ({', '.join(missing[:4])})")
-    rotary = hf.model.rotary_emb   # its frequency table is a computed buffer: made again, then moved
-    hf.model.rotary_emb = type(rotary)(config=cfg).to(device)
+
+    def shard(name, piece):
+        dim = split_dim(name)
+        if dim is None:
+            return None
+        size = piece.get_shape()[dim] // world
+        index = [slice(None)] * len(piece.get_shape())
+        index[dim] = slice(rank * size, (rank + 1) * size)
+        return piece[tuple(index)]
+
+    model = decoder.load(path, cfg, dtype, device, shard)
     if row_sum is not None:
-        for layer in hf.model.layers:
+        for layer in model.model.layers:
             layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, row_sum)
             layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, row_sum)
-    return hf.eval()
+    return model
 
 
 class RowSum:
@@ -337,8 +315,7 @@ def wait_for_ranks(procs: list, pipes: list, timeout_s: float) -> None:
 
 # what every rank imports before it loads its shard: the fork server imports it once, then each rank starts as a fork
 # of it (a spawned interpreter would import torch and transformers again for every rank of every start)
-RANK_PRELOAD = ["eagle_ray.model.tensor_parallel", "eagle_ray.model.target",
-                "transformers.models.llama.modeling_llama"]
+RANK_PRELOAD = ["eagle_ray.model.tensor_parallel", "eagle_ray.model.target", "eagle_ray.model.decoder"]
 
 
 def rank_context():

@@ -244,6 +244,14 @@ def jsonl_records(path: Path, n: int | None = None) -> Iterable[dict]:
                     return
 
 
+def check_loading_info(path, info: dict) -> None:
+    """transformers fills a tensor the files lack (or hold in another shape) with random values and only logs
+    it: such a checkpoint is refused, naming the tensors."""
+    from eagle_ray.model.decoder import refuse_incomplete
+    refuse_incomplete(path, sorted(info.get("missing_keys") or []) + sorted(
+        str(k[0] if isinstance(k, (tuple, list)) else k) for k in info.get("mismatched_keys") or []))
+
+
 def load_target(target: str | None, dtype: str, threads: int | None, storage_options: dict | None = None,
                 device: str | None = None):
     """(model, tokenizer) of the target for extraction, on ``device`` (default: CUDA when there is one)."""
@@ -254,7 +262,6 @@ def load_target(target: str | None, dtype: str, threads: int | None, storage_opt
         torch.set_num_threads(threads)
     path = resolve_target(target, storage_options)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    from eagle_ray.model.target import check_loading_info
     model, info = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), output_loading_info=True,
                                                        ignore_mismatched_sizes=True, use_safetensors=True)
     check_loading_info(path, info)   # states of randomly filled tensors would train a head on noise

@@ -214,7 +214,7 @@ def load(path: str | Path, config, dtype: torch.dtype, device, shard=None) -> Ca
     refuse_incomplete(path, sorted(set(params) - loaded - set(reshaped)) + sorted(reshaped))
     if getattr(config, "tie_word_embeddings", False):
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.rotary_emb = RotaryEmbedding(config).to(device)   # a computed table: made again, on the device
+    model.model.rotary_emb.to(device)   # its table was computed on the CPU, also under the meta device
     generation = path / "generation_config.json"
     if generation.exists():
         eos = json.loads(generation.read_text()).get("eos_token_id")

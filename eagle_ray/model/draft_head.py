@@ -18,9 +18,9 @@ from transformers import LlamaConfig
 
 from eagle_ray.errors import CheckpointError
 from eagle_ray.model.attention import FP32Rope, Part, decoder_layer, make_block_meta, with_attention_mask
-from eagle_ray.model.decoder import DecoderLayer, embedding, RotaryEmbedding
 from eagle_ray.model.checkpoint import (CONFIG_KEYS, HeadCheckpoint, add_legacy_rope_keys, head_biases,
                                         load_checked, read_head, read_state_dict, read_token_map)
+from eagle_ray.model.decoder import DecoderLayer, RotaryEmbedding, embedding
 from eagle_ray.model.kv_cache import KVCache
 from eagle_ray.model.linears import Scorer, scorer
 from eagle_ray.model.numerics import attention_kernels

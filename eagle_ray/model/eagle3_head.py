@@ -24,9 +24,9 @@ from transformers import LlamaConfig
 
 from eagle_ray.errors import CheckpointError
 from eagle_ray.model.attention import FP32Rope, Part, attention, make_block_meta, mlp, with_attention_mask
-from eagle_ray.model.decoder import DecoderLayer, embedding, RMSNorm, RotaryEmbedding
 from eagle_ray.model.checkpoint import (ARCHITECTURES, CONFIG_KEYS, HeadCheckpoint, add_legacy_rope_keys,
                                         load_checked, read_head, read_state_dict)
+from eagle_ray.model.decoder import DecoderLayer, RMSNorm, RotaryEmbedding, embedding
 from eagle_ray.model.kv_cache import KVCache
 from eagle_ray.model.numerics import attention_kernels
 from eagle_ray.speculative.tree import draft_log_probs

@@ -113,7 +113,7 @@ def test_qwen2_heads_carry_qkv_bias(tmp_path):
     ({"num_key_value_heads": 3}, "num_key_value_heads 3 does not divide num_attention_heads 4"),
     ({"bias": "false"}, "bias must be true or false, got 'false'"),
     ({"bias": None, "qkv_bias": None}, None),   # null: the defaults, as before
-    ({"hidden_act": "foo"}, "does not describe a head this engine can build: KeyError"),
+    ({"hidden_act": "foo"}, "does not describe a head this engine can build: ValueError: hidden_act must be 'silu'"),
     ({"rope_scaling": {"type": "linear"}}, "does not describe a head this engine can build"),
 ])
 def test_a_head_config_that_cannot_build_a_head_fails_before_the_target_loads(tmp_path, edit, reason):

@@ -8,6 +8,7 @@ from transformers import LlamaConfig
 
 from eagle_ray.errors import CheckpointError
 from eagle_ray.model import decoder
+from eagle_ray.model.decoder_config import decoder_config, read_decoder_config
 from eagle_ray.model.target import TargetModel
 
 MODEL_TYPES = ["llama", "qwen2", "qwen3", "mistral"]
@@ -25,7 +26,7 @@ def hidden_and_logits(model, ids: list[int]):
 def test_a_loaded_target_holds_transformers_tensors_and_computes_the_same_states(tmp_path, model_type):
     hf = make_target(model_type=model_type)
     hf.save_pretrained(tmp_path)
-    ours = decoder.load(tmp_path, hf.config, torch.float32, "cpu")
+    ours = decoder.load(tmp_path, read_decoder_config(tmp_path), torch.float32, "cpu")
     theirs, mine = hf.state_dict(), ours.state_dict()
     assert list(mine) == list(theirs)
     assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
@@ -66,14 +67,17 @@ def test_a_seeded_layer_draws_the_weights_transformers_layer_draws(model_type):
                                   {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                    "original_max_position_embeddings": 64},
-                                  {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}])
+                                  {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+                                  {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}])
 def test_rotary_tables_are_transformers_tables(rope):
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=4096, rope_parameters=rope)
+    fields = dict(hidden_size=64, num_attention_heads=4, max_position_embeddings=4096, rope_parameters=rope)
     positions = torch.arange(3000).view(2, -1)
     x = torch.zeros(1, dtype=torch.bfloat16)
-    for a, b in zip(decoder.RotaryEmbedding(cfg)(x, positions), LlamaRotaryEmbedding(cfg)(x, positions)):
-        assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+    theirs = LlamaRotaryEmbedding(LlamaConfig(**fields))(x, positions)
+    for config in (decoder_config(fields, "llama"), LlamaConfig(**fields)):
+        for a, b in zip(decoder.RotaryEmbedding(config)(x, positions), theirs):
+            assert a.dtype == torch.bfloat16 and torch.equal(a, b)
 
 
 def test_a_rope_that_grows_with_the_sequence_and_an_incomplete_checkpoint_are_refused(tmp_path):

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import LlamaConfig
 
 from eagle_ray.errors import CheckpointError, first_line
+from eagle_ray.model.decoder_config import DecoderConfig, decoder_config
 
 CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                "hidden_act", "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling",
@@ -33,11 +33,23 @@ class HeadCheckpoint:
         """``eagle3`` or ``eagle2``."""
         return "eagle3" if is_eagle3_config(self.config) else "eagle2"
 
-    def layer_config(self) -> LlamaConfig:
+    def layer_config(self) -> DecoderConfig:
         """The one-layer Llama config the head's modules are built from."""
         raw = {k: v for k, v in self.config.items() if k not in ("architectures", "model_type", "transformers_version",
                                                                   "bias", "qkv_bias")}
-        return LlamaConfig(**{**raw, "num_hidden_layers": 1})
+        return head_config(raw)
+
+
+def head_config(fields: dict) -> DecoderConfig:
+    """A head's one-layer Llama config from ``fields`` (its config.json's, or its target's)."""
+    return decoder_config({**fields, "num_hidden_layers": 1}, "llama")
+
+
+def saved_head_config(config) -> dict:
+    """A head's config as transformers' ``LlamaConfig`` writes it: every field named, as readers on transformers
+    4.x (the reference among them) expect. Imported here, on saving, not where an engine process loads a head."""
+    from transformers import LlamaConfig
+    return LlamaConfig(**{k: v for k, v in config.to_dict().items() if k != "model_type"}).to_dict()
 
 
 def read_head(path: str | Path | HeadCheckpoint) -> HeadCheckpoint:

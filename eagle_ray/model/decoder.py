@@ -4,7 +4,8 @@ The modules carry transformers' names and layout (``model.layers.N.self_attn.q_p
 the layer functions (``attention.decoder_layer``, ``fused.fuse_layer``) read them as they read transformers' own,
 and each computes what transformers' module computes, op for op. They exist so that an engine process does not
 import transformers' modelling code and its compiler and distributed imports (about 2 s of every actor's and
-replica's start): transformers still reads the config and the tokenizer and computes RoPE's frequency tables.
+replica's start); ``decoder_config`` reads their configs, and transformers reads the tokenizer and computes scaled
+RoPE's frequency tables.
 """
 from __future__ import annotations
 
@@ -53,8 +54,14 @@ class RotaryEmbedding(nn.Module):
             steps = torch.arange(0, dim, 2, dtype=torch.float, device=cpu)
             inv_freq, self.attention_scaling = 1.0 / (base ** (steps / dim)), 1.0
         else:
+            from transformers import PreTrainedConfig   # transformers' base config: none of a model's imports
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[kind](config, cpu)
+            try:
+                if not isinstance(config, PreTrainedConfig):   # a DecoderConfig: RoPE's functions call its methods
+                    config = PreTrainedConfig(**config.to_dict())
+                inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[kind](config, cpu)
+            except (KeyError, TypeError, ValueError) as e:
+                raise CheckpointError(f"rope_parameters {params} do not describe a '{kind}' RoPE: {e}") from None
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,12 +126,14 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
-        from transformers.activations import ACT2FN   # already loaded with transformers' configs
         bias = biases_of(config)[2]
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
-        self.act_fn = ACT2FN[config.hidden_act]
+        if config.hidden_act not in ("silu", "swish"):
+            raise CheckpointError(f"hidden_act {config.hidden_act!r} is not supported: the Llama family's MLP is "
+                                  "SwiGLU (silu), which the fused layers compute")
+        self.act_fn = nn.SiLU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))

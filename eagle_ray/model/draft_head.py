@@ -14,12 +14,12 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
-from transformers import LlamaConfig
 
 from eagle_ray.errors import CheckpointError
 from eagle_ray.model.attention import FP32Rope, Part, decoder_layer, make_block_meta, with_attention_mask
-from eagle_ray.model.checkpoint import (CONFIG_KEYS, HeadCheckpoint, add_legacy_rope_keys, head_biases,
-                                        load_checked, read_head, read_state_dict, read_token_map)
+from eagle_ray.model.checkpoint import (CONFIG_KEYS, HeadCheckpoint, add_legacy_rope_keys, head_biases, head_config,
+                                        load_checked, read_head, read_state_dict, read_token_map,
+                                        saved_head_config)
 from eagle_ray.model.decoder import DecoderLayer, RotaryEmbedding, embedding
 from eagle_ray.model.kv_cache import KVCache
 from eagle_ray.model.linears import Scorer, scorer
@@ -34,7 +34,7 @@ class DraftHead(nn.Module):
     feature_layers = None  # reads the target's final (post-norm) hidden state
     run_layer = staticmethod(decoder_layer)   # compiled alone, sharing the target's layer graphs (model/compiled.py)
 
-    def __init__(self, config: LlamaConfig, bias: bool = True, qkv_bias: bool = False):
+    def __init__(self, config, bias: bool = True, qkv_bias: bool = False):
         super().__init__()
         config.num_hidden_layers = 1
         self.config, self.bias, self.qkv_bias = config, bias, qkv_bias
@@ -74,7 +74,7 @@ class DraftHead(nn.Module):
         rope = getattr(target_config, "rope_parameters", None)
         if rope:
             kw["rope_parameters"] = dict(rope)
-        cfg = LlamaConfig(**kw, num_hidden_layers=1, architectures=["LlamaForCausalLM"])
+        cfg = head_config({**kw, "architectures": ["LlamaForCausalLM"]})
         return cls(cfg, bias=bias, qkv_bias=getattr(target_config, "model_type", "") == "qwen2")
 
     # ---- checkpoint I/O -------------------------------------------------------------------------------------
@@ -86,7 +86,7 @@ class DraftHead(nn.Module):
 
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        cfg = self.config.to_dict()
+        cfg = saved_head_config(self.config)
         cfg.update(num_hidden_layers=1, architectures=["LlamaForCausalLM"], bias=self.bias, qkv_bias=self.qkv_bias)
         add_legacy_rope_keys(cfg)
         (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))

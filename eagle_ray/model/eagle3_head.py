@@ -20,12 +20,11 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import LlamaConfig
 
 from eagle_ray.errors import CheckpointError
 from eagle_ray.model.attention import FP32Rope, Part, attention, make_block_meta, mlp, with_attention_mask
 from eagle_ray.model.checkpoint import (ARCHITECTURES, CONFIG_KEYS, HeadCheckpoint, add_legacy_rope_keys,
-                                        load_checked, read_head, read_state_dict)
+                                        head_config, load_checked, read_head, read_state_dict, saved_head_config)
 from eagle_ray.model.decoder import DecoderLayer, RMSNorm, RotaryEmbedding, embedding
 from eagle_ray.model.kv_cache import KVCache
 from eagle_ray.model.numerics import attention_kernels
@@ -54,7 +53,7 @@ class Eagle3Head(nn.Module):
     run_layer = staticmethod(midlayer)   # compiled alone (model/compiled.py)
     outside_map = None   # no context tokens in its draft vocabulary (see topk)
 
-    def __init__(self, config: LlamaConfig, num_target_layers: int):
+    def __init__(self, config, num_target_layers: int):
         super().__init__()
         config.num_hidden_layers = 1
         self.config = config
@@ -101,8 +100,8 @@ class Eagle3Head(nn.Module):
             kw["rope_parameters"] = dict(rope)
         vocab = target_config.vocab_size
         draft_ids = torch.arange(vocab) if draft_vocab is None else draft_vocab.long()
-        cfg = LlamaConfig(**kw, num_hidden_layers=1, architectures=[ARCHITECTURES[0]],
-                          draft_vocab_size=len(draft_ids), target_hidden_size=target_config.hidden_size)
+        cfg = head_config({**kw, "architectures": [ARCHITECTURES[0]], "draft_vocab_size": len(draft_ids),
+                           "target_hidden_size": target_config.hidden_size})
         head = cls(cfg, target_config.num_hidden_layers)
         head.set_draft_vocab(draft_ids)
         return head
@@ -136,7 +135,7 @@ class Eagle3Head(nn.Module):
 
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        cfg = self.config.to_dict()
+        cfg = saved_head_config(self.config)
         cfg.update(num_hidden_layers=1, architectures=[ARCHITECTURES[0]], draft_vocab_size=self.draft_vocab_size)
         target_d = self.fc.in_features // 3
         cfg.pop("target_hidden_size", None)

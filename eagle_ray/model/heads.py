@@ -48,7 +48,7 @@ def check_buildable(ckpt: HeadCheckpoint, target_config) -> None:
             raise CheckpointError(f"draft head {path}/config.json: {key} must be true or false, got {raw[key]!r}")
     try:
         head_on_meta(ckpt.kind, target_config, raw)
-    except Exception as e:  # noqa: BLE001 - transformers' config classes and torch's modules raise many types
+    except Exception as e:  # noqa: BLE001 - the config reader, RoPE's tables and torch's modules raise many types
         raise CheckpointError(f"draft head {path}/config.json does not describe a head this engine can build: "
                               f"{type(e).__name__}: {first_line(e)}") from None
 

@@ -8,6 +8,7 @@ own and renamed into place whole, under a lock file, so a reader sees a whole en
 from __future__ import annotations
 
 import hashlib
+import json
 import importlib.util
 import os
 import shutil
@@ -164,23 +165,39 @@ def resolve_target(target: str | os.PathLike | None, storage_options: dict | Non
 
 
 def target_config_and_tokenizer(path: Path):
-    """The target's transformers config and tokenizer, read before any weights: a config that
+    """The target's config (``decoder_config.DecoderConfig``) and tokenizer, read before any weights: a config that
     is not JSON, names no or an unknown ``model_type``, or holds wrong types, and a missing or damaged tokenizer,
     each fail here naming the file, not deep in loading after the weights."""
-    from transformers import AutoConfig, AutoTokenizer
+    from eagle_ray.model.decoder_config import read_decoder_config
     try:
-        config = AutoConfig.from_pretrained(str(path))
-    except Exception as e:  # noqa: BLE001 - transformers raises OSError, ValueError, its own validation errors
-        raise CheckpointError(f"target config {path / 'config.json'} cannot be read: {type(e).__name__}: "
-                              f"{first_line(e)}") from None
+        config = read_decoder_config(path)
+    except ValueError as e:
+        raise CheckpointError(f"target config {path / 'config.json'} cannot be read: {first_line(e)}") from None
     from eagle_ray.model.target import check_model_type
-    check_model_type(config)   # before its weights load, not after
+    check_model_type(config)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path), config=config)   # the config is not read again
-    except Exception as e:  # noqa: BLE001
+        tokenizer = read_tokenizer(path)
+    except Exception as e:  # noqa: BLE001 - tokenizers and transformers raise OSError, ValueError, their own errors
         raise CheckpointError(f"target {path} has no readable tokenizer (tokenizer.json / tokenizer_config.json): "
                               f"{type(e).__name__}: {first_line(e)}") from None
     return config, tokenizer
+
+
+# tokenizer classes that are transformers' tokenizers-library backend itself, which AutoTokenizer returns for them
+BACKEND_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def read_tokenizer(path: Path):
+    """The tokenizer AutoTokenizer gives for ``path``. Where tokenizer_config.json names the tokenizers backend
+    itself, that class reads it directly: AutoTokenizer would first read the config through transformers' config
+    classes (the imports ``decoder_config`` avoids, 2.7 s of an engine process's start)."""
+    settings = path / "tokenizer_config.json"
+    named = json.loads(settings.read_text()).get("tokenizer_class") if settings.exists() else None
+    if named in BACKEND_TOKENIZERS and (path / "tokenizer.json").exists():
+        from transformers import PreTrainedTokenizerFast   # transformers 5 names it TokenizersBackend too
+        return PreTrainedTokenizerFast.from_pretrained(str(path))
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(path))
 
 
 def resolve_draft(draft: str | os.PathLike | None, storage_options: dict | None = None) -> Path:

@@ -1,8 +1,8 @@
 """The target model runtime: the decoder's modules, our KV cache, block/tree forwards.
 
-transformers gives config, tokenizer, chat template and RoPE's tables (incl. Llama-3 scaling); the modules are
-``decoder.py``'s (or a transformers model's, which hold the same names), run with :func:`decoder_layer`, so a tree
-of candidate tokens is verified in one pass. ``forward`` returns the final
+``decoder_config`` reads the config; transformers gives tokenizer, chat template and scaled RoPE's tables. The modules
+are ``decoder.py``'s (or a transformers model's, which hold the same names), run with :func:`decoder_layer`, so a
+tree of candidate tokens is verified in one pass. ``forward`` returns the final
 post-norm hidden states: the draft head's input features, and the lm_head's input.
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 from eagle_ray.errors import CheckpointError
 from eagle_ray.model import decoder
 from eagle_ray.model.attention import Part, decoder_layer, make_block_meta, masked_sdpa, pad_rows, with_attention_mask
+from eagle_ray.model.decoder_config import DEFAULTS, read_decoder_config
 from eagle_ray.model.fused import RopeTables, fuse_layer, fused_decoder_layer
 from eagle_ray.model.kv_cache import KVCache
 from eagle_ray.model.linears import lay_out_linears
@@ -21,7 +22,7 @@ from eagle_ray.model.tree_attention import FLEX_MAX_BLOCK, flex_tree_attention, 
 from eagle_ray.model.logits import RefinedLogits
 from eagle_ray.model.numerics import attention_kernels, defaults_for, numerics_for
 
-SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+SUPPORTED_MODEL_TYPES = set(DEFAULTS)
 
 
 def check_model_type(config) -> None:
@@ -88,10 +89,9 @@ class TargetModel:
     def load(cls, path: str | Path, dtype: torch.dtype, device, max_slots: int, max_len: int, config=None,
              **precision) -> "TargetModel":
         """The target's weights (safetensors only, never a pickle; see ``decoder.load``); ``config``: its
-        transformers config, if already read (it is not read again)."""
+        ``DecoderConfig`` (or transformers config), if already read (it is not read again)."""
         if config is None:
-            from transformers import AutoConfig
-            config = AutoConfig.from_pretrained(str(path))
+            config = read_decoder_config(path)
         check_model_type(config)
         return cls(decoder.load(path, config, dtype, device), max_slots, max_len, **precision)
 

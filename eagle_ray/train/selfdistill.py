@@ -180,12 +180,11 @@ def export_prompts(out: str | Path, *, source: str = "sharegpt", second_turns: b
     ``answer_prompts(source="prompt-file", target=...)`` answers elsewhere. Returns rows."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from transformers import AutoTokenizer
 
     from eagle_ray.engine.text import TextCodec
-    from eagle_ray.model.loading import resolve_target
-    tok = AutoTokenizer.from_pretrained(str(resolve_target(target)))
-    codec = TextCodec(tok, len(tok))   # the engine's own encoding, so the ids are what the engine would make
+    from eagle_ray.model.loading import read_tokenizer, resolve_target
+    tok = read_tokenizer(resolve_target(target))
+    codec = TextCodec(tok, len(tok))   # the engine's own tokenizer and encoding: the ids the engine would make
     skip = answered_ids(skip_sets) if skip_sets else set()
     what, id_scheme, chosen, prompts = source_prompts(source, second_turns)
     rows = []

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from eagle_ray.errors import CheckpointError, first_line
+from eagle_ray.model.decoder_config import SILU_ACTIVATIONS
 
 # RoPE kinds whose frequency table grows with the sequence (transformers recomputes it as positions pass its
 # original length): keys cached under one table would meet queries rotated by another
@@ -130,7 +131,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
-        if config.hidden_act not in ("silu", "swish"):
+        if config.hidden_act not in SILU_ACTIVATIONS:   # a transformers config is not checked by decoder_config
             raise CheckpointError(f"hidden_act {config.hidden_act!r} is not supported: the Llama family's MLP is "
                                   "SwiGLU (silu), which the fused layers compute")
         self.act_fn = nn.SiLU()

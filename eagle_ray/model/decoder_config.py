@@ -18,7 +18,7 @@ _LLAMA = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_h
               tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
 _QWEN = dict(_LLAMA, vocab_size=151936, intermediate_size=22016, num_key_value_heads=32,
              max_position_embeddings=32768, bos_token_id=None, eos_token_id=None)
-_NO_BIAS_KEYS = {"attention_bias": None, "mlp_bias": None}
+_NO_BIAS_KEYS = ("attention_bias", "mlp_bias")
 
 # each model type's fields and defaults, as its transformers config class declares them (a field the class lacks is
 # absent here too: Mistral and Qwen2 take their biases from the model type, Qwen2 its head width from the sizes)
@@ -32,6 +32,7 @@ DEFAULTS = {
 DEFAULT_ROPE_THETA = 10000.0
 SCALED_ROPE = ("llama3", "yarn", "longrope")   # kinds that keep the pretraining length in their parameters
 PER_LAYER_ROPE = ("full_attention", "sliding_attention")
+SILU_ACTIVATIONS = ("silu", "swish")   # the Llama family's SwiGLU: what the MLP and the fused layers compute
 
 _INT = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
         "max_position_embeddings")
@@ -121,5 +122,5 @@ def check_types(fields: dict) -> None:
         wrong("eos_token_id", "an integer, a list of integers or null")
     if not isinstance(fields["rms_norm_eps"], (int, float)) or isinstance(fields["rms_norm_eps"], bool):
         wrong("rms_norm_eps", "a number")
-    if fields["hidden_act"] not in ("silu", "swish"):
+    if fields["hidden_act"] not in SILU_ACTIVATIONS:
         wrong("hidden_act", "'silu' (the Llama family's SwiGLU; the fused layers compute silu)")

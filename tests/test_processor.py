@@ -94,11 +94,20 @@ def test_an_autoscaling_pool_answers_every_row(ray_local, pair, tmp_path):  # no
 def test_actors_restart_and_batches_retry_as_long_as_the_job_runs_unless_a_bound_is_set():
     """Losing a node must not use up a budget: its actor's batch retries reach the dead node for the seconds before
     Ray declares it dead (three retries were gone in about 5 s, and the job with them)."""
+    from ray.data import DataContext
+    from ray.data._internal.execution.operators.actor_pool_map_operator import ActorPoolMapOperator
+
     from eagle_ray.batch.processor import pool_options
-    default = pool_options(ActorsConfig(num_actors=2))
-    assert (default["max_restarts"], default["max_task_retries"]) == (-1, -1)
-    bounded = pool_options(ActorsConfig(num_actors=2, max_restarts=5))
-    assert (bounded["max_restarts"], bounded["max_task_retries"]) == (5, -1)
+
+    def applied(actors):   # the actor options Ray Data builds the pool with, from what the job passes it
+        named = ("batch_size", "batch_format", "num_cpus", "num_gpus", "compute")
+        remote = {k: v for k, v in pool_options(actors).items() if k not in named}
+        args = ActorPoolMapOperator._apply_default_remote_args(remote, DataContext.get_current())
+        return remote, (args["max_restarts"], args.get("max_task_retries"))
+
+    assert applied(ActorsConfig(num_actors=2)) == ({}, (-1, -1))   # nothing Ray Data deprecates is passed
+    assert applied(ActorsConfig(num_actors=2, max_restarts=5)) == ({"max_restarts": 5}, (5, -1))
+    assert applied(ActorsConfig(num_actors=2, max_restarts=0)) == ({"max_restarts": 0}, (0, None))
 
 
 def test_one_actor_failing_to_start_costs_that_actor_the_budget_scaling_with_the_pool():

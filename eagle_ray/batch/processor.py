@@ -122,14 +122,18 @@ def pool_options(a) -> dict:
     as the job runs, unless ``max_restarts`` bounds it, and its batches are retried without bound: a retry that
     reaches the dead node before Ray has declared it dead (about 15 s) must not use up a budget, and the actor
     comes back on another node. A batch that keeps killing its actors is ended by the stage instead
-    (``stage.DEATHS_PER_BATCH``)."""
+    (``stage.DEATHS_PER_BATCH``). Unbounded restarts and retries are Ray Data's own defaults for an actor pool, so
+    nothing is passed for them: ``max_restarts`` is a generic Ray remote argument, which Ray Data warns will no
+    longer be taken from 2.64 and has no named parameter for; it is passed only when set (Ray Data then still
+    retries batches without bound unless it is 0)."""
     import ray
     lo, hi = a.pool
+    restarts = {} if a.max_restarts is None else {"max_restarts": a.max_restarts}
     return dict(batch_size=a.batch_size, batch_format="pyarrow", num_cpus=a.num_cpus, num_gpus=a.num_gpus or None,
-                max_restarts=-1 if a.max_restarts is None else a.max_restarts, max_task_retries=-1,
                 compute=ray.data.ActorPoolStrategy(min_size=lo, max_size=hi,
                                                    max_tasks_in_flight_per_actor=a.max_concurrent_batches,
-                                                   max_concurrent_calls_per_actor=a.max_concurrent_batches))
+                                                   max_concurrent_calls_per_actor=a.max_concurrent_batches),
+                **restarts)
 
 
 def start_failure_budget(a) -> int:

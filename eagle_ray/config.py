@@ -186,6 +186,29 @@ def checked_schema(value) -> dict:
     return value
 
 
+def read_chat_template(value: str) -> str:
+    """A chat template's text: ``value`` itself where it holds Jinja (``{{`` or ``{%``), else the file it names,
+    read where the config is read (a job's driver), so actors on other nodes get the text. A template Jinja cannot
+    parse is refused here, naming the line."""
+    from pathlib import Path
+
+    if "{{" in value or "{%" in value:
+        text = value
+    else:
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise ValueError(f"{value!r} is neither a Jinja template (no '{{{{' or '{{%') nor a file")
+        text = path.read_text(encoding="utf-8")
+    from jinja2 import TemplateSyntaxError
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment   # how transformers compiles chat templates
+    try:
+        ImmutableSandboxedEnvironment(extensions=[loopcontrols]).parse(text)
+    except TemplateSyntaxError as e:
+        raise ValueError(f"not a valid Jinja template: {e.message} (line {e.lineno})") from None
+    return text
+
+
 class ModelConfig(StrictModel):
     """Which target and head, and where they run."""
     target: str | None = Field(None, description="HF checkpoint dir, .gguf file or s3:// prefix; None = embedded")
@@ -203,6 +226,14 @@ class ModelConfig(StrictModel):
     collective_timeout_s: float = Field(30.0, gt=0, le=3600, description="how long a tensor-parallel collective "
                                         "waits for a rank that hangs before the engine fails (one that dies fails it "
                                         "at once)")
+    chat_template: str | None = Field(None, description="the Jinja chat template chat prompts (messages, turns) "
+                                      "are rendered with instead of the target tokenizer's own: its text, or the "
+                                      "path of a file holding it; None = the tokenizer's")
+
+    @field_validator("chat_template")
+    @classmethod
+    def _chat_template_text(cls, v):
+        return None if v is None else read_chat_template(v)
 
 
 class CacheConfig(StrictModel):

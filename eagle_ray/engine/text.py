@@ -80,6 +80,9 @@ class TextCodec:
     def _tokenize(self, p: Prompt) -> list[int]:
         """Tokenizer and chat-template failures (a template that requires alternating roles, say) are the
         request's fault: reported as such instead of failing the batch."""
+        if p.kind != "text" and not self.tokenizer.chat_template:
+            raise InvalidRequestError("the target's tokenizer has no chat template: send the prompt as text or "
+                                      "token ids, or give the engine one (model.chat_template)")
         try:
             if p.kind == "text":
                 return list(self.tokenizer(p.value)["input_ids"])

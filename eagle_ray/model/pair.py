@@ -18,7 +18,8 @@ from eagle_ray.model.device import pick_device, pick_dtype
 from eagle_ray.model.draft_head import DraftHead
 from eagle_ray.model.eagle3_head import Eagle3Head
 from eagle_ray.model.heads import check_head, load_head
-from eagle_ray.model.loading import check_gguf_path, resolve_draft, resolve_target, target_config_and_tokenizer
+from eagle_ray.model.loading import (check_gguf_path, resolve_draft, resolve_target, target_config_and_tokenizer,
+                                     use_chat_template)
 from eagle_ray.model.sizing import size_engine
 from eagle_ray.model.target import TargetModel
 
@@ -44,11 +45,14 @@ class LoadedPair:
 
 
 def read_checkpoints(config: EngineConfig, storage_options: dict | None = None) -> Checkpoints:
-    """Resolve the target and the head (local, S3 or the embedded pair) and read their configs; a head that does
-    not fit its target fails here, naming the mismatch."""
+    """Resolve the target and the head (local, S3 or the embedded pair) and read their configs and the tokenizer
+    (with ``model.chat_template`` in place of its own); a head that does not fit its target fails here, naming the
+    mismatch."""
     m = config.model
     target_dir = resolve_target(m.target, storage_options)
     target_config, tokenizer = target_config_and_tokenizer(target_dir)
+    if m.chat_template is not None:
+        use_chat_template(tokenizer, m.chat_template)
     head = None
     if m.draft not in ("none", *RANDOM_HEADS):
         head = check_head(resolve_draft(m.draft, storage_options), target_config)
@@ -56,10 +60,11 @@ def read_checkpoints(config: EngineConfig, storage_options: dict | None = None) 
 
 
 def check_local_pair(m: ModelConfig) -> None:
-    """A local target or head path that does not exist, or a head that does not fit its target, fails here in one
-    line; S3, the embedded pair and a GGUF's dequantised copy are left to the loader."""
+    """A local target or head path that does not exist, a head that does not fit its target, or a chat template
+    the target's tokenizer cannot render with, fails here in one line; S3, the embedded pair and a GGUF's
+    dequantised copy are left to the loader."""
     local = lambda path: path is not None and not str(path).startswith("s3://")  # noqa: E731
-    target_dir = None
+    target_dir = draft_dir = None
     if local(m.target):
         if str(m.target).endswith(".gguf"):   # its dequantised copy is made by the loader, once
             check_gguf_path(Path(m.target).expanduser())
@@ -67,8 +72,12 @@ def check_local_pair(m: ModelConfig) -> None:
             target_dir = resolve_target(m.target)
     if local(m.draft) and m.draft not in ("none",) + RANDOM_HEADS:
         draft_dir = resolve_draft(m.draft)
-        if target_dir is not None:
-            check_head(draft_dir, target_config_and_tokenizer(target_dir)[0])
+    if target_dir is not None and (draft_dir is not None or m.chat_template is not None):
+        target_config, tokenizer = target_config_and_tokenizer(target_dir)
+        if draft_dir is not None:
+            check_head(draft_dir, target_config)
+        if m.chat_template is not None:
+            use_chat_template(tokenizer, m.chat_template)
 
 
 def load_pair(config: EngineConfig, demand: tuple[int, int, int], storage_options: dict | None = None) -> LoadedPair:

@@ -1,0 +1,93 @@
+"""``model.chat_template``: chat prompts rendered with a template the user gives instead of the tokenizer's own,
+as its text or a file; a template that cannot work fails when the config is read or the engine loads, naming it; a
+tokenizer without any template refuses a chat prompt saying what to do; a job does not resume into an output
+written with another template."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eagle_ray import EagleEngine, SamplingParams
+from eagle_ray.batch.config import JobConfig
+from eagle_ray.batch.job import check_output_identity
+from eagle_ray.config import EngineConfig
+from eagle_ray.errors import ConfigError, InvalidRequestError
+
+# the tiny tokenizer's words: no <s> / </s> around each message, unlike its own template (tests/tiny.py)
+PLAIN = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+         "{% if add_generation_prompt %}assistant :{% endif %}")
+CHAT = [{"role": "system", "content": "w1"}, {"role": "user", "content": "w2 w3"}]
+
+
+def engine(target, **fields) -> EagleEngine:
+    return EagleEngine.from_pretrained(target=target, draft="none", dtype="float32", max_batch_size=1,
+                                       max_model_len=64, **fields)
+
+
+def test_chat_prompts_are_rendered_with_the_given_template_and_text_prompts_are_not(tiny_dir):
+    own, given = engine(str(tiny_dir)), engine(str(tiny_dir), chat_template=PLAIN)
+    words = given.tokenizer.convert_tokens_to_ids
+    assert given.codec.encode(CHAT) == words(["system", ":", "w1", "user", ":", "w2", "w3", "assistant", ":"])
+    assert own.codec.encode(CHAT) == [2] + words(["system", ":", "w1"]) + [1, 2] + words(
+        ["user", ":", "w2", "w3"]) + [1, 2] + words(["assistant", ":"])
+    assert given.codec.encode("w2 w3") == own.codec.encode("w2 w3")
+    out = given.generate([CHAT], SamplingParams(max_new_tokens=3), speculative=False)[0]
+    assert out.prompt_token_ids == given.codec.encode(CHAT)
+
+
+def test_a_template_file_is_read_where_the_config_is(tmp_path):
+    (tmp_path / "chat.jinja").write_text(PLAIN)
+    assert EngineConfig(chat_template=str(tmp_path / "chat.jinja")).model.chat_template == PLAIN
+    assert json.loads(EngineConfig(chat_template=str(tmp_path / "chat.jinja")).model_dump_json())["model"][
+        "chat_template"] == PLAIN   # what a job sends its actors: the text, not a path they may not have
+
+
+@pytest.mark.parametrize("value, message", [
+    ("templates/missing.jinja", "'templates/missing.jinja' is neither a Jinja template"),
+    ("{% for m in messages %}{{ m['content'] }}", "not a valid Jinja template: Unexpected end of template"),
+    ("{{ m['content'] }", "not a valid Jinja template: unexpected '}' (line 1)"),
+])
+def test_a_template_jinja_cannot_read_is_refused_with_the_config(value, message):
+    with pytest.raises(ConfigError, match="chat_template") as e:
+        EngineConfig(chat_template=value)
+    assert message in str(e.value)
+
+
+def test_a_template_that_fails_on_a_one_message_chat_fails_the_load_and_a_jobs_driver_naming_it(tiny_dir):
+    from eagle_ray.model.pair import check_local_pair
+    failing = "{{ raise_exception('no system message') }}"
+    with pytest.raises(ConfigError, match="model.chat_template cannot render a one-message chat: .*no system"):
+        engine(str(tiny_dir), chat_template=failing)
+    with pytest.raises(ConfigError, match="model.chat_template cannot render a one-message chat: .*no system"):
+        check_local_pair(EngineConfig(target=str(tiny_dir), draft="none", chat_template=failing).model)
+
+
+def test_a_tokenizer_without_a_template_refuses_chat_prompts_saying_what_to_do(tmp_path):
+    from tiny import save_target
+    target = save_target(tmp_path / "t")
+    settings = json.loads((target / "tokenizer_config.json").read_text())
+    settings.pop("chat_template", None)
+    (target / "tokenizer_config.json").write_text(json.dumps(settings))
+    for f in target.glob("chat_template.*"):
+        f.unlink()
+    bare = engine(str(target))
+    with pytest.raises(InvalidRequestError, match="no chat template: send the prompt as text or token ids, or give "
+                                                  "the engine one \\(model.chat_template\\)"):
+        bare.codec.encode(CHAT)
+    assert bare.codec.encode("w1") == engine(str(target), chat_template=PLAIN).codec.encode("w1")
+    assert len(engine(str(target), chat_template=PLAIN).codec.encode(CHAT)) == 9
+
+
+def test_a_job_does_not_resume_into_an_output_written_with_another_template(tmp_path):
+    import fsspec
+    fs = fsspec.filesystem("file")
+    root = str(tmp_path / "out")
+    fs.makedirs(root)
+    job = lambda **model: JobConfig(input={"uri": "in.jsonl"}, output={"uri": root},  # noqa: E731
+                                    engine={"model": model})
+    assert check_output_identity(fs, root, job(chat_template=PLAIN)) is None   # the first run records it
+    (tmp_path / "out" / "part-00000.parquet").write_bytes(b"")
+    assert check_output_identity(fs, root, job(chat_template=PLAIN))["chat_template"].startswith("sha256:")
+    with pytest.raises(ConfigError, match="chat_template: 'sha256:[0-9a-f]{16}' there, None now"):
+        check_output_identity(fs, root, job())

@@ -7,8 +7,8 @@ from __future__ import annotations
 import contextvars
 from typing import Annotated, Literal
 
-from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, JsonValue, ValidationError, ValidationInfo,
+                      field_validator, model_validator)
 
 from eagle_ray.errors import ConfigError
 
@@ -186,6 +186,12 @@ def checked_schema(value) -> dict:
     return value
 
 
+# apply_chat_template's own arguments: the engine sets them (a chat, its generation prompt, token ids back)
+CHAT_TEMPLATE_ARGUMENTS = ("conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                           "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                           "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs")
+
+
 def read_chat_template(value: str) -> str:
     """A chat template's text: ``value`` itself where it holds Jinja (``{{`` or ``{%``), else the file it names,
     read where the config is read (a job's driver), so actors on other nodes get the text. A template Jinja cannot
@@ -230,10 +236,22 @@ class ModelConfig(StrictModel):
                                       "are rendered with instead of the target tokenizer's own: its text, or the "
                                       "path of a file holding it; None = the tokenizer's")
 
+    chat_template_kwargs: dict[str, JsonValue] = Field(default_factory=dict, description="further variables every "
+                                                       "chat prompt's template sees, e.g. {enable_thinking: false} "
+                                                       "for Qwen3's")
+
     @field_validator("chat_template")
     @classmethod
     def _chat_template_text(cls, v):
         return None if v is None else read_chat_template(v)
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _not_the_engines_own(cls, v):
+        taken = sorted(set(v) & set(CHAT_TEMPLATE_ARGUMENTS))
+        if taken:
+            raise ValueError(f"{', '.join(taken)}: set by the engine for every chat, not a template variable")
+        return v
 
 
 class CacheConfig(StrictModel):

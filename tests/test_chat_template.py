@@ -1,7 +1,7 @@
 """``model.chat_template``: chat prompts rendered with a template the user gives instead of the tokenizer's own,
-as its text or a file; a template that cannot work fails when the config is read or the engine loads, naming it; a
-tokenizer without any template refuses a chat prompt saying what to do; a job does not resume into an output
-written with another template."""
+as its text or a file, and ``model.chat_template_kwargs``: variables every chat's template sees. A template that
+cannot work fails when the config is read or the engine loads, naming it; a tokenizer without any template refuses
+a chat prompt saying what to do; a job does not resume into an output written with another template."""
 from __future__ import annotations
 
 import json
@@ -18,6 +18,8 @@ from eagle_ray.errors import ConfigError, InvalidRequestError
 PLAIN = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
          "{% if add_generation_prompt %}assistant :{% endif %}")
 CHAT = [{"role": "system", "content": "w1"}, {"role": "user", "content": "w2 w3"}]
+# Qwen3's template likewise opens an empty think block when ``enable_thinking`` is false
+THINKING = PLAIN.replace("assistant :{% endif %}", "assistant :{% if not enable_thinking %} w9 w9{% endif %}{% endif %}")
 
 
 def engine(target, **fields) -> EagleEngine:
@@ -34,6 +36,22 @@ def test_chat_prompts_are_rendered_with_the_given_template_and_text_prompts_are_
     assert given.codec.encode("w2 w3") == own.codec.encode("w2 w3")
     out = given.generate([CHAT], SamplingParams(max_new_tokens=3), speculative=False)[0]
     assert out.prompt_token_ids == given.codec.encode(CHAT)
+
+
+def test_template_variables_reach_every_chat_and_special_token_text_stays_plain_with_them(tiny_dir):
+    thinking = engine(str(tiny_dir), chat_template=THINKING, chat_template_kwargs={"enable_thinking": True})
+    not_thinking = engine(str(tiny_dir), chat_template=THINKING, chat_template_kwargs={"enable_thinking": False})
+    words = thinking.tokenizer.convert_tokens_to_ids
+    assert not_thinking.codec.encode(CHAT) == thinking.codec.encode(CHAT) + words(["w9", "w9"])
+    forged = [{"role": "user", "content": "w2 </s>"}]
+    not_thinking.codec.split_special_tokens = True   # the content rendered apart from the template, then joined
+    assert not_thinking.codec.encode(forged)[-2:] == words(["w9", "w9"])
+
+
+@pytest.mark.parametrize("variables", [{"add_generation_prompt": False}, {"tokenize": False, "enable_thinking": 1}])
+def test_the_engines_own_arguments_are_not_template_variables(variables):
+    with pytest.raises(ConfigError, match=f"{sorted(set(variables) - {'enable_thinking'})[0]}: set by the engine"):
+        EngineConfig(chat_template_kwargs=variables)
 
 
 def test_a_template_file_is_read_where_the_config_is(tmp_path):
@@ -61,6 +79,10 @@ def test_a_template_that_fails_on_a_one_message_chat_fails_the_load_and_a_jobs_d
         engine(str(tiny_dir), chat_template=failing)
     with pytest.raises(ConfigError, match="model.chat_template cannot render a one-message chat: .*no system"):
         check_local_pair(EngineConfig(target=str(tiny_dir), draft="none", chat_template=failing).model)
+    strict = "{% if enable_thinking is not defined %}{{ raise_exception('say enable_thinking') }}{% endif %}"
+    with pytest.raises(ConfigError, match="model.chat_template cannot render a one-message chat: .*say enable"):
+        engine(str(tiny_dir), chat_template=strict)
+    assert engine(str(tiny_dir), chat_template=strict, chat_template_kwargs={"enable_thinking": False})
 
 
 def test_a_tokenizer_without_a_template_refuses_chat_prompts_saying_what_to_do(tmp_path):
@@ -91,3 +113,5 @@ def test_a_job_does_not_resume_into_an_output_written_with_another_template(tmp_
     assert check_output_identity(fs, root, job(chat_template=PLAIN))["chat_template"].startswith("sha256:")
     with pytest.raises(ConfigError, match="chat_template: 'sha256:[0-9a-f]{16}' there, None now"):
         check_output_identity(fs, root, job())
+    with pytest.raises(ConfigError, match="chat_template_kwargs: {} there, {'enable_thinking': False} now"):
+        check_output_identity(fs, root, job(chat_template=PLAIN, chat_template_kwargs={"enable_thinking": False}))

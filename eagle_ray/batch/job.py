@@ -109,7 +109,8 @@ def read_output(fs, root: str, columns: list[str] | None = None) -> pa.Table:
 
 
 JOB_FILE = "_job.json"
-STRICT_IDENTITY = ("target", "draft", "dtype", "speculative", "sampling", "split_special_tokens", "chat_template")
+STRICT_IDENTITY = ("target", "draft", "dtype", "speculative", "sampling", "split_special_tokens", "chat_template",
+                   "chat_template_kwargs")
 
 
 def output_identity(cfg: JobConfig) -> dict:
@@ -120,16 +121,17 @@ def output_identity(cfg: JobConfig) -> dict:
             "sampling": cfg.sampling.model_dump(mode="json"), "split_special_tokens": cfg.split_special_tokens,
             "chat_template": None if m.chat_template is None else   # its digest: a template may be pages long
             "sha256:" + hashlib.sha256(m.chat_template.encode()).hexdigest()[:16],
+            "chat_template_kwargs": m.chat_template_kwargs,
             "max_model_len": cfg.engine.cache.max_model_len}
 
 
 def check_output_identity(fs, root: str, cfg: JobConfig) -> dict | None:
     """Refuse to resume into an output written with another target, head, dtype, speculation, sampling defaults,
-    ``split_special_tokens`` or chat template, or a smaller ``max_model_len`` (rows answered with more room than this run has
-    would sit beside rows refused or cut for the lack of it); record them for the first run. A larger
-    ``max_model_len`` resumes: the rows the smaller one refused or cut run again (:func:`resume_output`). Returns
-    the identity the output records (None for a first run). A record from before a field was recorded binds
-    nothing for that field."""
+    ``split_special_tokens`` or chat template and its variables, or a smaller ``max_model_len`` (rows answered with
+    more room than this run has would sit beside rows refused or cut for the lack of it); record them for the first
+    run. A larger ``max_model_len`` resumes: the rows the smaller one refused or cut run again
+    (:func:`resume_output`). Returns the identity the output records (None for a first run). A record from before a
+    field was recorded binds nothing for that field."""
     path, mine = f"{root}/{JOB_FILE}", output_identity(cfg)
     if fs.exists(path) and committed_parts(fs, root):   # a first run that wrote no row binds nothing
         theirs = json.loads(fs.cat_file(path))

@@ -60,7 +60,8 @@ def wire(target: TargetModel, draft, tokenizer, config: EngineConfig) -> Wiring:
     gen_eos = getattr(getattr(target.hf, "generation_config", None), "eos_token_id", None)
     eos_ids = frozenset(x for x in ([eos] + (gen_eos if isinstance(gen_eos, list) else [gen_eos])) if x is not None)
     grammars = GrammarCache(tokenizer, target.vocab_size, eos_ids)   # structured output, compiled once
-    return Wiring(policy, TextCodec(tokenizer, target.vocab_size), scheduler, runner, eos_ids, grammars)
+    codec = TextCodec(tokenizer, target.vocab_size, template_variables=config.model.chat_template_kwargs)
+    return Wiring(policy, codec, scheduler, runner, eos_ids, grammars)
 
 
 def finish(engine, pair: LoadedPair) -> None:

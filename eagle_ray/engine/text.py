@@ -32,9 +32,11 @@ def max_token_bytes(tokenizer) -> int:
 class TextCodec:
     """Prompt -> token ids for one tokenizer and context size."""
 
-    def __init__(self, tokenizer, vocab_size: int, split_special_tokens: bool = False):
+    def __init__(self, tokenizer, vocab_size: int, split_special_tokens: bool = False,
+                 template_variables: dict | None = None):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.template_variables = dict(template_variables or {})   # ``model.chat_template_kwargs``
         self.split_special_tokens = split_special_tokens   # chat content's special-token text stays plain text
         self.max_token_bytes = max_token_bytes(tokenizer)
         if len(tokenizer) > vocab_size:
@@ -89,7 +91,7 @@ class TextCodec:
             if self.split_special_tokens and self._forges_special_tokens(p.value):
                 return self._chat_with_plain_content(p.value)
             return list(self.tokenizer.apply_chat_template(p.value, add_generation_prompt=True, tokenize=True,
-                                                           return_dict=True)["input_ids"])
+                                                           return_dict=True, **self.template_variables)["input_ids"])
         except Exception as e:  # noqa: BLE001
             raise InvalidRequestError(f"cannot tokenize the prompt: {type(e).__name__}: {e}") from None
 
@@ -105,7 +107,7 @@ class TextCodec:
         (Only chats whose content holds such text come here; the others tokenise exactly as the template says.)"""
         text = self.tokenizer.apply_chat_template(
             [m | {"content": f"\ue000{i}\ue001"} for i, m in enumerate(messages)], add_generation_prompt=True,
-            tokenize=False)
+            tokenize=False, **self.template_variables)
         found = [int(m.group(1)) for m in MARK.finditer(text)]
         if sorted(found) != list(range(len(messages))):   # a template that drops or repeats a message's content
             raise InvalidRequestError("this chat template does not place each message's content once, so content "

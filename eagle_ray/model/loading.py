@@ -200,17 +200,22 @@ def read_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def use_chat_template(tokenizer, template: str) -> None:
-    """``model.chat_template`` in place of the tokenizer's own, tried on a one-message chat: a template that fails
-    there (a name it calls that does not exist, an exception it raises) fails the load, naming the setting, instead
-    of every chat prompt failing later."""
-    tokenizer.chat_template = template
+def use_chat_template(tokenizer, template: str | None, variables: dict) -> None:
+    """``model.chat_template`` in place of the tokenizer's own, tried with ``model.chat_template_kwargs`` on a
+    one-message chat: a template that fails there (a name it calls that does not exist, an exception it raises)
+    fails the load, naming the settings, instead of every chat prompt failing later."""
+    if template is not None:
+        tokenizer.chat_template = template
+    if not tokenizer.chat_template:
+        return   # no template at all: chat prompts are refused, saying so (``TextCodec``)
     try:
         tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], add_generation_prompt=True,
-                                      tokenize=False)
+                                      tokenize=False, **variables)
     except Exception as e:  # noqa: BLE001 - jinja2 and transformers raise their own errors
-        raise ConfigError(f"model.chat_template cannot render a one-message chat: {type(e).__name__}: "
-                          f"{first_line(e)}") from None
+        setting = "model.chat_template" if template is not None else "the tokenizer's chat template"
+        raise ConfigError(f"{setting} cannot render a one-message chat" + (
+            f" with model.chat_template_kwargs {variables}" if variables else "") +
+            f": {type(e).__name__}: {first_line(e)}") from None
 
 
 def resolve_draft(draft: str | os.PathLike | None, storage_options: dict | None = None) -> Path:

@@ -46,13 +46,13 @@ class LoadedPair:
 
 def read_checkpoints(config: EngineConfig, storage_options: dict | None = None) -> Checkpoints:
     """Resolve the target and the head (local, S3 or the embedded pair) and read their configs and the tokenizer
-    (with ``model.chat_template`` in place of its own); a head that does not fit its target fails here, naming the
+    (with ``model.chat_template`` in place of its own, tried with ``chat_template_kwargs``); a head that does not fit its target fails here, naming the
     mismatch."""
     m = config.model
     target_dir = resolve_target(m.target, storage_options)
     target_config, tokenizer = target_config_and_tokenizer(target_dir)
-    if m.chat_template is not None:
-        use_chat_template(tokenizer, m.chat_template)
+    if m.chat_template is not None or m.chat_template_kwargs:
+        use_chat_template(tokenizer, m.chat_template, m.chat_template_kwargs)
     head = None
     if m.draft not in ("none", *RANDOM_HEADS):
         head = check_head(resolve_draft(m.draft, storage_options), target_config)
@@ -72,12 +72,13 @@ def check_local_pair(m: ModelConfig) -> None:
             target_dir = resolve_target(m.target)
     if local(m.draft) and m.draft not in ("none",) + RANDOM_HEADS:
         draft_dir = resolve_draft(m.draft)
-    if target_dir is not None and (draft_dir is not None or m.chat_template is not None):
+    chat = m.chat_template is not None or m.chat_template_kwargs
+    if target_dir is not None and (draft_dir is not None or chat):
         target_config, tokenizer = target_config_and_tokenizer(target_dir)
         if draft_dir is not None:
             check_head(draft_dir, target_config)
-        if m.chat_template is not None:
-            use_chat_template(tokenizer, m.chat_template)
+        if chat:
+            use_chat_template(tokenizer, m.chat_template, m.chat_template_kwargs)
 
 
 def load_pair(config: EngineConfig, demand: tuple[int, int, int], storage_options: dict | None = None) -> LoadedPair:

@@ -17,7 +17,9 @@ def format_validation_error(err: ValidationError, prefix: str = "") -> str:
     parts = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(root)"
-        parts.append(f"{prefix}{loc}: {e['msg']} (got {e.get('input')!r})")
+        got = repr(e.get("input"))
+        got = got if len(got) <= 200 else got[:200] + "..."   # a chat template's text may be pages long
+        parts.append(f"{prefix}{loc}: {e['msg']} (got {got})")
     return "; ".join(parts)
 
 
@@ -187,32 +189,44 @@ def checked_schema(value) -> dict:
 
 
 # apply_chat_template's own arguments: the engine sets them (a chat, its generation prompt, token ids back)
-CHAT_TEMPLATE_ARGUMENTS = ("conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-                           "continue_final_message", "tokenize", "padding", "truncation", "max_length",
-                           "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs")
+CHAT_TEMPLATE_ARGUMENTS = ("conversation", "conversations", "messages", "tools", "documents", "chat_template",
+                           "add_generation_prompt", "continue_final_message", "tokenize", "padding", "truncation",
+                           "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+                           "tokenizer_kwargs", "sanitize_control_tokens")
 
 
 def read_chat_template(value: str) -> str:
     """A chat template's text: ``value`` itself where it holds Jinja (``{{`` or ``{%``), else the file it names,
-    read where the config is read (a job's driver), so actors on other nodes get the text. A template Jinja cannot
-    parse is refused here, naming the line."""
+    read where the config is read (a job's driver), so actors on other nodes get the text. A template that holds
+    no Jinja (it could not place a message) or that transformers' template compiler refuses is refused here, naming
+    the line."""
     from pathlib import Path
 
-    if "{{" in value or "{%" in value:
-        text = value
-    else:
-        path = Path(value).expanduser()
-        if not path.is_file():
-            raise ValueError(f"{value!r} is neither a Jinja template (no '{{{{' or '{{%') nor a file")
-        text = path.read_text(encoding="utf-8")
+    text = value
+    if not is_jinja(value):
+        try:
+            text = Path(value).expanduser().read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:   # no such file, a name too long to be one, unreadable
+            raise ValueError(f"{value[:80]!r}{'...' if len(value) > 80 else ''} is neither a Jinja template (no "
+                             f"'{{{{' or '{{%') nor a file that can be read ({type(e).__name__})") from None
+        if not is_jinja(text):
+            raise ValueError(f"{value} holds no Jinja ('{{{{' or '{{%'): a chat template places each message")
     from jinja2 import TemplateSyntaxError
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment   # how transformers compiles chat templates
     try:
-        ImmutableSandboxedEnvironment(extensions=[loopcontrols]).parse(text)
+        from transformers.utils.chat_template_utils import _compile_jinja_template as compile_template
+    except ImportError:   # an older transformers: its environment's extensions aside, the same parser
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        compile_template = ImmutableSandboxedEnvironment(extensions=[loopcontrols]).parse
+    try:
+        compile_template(text)
     except TemplateSyntaxError as e:
         raise ValueError(f"not a valid Jinja template: {e.message} (line {e.lineno})") from None
     return text
+
+
+def is_jinja(text: str) -> bool:
+    return "{{" in text or "{%" in text
 
 
 class ModelConfig(StrictModel):
@@ -244,6 +258,11 @@ class ModelConfig(StrictModel):
     @classmethod
     def _chat_template_text(cls, v):
         return None if v is None else read_chat_template(v)
+
+    @field_validator("chat_template_kwargs", mode="before")
+    @classmethod
+    def _none_is_none_given(cls, v):   # a YAML key left empty
+        return {} if v is None else v
 
     @field_validator("chat_template_kwargs")
     @classmethod

@@ -43,9 +43,12 @@ def test_template_variables_reach_every_chat_and_special_token_text_stays_plain_
     not_thinking = engine(str(tiny_dir), chat_template=THINKING, chat_template_kwargs={"enable_thinking": False})
     words = thinking.tokenizer.convert_tokens_to_ids
     assert not_thinking.codec.encode(CHAT) == thinking.codec.encode(CHAT) + words(["w9", "w9"])
-    forged = [{"role": "user", "content": "w2 </s>"}]
-    not_thinking.codec.split_special_tokens = True   # the content rendered apart from the template, then joined
-    assert not_thinking.codec.encode(forged)[-2:] == words(["w9", "w9"])
+    forged = [{"role": "user", "content": "w2 </s>"}]   # content rendered apart from the template, then joined
+    thinking.codec.split_special_tokens = not_thinking.codec.split_special_tokens = True
+    assert thinking.codec.encode(forged)[-2:] == words(["assistant", ":"])
+    assert not_thinking.codec.encode(forged)[-4:] == words(["assistant", ":", "w9", "w9"])
+    own = engine(str(tiny_dir), chat_template_kwargs={"enable_thinking": False})   # a template that reads none
+    assert own.codec.encode(CHAT) == engine(str(tiny_dir)).codec.encode(CHAT)
 
 
 @pytest.mark.parametrize("variables", [{"add_generation_prompt": False}, {"tokenize": False, "enable_thinking": 1}])
@@ -56,13 +59,24 @@ def test_the_engines_own_arguments_are_not_template_variables(variables):
 
 def test_a_template_file_is_read_where_the_config_is(tmp_path):
     (tmp_path / "chat.jinja").write_text(PLAIN)
+    (tmp_path / "constant.jinja").write_text("w1 w2")
+    with pytest.raises(ConfigError, match="constant.jinja holds no Jinja"):
+        EngineConfig(chat_template=str(tmp_path / "constant.jinja"))
     assert EngineConfig(chat_template=str(tmp_path / "chat.jinja")).model.chat_template == PLAIN
     assert json.loads(EngineConfig(chat_template=str(tmp_path / "chat.jinja")).model_dump_json())["model"][
         "chat_template"] == PLAIN   # what a job sends its actors: the text, not a path they may not have
 
 
+def test_what_transformers_compiles_is_taken_and_an_empty_setting_is_none(tmp_path):
+    marked = "{% generation %}{{ messages[0]['content'] }}{% endgeneration %}"   # transformers' assistant mask
+    assert EngineConfig(chat_template=marked).model.chat_template == marked
+    assert EngineConfig(chat_template_kwargs=None).model.chat_template_kwargs == {}
+
+
 @pytest.mark.parametrize("value, message", [
-    ("templates/missing.jinja", "'templates/missing.jinja' is neither a Jinja template"),
+    ("templates/missing.jinja", "'templates/missing.jinja' is neither a Jinja template (no '{{' or '{%') nor a file "
+                                "that can be read (FileNotFoundError)"),
+    ("w1 " * 200, f"{('w1 ' * 200)[:80]!r}... is neither a Jinja template"),   # no file has so long a name
     ("{% for m in messages %}{{ m['content'] }}", "not a valid Jinja template: Unexpected end of template"),
     ("{{ m['content'] }", "not a valid Jinja template: unexpected '}' (line 1)"),
 ])
@@ -115,3 +129,10 @@ def test_a_job_does_not_resume_into_an_output_written_with_another_template(tmp_
         check_output_identity(fs, root, job())
     with pytest.raises(ConfigError, match="chat_template_kwargs: {} there, {'enable_thinking': False} now"):
         check_output_identity(fs, root, job(chat_template=PLAIN, chat_template_kwargs={"enable_thinking": False}))
+    recorded = json.loads((tmp_path / "out" / "_job.json").read_text())
+    for key in ("chat_template", "chat_template_kwargs"):   # a record from before these settings
+        recorded.pop(key)
+    (tmp_path / "out" / "_job.json").write_text(json.dumps(recorded))
+    assert check_output_identity(fs, root, job())["chat_template"] is None   # it had the tokenizer's own
+    with pytest.raises(ConfigError, match="chat_template: None there, 'sha256:[0-9a-f]{16}' now"):
+        check_output_identity(fs, root, job(chat_template=PLAIN))

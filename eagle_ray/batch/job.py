@@ -131,10 +131,13 @@ def check_output_identity(fs, root: str, cfg: JobConfig) -> dict | None:
     more room than this run has would sit beside rows refused or cut for the lack of it); record them for the first
     run. A larger ``max_model_len`` resumes: the rows the smaller one refused or cut run again
     (:func:`resume_output`). Returns the identity the output records (None for a first run). A record from before a
-    field was recorded binds nothing for that field."""
+    field was recorded binds nothing for that field, but for the chat template and its variables, which a run before
+    they could be set had as the tokenizer's own."""
     path, mine = f"{root}/{JOB_FILE}", output_identity(cfg)
     if fs.exists(path) and committed_parts(fs, root):   # a first run that wrote no row binds nothing
         theirs = json.loads(fs.cat_file(path))
+        theirs.setdefault("chat_template", None)   # older than these settings: written with the tokenizer's own
+        theirs.setdefault("chat_template_kwargs", {})
         try:   # sampling fields added since it was written take their defaults, which it ran with
             from eagle_ray.config import SamplingParams
             theirs["sampling"] = SamplingParams(**theirs["sampling"]).model_dump(mode="json")

@@ -63,8 +63,9 @@ def test_a_template_file_is_read_where_the_config_is(tmp_path):
     with pytest.raises(ConfigError, match="constant.jinja holds no Jinja"):
         EngineConfig(chat_template=str(tmp_path / "constant.jinja"))
     assert EngineConfig(chat_template=str(tmp_path / "chat.jinja")).model.chat_template == PLAIN
-    assert json.loads(EngineConfig(chat_template=str(tmp_path / "chat.jinja")).model_dump_json())["model"][
-        "chat_template"] == PLAIN   # what a job sends its actors: the text, not a path they may not have
+    sent = EngineConfig(chat_template=str(tmp_path / "chat.jinja"), chat_template_kwargs={"enable_thinking": False})
+    assert json.loads(sent.model_dump_json())["model"]["chat_template"] == PLAIN   # the text, not a path
+    assert EngineConfig.model_validate_json(sent.model_dump_json()) == sent   # as a job's actor reads it
 
 
 def test_what_transformers_compiles_is_taken_and_an_empty_setting_is_none(tmp_path):

@@ -12,6 +12,7 @@ from eagle_ray import EagleEngine, SamplingParams
 from eagle_ray.batch.config import JobConfig
 from eagle_ray.batch.job import check_output_identity
 from eagle_ray.config import EngineConfig
+from eagle_ray.engine.request import Prompt
 from eagle_ray.errors import ConfigError, InvalidRequestError
 
 # the tiny tokenizer's words: no <s> / </s> around each message, unlike its own template (tests/tiny.py)
@@ -137,3 +138,30 @@ def test_a_job_does_not_resume_into_an_output_written_with_another_template(tmp_
     assert check_output_identity(fs, root, job())["chat_template"] is None   # it had the tokenizer's own
     with pytest.raises(ConfigError, match="chat_template: None there, 'sha256:[0-9a-f]{16}' now"):
         check_output_identity(fs, root, job(chat_template=PLAIN))
+
+
+def test_a_chat_request_brings_its_own_variables_over_the_deployments(tiny_dir):
+    """vLLM's ``chat_template_kwargs`` on a chat completion: its variables reach this request's template, over the
+    engine's; the server's own arguments are refused, and so are variables on a completion (nothing is templated)."""
+    from eagle_ray.serve.openai_api import ApiError, parse_body
+
+    def chat(**body):
+        return parse_body(json.dumps({"model": "m", "messages": CHAT, **body}).encode(), "chat", "m", 100, 16)
+
+    thinking = engine(str(tiny_dir), chat_template=THINKING, chat_template_kwargs={"enable_thinking": True})
+    words = thinking.tokenizer.convert_tokens_to_ids
+    asked = chat(chat_template_kwargs={"enable_thinking": False}).prompt
+    assert asked.variables == {"enable_thinking": False}
+    assert thinking.codec.encode(asked) == thinking.codec.encode(CHAT) + words(["w9", "w9"])
+    assert chat().prompt.variables is None and chat(chat_template_kwargs={}).prompt.variables is None
+    with pytest.raises(ApiError, match="add_generation_prompt: set by the server for every chat") as e:
+        chat(chat_template_kwargs={"add_generation_prompt": False, "enable_thinking": False})
+    assert (e.value.status, e.value.param) == (400, "chat_template_kwargs")
+    with pytest.raises(ApiError, match="chat_template_kwargs is a chat field") as e:
+        parse_body(json.dumps({"model": "m", "prompt": "w1", "chat_template_kwargs": {"enable_thinking": False}})
+                   .encode(), "completion", "m", 100, 16)
+    assert (e.value.status, e.value.param) == (400, "chat_template_kwargs")
+    strict = engine(str(tiny_dir), chat_template="{% if not x %}{{ raise_exception('x please') }}{% endif %}"
+                    "{{ messages[0]['content'] }}", chat_template_kwargs={"x": 1})
+    with pytest.raises(InvalidRequestError, match="cannot tokenize the prompt: TemplateError: x please"):
+        strict.codec.encode(Prompt("messages", CHAT, {"x": 0}))

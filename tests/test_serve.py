@@ -87,7 +87,8 @@ def test_chat_equals_the_offline_engine(server, client):
     offline = server[1]
     msgs = [{"role": "system", "content": "w5"}, {"role": "user", "content": "w1 w7"}]
     r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0,
-                                       extra_body={"ignore_eos": True})
+                                       extra_body={"ignore_eos": True,   # variables its template does not read
+                                                   "chat_template_kwargs": {"enable_thinking": False}})
     want = offline.generate(msgs, SamplingParams(max_new_tokens=16, ignore_eos=True))[0]
     assert r.choices[0].message.content == want.text and r.choices[0].message.role == "assistant"
 
@@ -165,6 +166,11 @@ BAD = {
     "more messages than the context has tokens (chat)": (
         {"model": MODEL, "messages": [{"role": "user", "content": "w1"}] * 200}, 400, "200 messages"),
     "stream as a string": ({"model": MODEL, "prompt": "w1", "stream": "yes"}, 400, "valid boolean"),
+    "the server's own argument as a template variable (chat)": (
+        {"model": MODEL, "messages": [{"role": "user", "content": "w1"}],
+         "chat_template_kwargs": {"tokenize": False}}, 400, "tokenize: set by the server for every chat"),
+    "template variables on a completion": ({"model": MODEL, "prompt": "w1", "chat_template_kwargs": {"x": 1}}, 400,
+                                           "chat_template_kwargs is a chat field"),
 }
 
 

@@ -23,6 +23,8 @@ class Prompt:
     token ids."""
     kind: str            # "text" | "messages" | "tokens"
     value: object        # str | list[dict] | list[int]
+    variables: dict | None = None   # chat-template variables of this request, over the engine's (Serve's
+                                    # ``chat_template_kwargs``)
 
 
 def check_text(text: str, field: str) -> str:

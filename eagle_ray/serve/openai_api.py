@@ -7,9 +7,8 @@ request parser, the same one the batch job uses. Unknown fields are ignored (cli
 explicit ``null`` (OpenAI's fields are nullable: clients send unset options as ``null``); unsupported ones that
 would change what is generated or returned (``n`` above the server's cap, ``echo`` on chat, ``best_of``,
 ``suffix``, tools, and vLLM's extra sampling fields such as ``min_tokens`` or ``min_p``, and its chat-template
-fields such as
-``continue_final_message`` or ``chat_template_kwargs``) are refused, unless they hold the value
-that changes nothing. Types are strict where lax parsing would change the request: ``"stream": "yes"`` or
+fields ``continue_final_message`` or ``chat_template``) are refused, unless they hold the value that changes
+nothing; vLLM's ``chat_template_kwargs`` is taken on chat. Types are strict where lax parsing would change the request: ``"stream": "yes"`` or
 ``"max_tokens": true`` are refused, not read as true and 1.
 """
 from __future__ import annotations
@@ -23,7 +22,7 @@ from dataclasses import dataclass
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator,
                       model_validator)
 
-from eagle_ray.config import JSON_OBJECT, SamplingParams, checked_schema
+from eagle_ray.config import CHAT_TEMPLATE_ARGUMENTS, JSON_OBJECT, SamplingParams, checked_schema
 from eagle_ray.engine.request import (MAX_NESTING, Prompt, nesting_depth, parse_messages, parse_prompt,
                                      sampling_params, storable)
 from eagle_ray.errors import InvalidRequestError
@@ -54,8 +53,7 @@ UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""),
                "skip_special_tokens": (None, True), "prompt_logprobs": (None,), "allowed_token_ids": (None,),
                "bad_words": (None, []), "logits_processors": (None, []), "truncate_prompt_tokens": (None,),
                "continue_final_message": (None, False),
-               "add_generation_prompt": (None, True), "chat_template": (None,), "chat_template_kwargs": (None, {}),
-               "documents": (None, [])}
+               "add_generation_prompt": (None, True), "chat_template": (None,), "documents": (None, [])}
 NUMBERS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n", "seed",
            "presence_penalty", "frequency_penalty", "repetition_penalty",
            "top_logprobs")   # a JSON true or false is not one of these
@@ -224,6 +222,9 @@ class CompletionRequest(_Request):
         if isinstance(data, dict) and data.get("top_logprobs") not in (None, 0):
             raise ApiError(400, "top_logprobs is a chat field: on completions, logprobs is the number of "
                            "alternatives per token", param="top_logprobs")
+        if isinstance(data, dict) and data.get("chat_template_kwargs") not in (None, {}):
+            raise ApiError(400, "chat_template_kwargs is a chat field: a completion's prompt is not templated",
+                           param="chat_template_kwargs")
         if isinstance(data, dict) and data.get("logprobs") is False:
             data = {k: v for k, v in data.items() if k != "logprobs"}
         elif isinstance(data, dict) and data.get("logprobs") is True:
@@ -261,6 +262,16 @@ class ChatRequest(_Request):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP)
     echo: StrictBool = False
+    chat_template_kwargs: dict | None = Field(None, description="vLLM's: variables the chat template sees, over "
+                                              "the deployment's (engine.model.chat_template_kwargs)")
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables_only(cls, v):
+        taken = sorted(set(v or {}) & set(CHAT_TEMPLATE_ARGUMENTS))
+        if taken:
+            raise ValueError(f"{', '.join(taken)}: set by the server for every chat, not a template variable")
+        return v or None
 
     @field_validator("max_tokens")
     @classmethod
@@ -294,7 +305,7 @@ class ChatRequest(_Request):
         return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
 
     def to_prompts(self) -> list[Prompt]:
-        return [Prompt("messages", parse_messages(self.messages, "messages"))]
+        return [Prompt("messages", parse_messages(self.messages, "messages"), self.chat_template_kwargs)]
 
 
 @dataclass

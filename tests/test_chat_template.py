@@ -20,7 +20,8 @@ PLAIN = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor 
          "{% if add_generation_prompt %}assistant :{% endif %}")
 CHAT = [{"role": "system", "content": "w1"}, {"role": "user", "content": "w2 w3"}]
 # Qwen3's template likewise opens an empty think block when ``enable_thinking`` is false
-THINKING = PLAIN.replace("assistant :{% endif %}", "assistant :{% if not enable_thinking %} w9 w9{% endif %}{% endif %}")
+THINKING = PLAIN.replace("assistant :{% endif %}",
+                         "assistant :{% if not enable_thinking %} w9 w9{% endif %}{% endif %}")
 
 
 def engine(target, **fields) -> EagleEngine:

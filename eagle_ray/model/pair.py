@@ -46,8 +46,8 @@ class LoadedPair:
 
 def read_checkpoints(config: EngineConfig, storage_options: dict | None = None) -> Checkpoints:
     """Resolve the target and the head (local, S3 or the embedded pair) and read their configs and the tokenizer
-    (with ``model.chat_template`` in place of its own, tried with ``chat_template_kwargs``); a head that does not fit its target fails here, naming the
-    mismatch."""
+    (with ``model.chat_template`` in place of its own, tried with ``chat_template_kwargs``); a head that does not
+    fit its target fails here, naming the mismatch."""
     m = config.model
     target_dir = resolve_target(m.target, storage_options)
     target_config, tokenizer = target_config_and_tokenizer(target_dir)

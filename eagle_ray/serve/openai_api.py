@@ -8,8 +8,8 @@ explicit ``null`` (OpenAI's fields are nullable: clients send unset options as `
 would change what is generated or returned (``n`` above the server's cap, ``echo`` on chat, ``best_of``,
 ``suffix``, tools, and vLLM's extra sampling fields such as ``min_tokens`` or ``min_p``, and its chat-template
 fields ``continue_final_message`` or ``chat_template``) are refused, unless they hold the value that changes
-nothing; vLLM's ``chat_template_kwargs`` is taken on chat. Types are strict where lax parsing would change the request: ``"stream": "yes"`` or
-``"max_tokens": true`` are refused, not read as true and 1.
+nothing; vLLM's ``chat_template_kwargs`` is taken on chat. Types are strict where lax parsing would change the
+request: ``"stream": "yes"`` or ``"max_tokens": true`` are refused, not read as true and 1.
 """
 from __future__ import annotations
 

@@ -53,7 +53,8 @@ def test_template_variables_reach_every_chat_and_special_token_text_stays_plain_
     assert own.codec.encode(CHAT) == engine(str(tiny_dir)).codec.encode(CHAT)
 
 
-@pytest.mark.parametrize("variables", [{"add_generation_prompt": False}, {"tokenize": False, "enable_thinking": 1}])
+@pytest.mark.parametrize("variables", [{"add_generation_prompt": False},
+                                       {"tokenize": False, "enable_thinking": 1}])
 def test_the_engines_own_arguments_are_not_template_variables(variables):
     with pytest.raises(ConfigError, match=f"{sorted(set(variables) - {'enable_thinking'})[0]}: set by the engine"):
         EngineConfig(chat_template_kwargs=variables)
@@ -155,7 +156,8 @@ def test_a_chat_request_brings_its_own_variables_over_the_deployments(tiny_dir):
     assert asked.variables == {"enable_thinking": False}
     assert thinking.codec.encode(asked) == thinking.codec.encode(CHAT) + words(["w9", "w9"])
     assert chat().prompt.variables is None and chat(chat_template_kwargs={}).prompt.variables is None
-    with pytest.raises(ApiError, match="add_generation_prompt: set by the server for every chat") as e:
+    with pytest.raises(ApiError, match="add_generation_prompt: not a template variable \\(the server sets it, "
+                                       "or a field of the request does\\)") as e:
         chat(chat_template_kwargs={"add_generation_prompt": False, "enable_thinking": False})
     assert (e.value.status, e.value.param) == (400, "chat_template_kwargs")
     with pytest.raises(ApiError, match="chat_template_kwargs is a chat field") as e:
@@ -166,3 +168,30 @@ def test_a_chat_request_brings_its_own_variables_over_the_deployments(tiny_dir):
                     "{{ messages[0]['content'] }}", chat_template_kwargs={"x": 1})
     with pytest.raises(InvalidRequestError, match="cannot tokenize the prompt: TemplateError: x please"):
         strict.codec.encode(Prompt("messages", CHAT, {"x": 0}))
+
+
+def test_a_chat_request_may_leave_the_assistants_turn_unopened_or_continue_its_final_message(tiny_dir):
+    """vLLM's ``add_generation_prompt: false`` (the chat as it stands) and ``continue_final_message: true`` (the
+    final message left open, a prefilled answer the model continues); both at once is a 400."""
+    from eagle_ray.serve.openai_api import ApiError, parse_body
+
+    def chat(messages, **body):
+        return parse_body(json.dumps({"model": "m", "messages": messages, **body}).encode(), "chat", "m", 100, 16)
+
+    given = engine(str(tiny_dir), chat_template=PLAIN)
+    words = given.tokenizer.convert_tokens_to_ids
+    as_it_stands = chat(CHAT, add_generation_prompt=False).prompt
+    assert given.codec.encode(as_it_stands) == words(["system", ":", "w1", "user", ":", "w2", "w3"])
+    prefilled = CHAT + [{"role": "assistant", "content": "w4 w5"}]
+    own = engine(str(tiny_dir))   # its template closes every message with </s>: the open one is not closed
+    open_final = chat(prefilled, add_generation_prompt=False, continue_final_message=True).prompt
+    assert own.codec.encode(open_final)[-5:] == [2] + words(["assistant", ":", "w4", "w5"])
+    closed = chat(prefilled, add_generation_prompt=False).prompt
+    assert own.codec.encode(closed)[-2:] == words(["w5", "</s>"])
+    own.codec.split_special_tokens = True   # content holding special-token text, rendered apart: still left open
+    forged = chat(CHAT + [{"role": "assistant", "content": "w4 </s>"}], add_generation_prompt=False,
+                  continue_final_message=True).prompt
+    assert own.codec.encode(forged)[-4:] == words(["assistant", ":", "w4", "</s>"])
+    with pytest.raises(ApiError, match="continue_final_message: add_generation_prompt must be false") as e:
+        chat(prefilled, continue_final_message=True)
+    assert (e.value.status, e.value.param) == (400, "continue_final_message")

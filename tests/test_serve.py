@@ -168,7 +168,10 @@ BAD = {
     "stream as a string": ({"model": MODEL, "prompt": "w1", "stream": "yes"}, 400, "valid boolean"),
     "the server's own argument as a template variable (chat)": (
         {"model": MODEL, "messages": [{"role": "user", "content": "w1"}],
-         "chat_template_kwargs": {"tokenize": False}}, 400, "tokenize: set by the server for every chat"),
+         "chat_template_kwargs": {"tokenize": False}}, 400, "tokenize: not a template variable"),
+    "continuing the final message with the assistant's turn opened (chat)": (
+        {"model": MODEL, "messages": [{"role": "user", "content": "w1"}], "continue_final_message": True}, 400,
+        "add_generation_prompt must be false"),
     "template variables on a completion": ({"model": MODEL, "prompt": "w1", "chat_template_kwargs": {"x": 1}}, 400,
                                            "chat_template_kwargs is a chat field"),
 }

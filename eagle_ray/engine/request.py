@@ -25,6 +25,9 @@ class Prompt:
     value: object        # str | list[dict] | list[int]
     variables: dict | None = None   # chat-template variables of this request, over the engine's (Serve's
                                     # ``chat_template_kwargs``)
+    generation_prompt: bool = True  # a chat ends with the assistant's turn opened (``add_generation_prompt``)
+    continue_final: bool = False    # or with its final message left open, to be continued
+                                    # (``continue_final_message``: an answer's prefill)
 
 
 def check_text(text: str, field: str) -> str:

@@ -88,11 +88,12 @@ class TextCodec:
         try:
             if p.kind == "text":
                 return list(self.tokenizer(p.value)["input_ids"])
-            variables = {**self.template_variables, **(p.variables or {})}
+            options = {**self.template_variables, **(p.variables or {}),
+                       "add_generation_prompt": p.generation_prompt, "continue_final_message": p.continue_final}
             if self.split_special_tokens and self._forges_special_tokens(p.value):
-                return self._chat_with_plain_content(p.value, variables)
-            return list(self.tokenizer.apply_chat_template(p.value, add_generation_prompt=True, tokenize=True,
-                                                           return_dict=True, **variables)["input_ids"])
+                return self._chat_with_plain_content(p.value, options)
+            return list(self.tokenizer.apply_chat_template(p.value, tokenize=True, return_dict=True,
+                                                           **options)["input_ids"])
         except Exception as e:  # noqa: BLE001
             raise InvalidRequestError(f"cannot tokenize the prompt: {type(e).__name__}: {e}") from None
 
@@ -102,13 +103,12 @@ class TextCodec:
                                                         self.tokenizer.added_tokens_decoder.values() if t.special]
         return any(tok in m["content"] for m in messages for tok in specials if tok)
 
-    def _chat_with_plain_content(self, messages, variables: dict) -> list[int]:
+    def _chat_with_plain_content(self, messages, options: dict) -> list[int]:
         """The chat templated as usual, but each message's content tokenised with special-token text split into
         ordinary tokens: ``"hi<|im_end|>\n<|im_start|>system"`` in a user message cannot open a system turn.
         (Only chats whose content holds such text come here; the others tokenise exactly as the template says.)"""
         text = self.tokenizer.apply_chat_template(
-            [m | {"content": f"\ue000{i}\ue001"} for i, m in enumerate(messages)], add_generation_prompt=True,
-            tokenize=False, **variables)
+            [m | {"content": f"\ue000{i}\ue001"} for i, m in enumerate(messages)], tokenize=False, **options)
         found = [int(m.group(1)) for m in MARK.finditer(text)]
         if sorted(found) != list(range(len(messages))):   # a template that drops or repeats a message's content
             raise InvalidRequestError("this chat template does not place each message's content once, so content "

@@ -7,9 +7,10 @@ request parser, the same one the batch job uses. Unknown fields are ignored (cli
 explicit ``null`` (OpenAI's fields are nullable: clients send unset options as ``null``); unsupported ones that
 would change what is generated or returned (``n`` above the server's cap, ``echo`` on chat, ``best_of``,
 ``suffix``, tools, and vLLM's extra sampling fields such as ``min_tokens`` or ``min_p``, and its chat-template
-fields ``continue_final_message`` or ``chat_template``) are refused, unless they hold the value that changes
-nothing; vLLM's ``chat_template_kwargs`` is taken on chat. Types are strict where lax parsing would change the
-request: ``"stream": "yes"`` or ``"max_tokens": true`` are refused, not read as true and 1.
+field ``chat_template``) are refused, unless they hold the value that changes nothing; vLLM's
+``chat_template_kwargs``, ``add_generation_prompt`` and ``continue_final_message`` are taken on chat. Types are
+strict where lax parsing would change the request: ``"stream": "yes"`` or ``"max_tokens": true`` are refused, not
+read as true and 1.
 """
 from __future__ import annotations
 
@@ -52,8 +53,10 @@ UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""),
                "min_p": (None, 0.0), "use_beam_search": (None, False), "include_stop_str_in_output": (None, False),
                "skip_special_tokens": (None, True), "prompt_logprobs": (None,), "allowed_token_ids": (None,),
                "bad_words": (None, []), "logits_processors": (None, []), "truncate_prompt_tokens": (None,),
-               "continue_final_message": (None, False),
-               "add_generation_prompt": (None, True), "chat_template": (None,), "documents": (None, [])}
+               "chat_template": (None,), "documents": (None, [])}
+# chat fields that mean nothing to a completion's prompt (it is not templated), with the values that change nothing
+CHAT_ONLY = {"chat_template_kwargs": (None, {}), "add_generation_prompt": (None, True),
+             "continue_final_message": (None, False)}
 NUMBERS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n", "seed",
            "presence_penalty", "frequency_penalty", "repetition_penalty",
            "top_logprobs")   # a JSON true or false is not one of these
@@ -222,9 +225,9 @@ class CompletionRequest(_Request):
         if isinstance(data, dict) and data.get("top_logprobs") not in (None, 0):
             raise ApiError(400, "top_logprobs is a chat field: on completions, logprobs is the number of "
                            "alternatives per token", param="top_logprobs")
-        if isinstance(data, dict) and data.get("chat_template_kwargs") not in (None, {}):
-            raise ApiError(400, "chat_template_kwargs is a chat field: a completion's prompt is not templated",
-                           param="chat_template_kwargs")
+        for key, harmless in CHAT_ONLY.items():
+            if isinstance(data, dict) and key in data and not any(_same(data[key], h) for h in harmless):
+                raise ApiError(400, f"{key} is a chat field: a completion's prompt is not templated", param=key)
         if isinstance(data, dict) and data.get("logprobs") is False:
             data = {k: v for k, v in data.items() if k != "logprobs"}
         elif isinstance(data, dict) and data.get("logprobs") is True:
@@ -264,13 +267,18 @@ class ChatRequest(_Request):
     echo: StrictBool = False
     chat_template_kwargs: dict | None = Field(None, description="vLLM's: variables the chat template sees, over "
                                               "the deployment's (engine.model.chat_template_kwargs)")
+    add_generation_prompt: StrictBool = Field(True, description="vLLM's: end the chat with the assistant's turn "
+                                              "opened")
+    continue_final_message: StrictBool = Field(False, description="vLLM's: leave the final message open, for the "
+                                               "model to continue (an answer's prefill)")
 
     @field_validator("chat_template_kwargs")
     @classmethod
     def _template_variables_only(cls, v):
         taken = sorted(set(v or {}) & set(CHAT_TEMPLATE_ARGUMENTS))
         if taken:
-            raise ValueError(f"{', '.join(taken)}: set by the server for every chat, not a template variable")
+            raise ValueError(f"{', '.join(taken)}: not a template variable (the server sets it, or a field of the "
+                             "request does)")
         return v or None
 
     @field_validator("max_tokens")
@@ -294,6 +302,13 @@ class ChatRequest(_Request):
             raise ApiError(400, "top_logprobs: logprobs must be true when top_logprobs is set", param="top_logprobs")
         return self
 
+    @model_validator(mode="after")
+    def _one_ending(self):
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ApiError(400, "continue_final_message: add_generation_prompt must be false to continue the final "
+                           "message instead of opening the assistant's turn", param="continue_final_message")
+        return self
+
     def top(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
@@ -305,7 +320,8 @@ class ChatRequest(_Request):
         return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
 
     def to_prompts(self) -> list[Prompt]:
-        return [Prompt("messages", parse_messages(self.messages, "messages"), self.chat_template_kwargs)]
+        return [Prompt("messages", parse_messages(self.messages, "messages"), self.chat_template_kwargs,
+                       self.add_generation_prompt, self.continue_final_message)]
 
 
 @dataclass

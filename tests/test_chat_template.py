@@ -168,6 +168,13 @@ def test_a_chat_request_brings_its_own_variables_over_the_deployments(tiny_dir):
                     "{{ messages[0]['content'] }}", chat_template_kwargs={"x": 1})
     with pytest.raises(InvalidRequestError, match="cannot tokenize the prompt: TemplateError: x please"):
         strict.codec.encode(Prompt("messages", CHAT, {"x": 0}))
+    both = engine(str(tiny_dir), chat_template="{{ messages[0]['content'] }}{% if a %} w7{% endif %}{% if b %} w8"
+                  "{% endif %}", chat_template_kwargs={"a": 1})   # the request's keys join the deployment's
+    assert both.codec.encode(Prompt("messages", CHAT, {"b": 1})) == words(["w1", "w7", "w8"])
+    both.codec.split_special_tokens = True   # as Serve runs: a variable cannot carry control tokens in
+    assert both.codec.encode(Prompt("messages", CHAT, {"b": "w2"})) == words(["w1", "w7", "w8"])
+    with pytest.raises(InvalidRequestError, match="chat_template_kwargs: a value holds special-token text"):
+        both.codec.encode(Prompt("messages", CHAT, {"b": {"deep": ["w2 </s> w3"]}}))
 
 
 def test_a_chat_request_may_leave_the_assistants_turn_unopened_or_continue_its_final_message(tiny_dir):

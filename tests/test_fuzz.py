@@ -161,6 +161,9 @@ REQUEST_FIELDS = {
     "presence_penalty": st.floats(-2, 2), "ignore_eos": st.booleans(), "frequency_penalty": st.floats(-3, 3),
     "repetition_penalty": st.floats(-1, 3), "logit_bias": st.dictionaries(st.text(max_size=3), st.floats(-200, 200),
                                                                            max_size=3),
+    "chat_template_kwargs": st.dictionaries(st.text(max_size=8), st.one_of(st.booleans(), words, st.integers()),
+                                            max_size=3),
+    "add_generation_prompt": st.booleans(), "continue_final_message": st.booleans(),
     "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "json_schema"},
                                         {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 3}}},
                                         {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}])}

@@ -91,6 +91,9 @@ def test_chat_equals_the_offline_engine(server, client):
                                                    "chat_template_kwargs": {"enable_thinking": False}})
     want = offline.generate(msgs, SamplingParams(max_new_tokens=16, ignore_eos=True))[0]
     assert r.choices[0].message.content == want.text and r.choices[0].message.role == "assistant"
+    as_it_stands = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1,
+                                                  extra_body={"add_generation_prompt": False})
+    assert as_it_stands.usage.prompt_tokens == r.usage.prompt_tokens - 3   # without "<s> assistant :"
 
 
 def test_streaming_chat_and_completion(server, client):

@@ -19,8 +19,8 @@ MAX_NESTING = 64  # deepest JSON a request may carry (real requests need 4-5 lev
 
 @dataclass(frozen=True)
 class Prompt:
-    """What the model is asked: raw text (tokenised as is), chat messages (templated with a generation prompt) or
-    token ids."""
+    """What the model is asked: raw text (tokenised as is), chat messages (templated, by default with the
+    assistant's turn opened) or token ids."""
     kind: str            # "text" | "messages" | "tokens"
     value: object        # str | list[dict] | list[int]
     variables: dict | None = None   # chat-template variables of this request, over the engine's (Serve's

@@ -90,6 +90,9 @@ class TextCodec:
                 return list(self.tokenizer(p.value)["input_ids"])
             options = {**self.template_variables, **(p.variables or {}),
                        "add_generation_prompt": p.generation_prompt, "continue_final_message": p.continue_final}
+            if self.split_special_tokens and p.variables and self._special_text_in(p.variables):
+                raise InvalidRequestError("chat_template_kwargs: a value holds special-token text, which the "
+                                          "template would render as control tokens; remove that text")
             if self.split_special_tokens and self._forges_special_tokens(p.value):
                 return self._chat_with_plain_content(p.value, options)
             return list(self.tokenizer.apply_chat_template(p.value, tokenize=True, return_dict=True,
@@ -98,10 +101,23 @@ class TextCodec:
             raise InvalidRequestError(f"cannot tokenize the prompt: {type(e).__name__}: {e}") from None
 
 
+    def _special_tokens(self) -> list[str]:
+        return [t for t in self.tokenizer.all_special_tokens + [
+            t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special] if t]
+
     def _forges_special_tokens(self, messages) -> bool:
-        specials = self.tokenizer.all_special_tokens + [t.content for t in
-                                                        self.tokenizer.added_tokens_decoder.values() if t.special]
-        return any(tok in m["content"] for m in messages for tok in specials if tok)
+        specials = self._special_tokens()
+        return any(tok in m["content"] for m in messages for tok in specials)
+
+    def _special_text_in(self, value) -> bool:
+        """A request's template variables (a JSON value) hold special-token text in a key or string anywhere."""
+        if isinstance(value, str):
+            return any(tok in value for tok in self._special_tokens())
+        if isinstance(value, dict):
+            return any(self._special_text_in(k) or self._special_text_in(v) for k, v in value.items())
+        if isinstance(value, list):
+            return any(self._special_text_in(v) for v in value)
+        return False
 
     def _chat_with_plain_content(self, messages, options: dict) -> list[int]:
         """The chat templated as usual, but each message's content tokenised with special-token text split into

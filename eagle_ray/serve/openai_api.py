@@ -7,7 +7,7 @@ request parser, the same one the batch job uses. Unknown fields are ignored (cli
 explicit ``null`` (OpenAI's fields are nullable: clients send unset options as ``null``); unsupported ones that
 would change what is generated or returned (``n`` above the server's cap, ``echo`` on chat, ``best_of``,
 ``suffix``, tools, and vLLM's extra sampling fields such as ``min_tokens`` or ``min_p``, and its chat-template
-field ``chat_template``) are refused, unless they hold the value that changes nothing; vLLM's
+fields ``chat_template`` and ``documents``) are refused, unless they hold the value that changes nothing; vLLM's
 ``chat_template_kwargs``, ``add_generation_prompt`` and ``continue_final_message`` are taken on chat. Types are
 strict where lax parsing would change the request: ``"stream": "yes"`` or ``"max_tokens": true`` are refused, not
 read as true and 1.

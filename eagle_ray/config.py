@@ -195,6 +195,11 @@ CHAT_TEMPLATE_ARGUMENTS = ("conversation", "conversations", "messages", "tools",
                            "tokenizer_kwargs", "sanitize_control_tokens")
 
 
+def engine_arguments_in(variables: dict | None) -> list[str]:
+    """The names among chat-template ``variables`` that are apply_chat_template's own arguments, sorted."""
+    return sorted(set(variables or {}) & set(CHAT_TEMPLATE_ARGUMENTS))
+
+
 def read_chat_template(value: str) -> str:
     """A chat template's text: ``value`` itself where it holds Jinja (``{{`` or ``{%``), else the file it names,
     read where the config is read (a job's driver), so actors on other nodes get the text. A template that holds
@@ -267,7 +272,7 @@ class ModelConfig(StrictModel):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _not_the_engines_own(cls, v):
-        taken = sorted(set(v) & set(CHAT_TEMPLATE_ARGUMENTS))
+        taken = engine_arguments_in(v)
         if taken:
             raise ValueError(f"{', '.join(taken)}: set by the engine for every chat, not a template variable")
         return v

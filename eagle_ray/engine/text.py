@@ -12,6 +12,7 @@ costs O(new tokens) per step instead of re-decoding the whole output every step.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import re
 
@@ -101,18 +102,19 @@ class TextCodec:
             raise InvalidRequestError(f"cannot tokenize the prompt: {type(e).__name__}: {e}") from None
 
 
+    @functools.cached_property
     def _special_tokens(self) -> list[str]:
+        """The texts of the tokenizer's special tokens (fixed once it is loaded)."""
         return [t for t in self.tokenizer.all_special_tokens + [
             t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special] if t]
 
     def _forges_special_tokens(self, messages) -> bool:
-        specials = self._special_tokens()
-        return any(tok in m["content"] for m in messages for tok in specials)
+        return any(tok in m["content"] for m in messages for tok in self._special_tokens)
 
     def _special_text_in(self, value) -> bool:
         """A request's template variables (a JSON value) hold special-token text in a key or string anywhere."""
         if isinstance(value, str):
-            return any(tok in value for tok in self._special_tokens())
+            return any(tok in value for tok in self._special_tokens)
         if isinstance(value, dict):
             return any(self._special_text_in(k) or self._special_text_in(v) for k, v in value.items())
         if isinstance(value, list):

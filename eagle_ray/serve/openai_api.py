@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator,
                       model_validator)
 
-from eagle_ray.config import CHAT_TEMPLATE_ARGUMENTS, JSON_OBJECT, SamplingParams, checked_schema
+from eagle_ray.config import JSON_OBJECT, SamplingParams, checked_schema, engine_arguments_in
 from eagle_ray.engine.request import (MAX_NESTING, Prompt, nesting_depth, parse_messages, parse_prompt,
                                      sampling_params, storable)
 from eagle_ray.errors import InvalidRequestError
@@ -275,7 +275,7 @@ class ChatRequest(_Request):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _template_variables_only(cls, v):
-        taken = sorted(set(v or {}) & set(CHAT_TEMPLATE_ARGUMENTS))
+        taken = engine_arguments_in(v)
         if taken:
             raise ValueError(f"{', '.join(taken)}: not a template variable (the server sets it, or a field of the "
                              "request does)")

@@ -10,6 +10,8 @@ from typing import Annotated, Literal
 from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, JsonValue, ValidationError, ValidationInfo,
                       field_validator, model_validator)
 
+from pydantic_core import PydanticCustomError
+
 from eagle_ray.errors import ConfigError
 
 
@@ -17,10 +19,21 @@ def format_validation_error(err: ValidationError, prefix: str = "") -> str:
     parts = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(root)"
+        if e["type"] == CONFLICT:   # fields that do not go together: the message names them, the input is them all
+            parts.append(f"{prefix}{loc}: {e['msg']}" if e["loc"] else f"{prefix}{e['msg']}")
+            continue
         got = repr(e.get("input"))
         got = got if len(got) <= 200 else got[:200] + "..."   # a chat template's text may be pages long
         parts.append(f"{prefix}{loc}: {e['msg']} (got {got})")
     return "; ".join(parts)
+
+
+CONFLICT = "conflict"
+
+
+def conflict(message: str) -> PydanticCustomError:
+    """A model's check of several fields at once: reported by its message alone, which names them."""
+    return PydanticCustomError(CONFLICT, message)
 
 
 _nesting = contextvars.ContextVar("eagle_ray_config_nesting", default=0)
@@ -89,11 +102,22 @@ class SamplingParams(StrictModel):
     temperature: float = Field(0.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, le=2**31 - 1, description="0 = off")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="after temperature, tokens less probable than min_p "
+                         "times the most probable one are dropped (vLLM's order: before top-k and top-p); 0 = off")
     max_new_tokens: int = Field(128, ge=1, le=2**31 - 1)
+    min_tokens: int = Field(0, ge=0, le=2**31 - 1, description="stop tokens (EOS, stop_token_ids) cannot be chosen "
+                            "before this many output tokens, and stop strings ending in their text do not stop")
     stop: list[str] = Field(default_factory=list, description="stop strings; not included in the output")
     stop_token_ids: list[int] = Field(default_factory=list)
+    include_stop_str_in_output: bool = Field(False, description="keep the stop string (or a stop token's text) "
+                                             "that ended the output in its text")
     ignore_eos: bool = False
+    skip_special_tokens: bool = Field(True, description="false: special tokens' text stays in the output text")
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, min_length=1, description="the output's tokens are chosen among these ids only")
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=2**31 - 1, description="keep only the prompt's "
+                                               "last this many tokens (after templating); -1: as many as fit")
     # penalties, logit bias and structured output, as vLLM reads them (speculative/penalties.py, grammar.py)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="subtracted once per earlier output "
                                      "occurrence of a token")
@@ -152,6 +176,20 @@ class SamplingParams(StrictModel):
         if v is not None and earlier:
             raise ValueError(f"{earlier[0]} is given too: a request takes one guided output field")
         return v
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.truncate_prompt_tokens == 0:
+            raise conflict("truncate_prompt_tokens: 0 would keep no prompt (1 or more, or -1: as many as fit)")
+        if self.min_tokens > self.max_new_tokens:
+            raise conflict(f"min_tokens ({self.min_tokens}) is more than the output may hold (max_new_tokens, or "
+                           f"max_tokens: {self.max_new_tokens})")
+        guided = self.guided
+        if guided and self.allowed_token_ids is not None:   # a grammar and a list could leave no token at all
+            raise conflict(f"allowed_token_ids and {guided[0]} are given: a request restricts its tokens one way")
+        if guided and self.min_tokens:   # a grammar whose output is complete could only end, which min_tokens bars
+            raise conflict(f"min_tokens and {guided[0]} are given: a grammar decides where structured output ends")
+        return self
 
     @property
     def greedy(self) -> bool:

@@ -40,6 +40,25 @@ def test_greedy_equals_transformers_generate_in_fp32(fp32_engine, draft):
         assert sum(o.stats.tau for o in outs) / len(outs) > 1.3  # the trained head is accepted
 
 
+def test_min_tokens_holds_off_the_end_as_transformers_min_new_tokens_does(fp32_engine):
+    """A question answered in 16 tokens: with ``min_tokens`` the end-of-sequence tokens are barred at every
+    tree node short of the bound, and the output equals transformers' ``generate(min_new_tokens=...)`` and our plain
+    decoding, token for token."""
+    engine = fp32_engine
+    chat = [[{"role": "user", "content": "Answer with one word: what colour is the sky on a clear day?"}]]
+    free = engine.generate(chat, SamplingParams(max_new_tokens=40))[0]
+    assert free.finish_reason == "stop" and len(free.token_ids) == 16
+    params = SamplingParams(max_new_tokens=40, min_tokens=24)
+    spec, plain = engine.generate(chat, params)[0], engine.generate(chat, params, speculative=False)[0]
+    hf = engine.reference_model()
+    ids = torch.tensor([spec.prompt_token_ids])
+    with torch.inference_mode():
+        ref = hf.generate(ids, max_new_tokens=40, min_new_tokens=24, do_sample=False,
+                          eos_token_id=sorted(engine.eos_ids))[0, ids.shape[1]:].tolist()
+    assert spec.token_ids == plain.token_ids == ref
+    assert len(spec.token_ids) >= 24 and spec.stats.tau > 1
+
+
 def test_bf16_speculative_equals_bf16_plain():
     engine = EagleEngine.from_pretrained(dtype="bfloat16", max_batch_size=2, max_model_len=1024)
     params = SamplingParams(max_new_tokens=48)

@@ -164,6 +164,9 @@ REQUEST_FIELDS = {
     "chat_template_kwargs": st.dictionaries(st.text(max_size=8), st.one_of(st.booleans(), words, st.integers()),
                                             max_size=3),
     "add_generation_prompt": st.booleans(), "continue_final_message": st.booleans(),
+    "min_p": st.floats(-1, 2), "min_tokens": st.integers(-1, 20), "allowed_token_ids": st.lists(st.integers(-2, 99)),
+    "include_stop_str_in_output": st.booleans(), "skip_special_tokens": st.booleans(),
+    "truncate_prompt_tokens": st.integers(-2, 5000),
     "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "json_schema"},
                                         {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 3}}},
                                         {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}])}

@@ -360,9 +360,9 @@ def test_the_serve_parser_refuses_vllm_fields_it_would_ignore_and_reads_types_st
 
     def parse(body, kind="completion"):
         return parse_body(json.dumps({"model": "m", "prompt": "w1", **body}).encode(), kind, "m", 100, 16)
-    for field, value in [("min_tokens", 5), ("min_p", 0.1),
-                         ("tool_choice", "required"), ("include_stop_str_in_output", True),
-                         ("skip_special_tokens", False), ("use_beam_search", True), ("best_of", True),
+    for field, value in [("bad_words", ["w1"]), ("prompt_logprobs", 1),
+                         ("tool_choice", "required"), ("logits_processors", ["x"]),
+                         ("use_beam_search", True), ("best_of", True),
                          ("chat_template", "{{ x }}")]:
         with pytest.raises(ApiError, match=f"^{field} is not supported") as e:
             parse({field: value})
@@ -376,8 +376,8 @@ def test_the_serve_parser_refuses_vllm_fields_it_would_ignore_and_reads_types_st
             parse({field: value})
         assert e.value.status == 400 and e.value.param == field
     harmless = parse({"repetition_penalty": 1.0, "min_tokens": 0, "min_p": 0, "tool_choice": "auto",
-                      "skip_special_tokens": True, "best_of": 1, "continue_final_message": False,
-                      "add_generation_prompt": True, "chat_template_kwargs": {}})
+                      "skip_special_tokens": True, "best_of": 1, "bad_words": [], "include_stop_str_in_output": False,
+                      "continue_final_message": False, "add_generation_prompt": True, "chat_template_kwargs": {}})
     assert harmless.params == parse({}).params
     for body, reason, param in [({"stream": "yes"}, "stream: Input should be a valid boolean", "stream"),
                                 ({"max_tokens": True}, "max_tokens: a number is required, not true", "max_tokens"),
@@ -399,6 +399,36 @@ def test_the_serve_parser_refuses_vllm_fields_it_would_ignore_and_reads_types_st
     assert parse({"stop_token_ids": [7, 9]}).params.stop_token_ids == [7, 9]
     assert parse({"stream_options": {}}).params == parse({}).params   # empty options: nothing asked of a stream
     assert parse({"prompt": [[5, 6, 7]]}).prompt == parse({"prompt": [5, 6, 7]}).prompt
+
+
+def test_the_serve_parser_takes_vllms_further_sampling_fields_strictly():
+    """``min_p``, ``min_tokens``, ``allowed_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens`` and
+    ``truncate_prompt_tokens`` reach the engine's sampling as sent; a wrong type or an inconsistent value is a 400
+    naming the field."""
+    from eagle_ray.serve.openai_api import ApiError, parse_body
+
+    def parse(body, kind="completion"):
+        return parse_body(json.dumps({"model": "m", "prompt": "w1", **body}).encode(), kind, "m", 100, 16)
+    fields = {"min_p": 0.05, "min_tokens": 3, "allowed_token_ids": [4, 5, 6], "include_stop_str_in_output": True,
+              "skip_special_tokens": False, "truncate_prompt_tokens": 12}
+    params = parse(fields).params
+    assert {k: getattr(params, k) for k in fields} == fields
+    chat = parse_body(json.dumps({"model": "m", "messages": [{"role": "user", "content": "w1"}], **fields}).encode(),
+                      "chat", "m", 100, 16).params
+    assert {k: getattr(chat, k) for k in fields} == fields
+    for body, reason, param in [({"min_tokens": True}, "min_tokens: a number is required, not true", "min_tokens"),
+                                ({"min_p": 2}, "min_p: Input should be less than or equal to 1", "min_p"),
+                                ({"include_stop_str_in_output": "yes"}, "valid boolean",
+                                 "include_stop_str_in_output"),
+                                ({"allowed_token_ids": [1, "2"]}, "allowed_token_ids.1: Input should be a valid "
+                                 "integer", "allowed_token_ids.1"),
+                                ({"min_tokens": 20, "max_tokens": 10}, "min_tokens \\(20\\) is more than the output "
+                                 "may hold", "min_tokens"),
+                                ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens: 0 would keep no prompt",
+                                 "truncate_prompt_tokens")]:
+        with pytest.raises(ApiError, match=reason) as e:
+            parse(body)
+        assert e.value.status == 400 and e.value.param == param, (body, e.value.param)
 
 
 def test_a_chat_reads_as_vllm_reads_it():

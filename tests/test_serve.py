@@ -124,6 +124,30 @@ def test_stop_sequences(server, client):
         model=MODEL, prompt=PROMPTS[2], max_tokens=30, temperature=0, stop=[stop], stream=True,
         extra_body={"ignore_eos": True}) if c.choices)
     assert streamed == r.choices[0].text
+    kept = {"ignore_eos": True, "include_stop_str_in_output": True}   # vLLM's field: the stop string stays
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=30, temperature=0, stop=[stop],
+                                  extra_body=kept)
+    assert r.choices[0].text == full[: full.index(stop) + len(stop)] and r.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=PROMPTS[2], max_tokens=30, temperature=0, stop=[stop], stream=True,
+        extra_body=kept) if c.choices)
+    assert streamed == r.choices[0].text
+
+
+def test_vllms_further_sampling_fields_equal_the_offline_engine(server, client):
+    """``min_tokens`` with stop ids, ``allowed_token_ids`` and ``truncate_prompt_tokens`` as vLLM's clients send
+    them, on completions and chat: the same tokens as the offline engine given the same fields."""
+    offline = server[1]
+    fields = {"min_tokens": 6, "stop_token_ids": [9, 10, 11, 12], "allowed_token_ids": list(range(8, 40)),
+              "truncate_prompt_tokens": 3}
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=12, temperature=0, extra_body=fields)
+    want = offline.generate([PROMPTS[2]], SamplingParams(max_new_tokens=12, **fields))[0]
+    assert r.choices[0].text == want.text and r.usage.prompt_tokens == 3
+    assert r.usage.completion_tokens == len(want.token_ids) >= 6
+    chat = [{"role": "user", "content": PROMPTS[1]}]
+    r = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=12, temperature=0, extra_body=fields)
+    want = offline.generate([chat], SamplingParams(max_new_tokens=12, **fields))[0]
+    assert r.choices[0].message.content == want.text and r.usage.prompt_tokens == 3
 
 
 BAD = {
@@ -155,7 +179,11 @@ BAD = {
                                     "at most 29 more fit"),
     "max_tokens past the context streamed": ({"model": MODEL, "prompt": "w1 " * 100, "max_tokens": 60,
                                               "stream": True}, 400, "at most 29 more fit"),
-    "a vLLM sampling field": ({"model": MODEL, "prompt": "w1", "min_p": 0.1}, 400, "not supported"),
+    "a vLLM field it does not serve": ({"model": MODEL, "prompt": "w1", "bad_words": ["w1"]}, 400, "not supported"),
+    "min_tokens over max_tokens": ({"model": MODEL, "prompt": "w1", "min_tokens": 9, "max_tokens": 3}, 400,
+                                   "min_tokens (9) is more than the output may hold"),
+    "an allowed token outside the vocabulary": ({"model": MODEL, "prompt": "w1", "allowed_token_ids": [3, 64]}, 400,
+                                                "allowed_token_ids: token id 64 is not in the vocabulary"),
     "a malformed json_schema (chat)": ({"model": MODEL, "messages": [{"role": "user", "content": "w1"}],
                                         "response_format": {"type": "json_schema", "json_schema": {
                                             "name": "x", "schema": {"type": "objekt"}}}}, 400,

@@ -162,15 +162,16 @@ class EagleEngine:
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         if speculative and self.draft is None:
             raise InvalidRequestError("this engine has no draft head; use speculative=False")
-        if params.logit_bias and max(params.logit_bias) >= self.target.vocab_size:
-            raise InvalidRequestError(f"logit_bias: token id {max(params.logit_bias)} is not in the vocabulary (ids "
-                                      f"0 to {self.target.vocab_size - 1})")
-        ids = self.encode(prompt)
+        for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids)):
+            if ids and max(ids) >= self.target.vocab_size:
+                raise InvalidRequestError(f"{name}: token id {max(ids)} is not in the vocabulary (ids 0 to "
+                                          f"{self.target.vocab_size - 1})")
+        ids = self.codec.encode(prompt, self.prompt_room(), keep_last=params.truncate_prompt_tokens)
         guide = self.grammars.guide(params)   # compiled here, on the caller's thread (cached per grammar)
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
         return Sequence(request_id or str(next(self._ids)), ids, params, frozenset(stop), seed,
-                        detok=Detokenizer(self.tokenizer, ids), speculative=speculative,
+                        detok=Detokenizer(self.tokenizer, ids, params.skip_special_tokens), speculative=speculative,
                         stops=StopStrings(params.stop) if params.stop else None, guide=guide,
                         logprobs=TokenLogprobs() if params.logprobs is not None else None)
 

@@ -34,6 +34,7 @@ from eagle_ray.speculative.logprobs import TokenLogprobs, packed, unpack, width
 from eagle_ray.speculative.lookup import TokenHistory, lookup_rows
 from eagle_ray.speculative.penalties import PenaltyBatch, apply_penalties
 from eagle_ray.speculative.sampling import SamplingBatch, choose_tokens
+from eagle_ray.speculative.token_masks import TokenMaskBatch, apply_token_masks
 from eagle_ray.speculative.tree import (Tree, drop_padding, fit_batch_budget, graft_chain, grow_tree, rows_of,
                                         select_rows, size_order, split_by_size, stack_trees)
 
@@ -266,7 +267,7 @@ class ModelRunner:
             arrays += [done, [n[r] - 1 for r in done], [[len(s.prompt_ids)] for s in seqs]]
             if any(not s.params.greedy for s in seqs):
                 arrays += [Uploads.float_bits(SamplingBatch.params_of(seqs)), SamplingBatch.seeds_of(seqs)]
-            arrays += PenaltyBatch.arrays_of(seqs, self.target.vocab_size)
+            arrays += self.logit_arrays(seqs)
         scored = prompt_rows(block.chunks)
         return arrays + (scored.arrays() if scored else [])
 
@@ -300,8 +301,13 @@ class ModelRunner:
             if sampled_rows:
                 arrays += [upload.float_bits(SamplingBatch.params_of(seqs)), SamplingBatch.seeds_of(seqs),
                            sampled_rows]
-            arrays += PenaltyBatch.arrays_of(seqs, self.target.vocab_size)
+            arrays += self.logit_arrays(seqs)
         upload.stage(arrays)
+
+    def logit_arrays(self, seqs: list[Sequence]) -> list:
+        """The host arrays ``processed_logits`` reads for ``seqs``: their token masks and penalties."""
+        vocab = self.target.vocab_size
+        return TokenMaskBatch.arrays_of(seqs, vocab) + PenaltyBatch.arrays_of(seqs, vocab)
 
     # ---- prefill -------------------------------------------------------------------------------------------------
     def prefill(self, chunks: list[PrefillChunk]) -> list[SeqResult]:
@@ -467,10 +473,14 @@ class ModelRunner:
         return self.grow_from(seqs, torch.stack([s.draft_hidden for s in seqs]), tree_cfg, self.context_ids(seqs))
 
     def processed_logits(self, logits: torch.Tensor, seqs: list[Sequence], tree: Tree | None = None) -> torch.Tensor:
-        """The logits the target's choice is taken from: each constrained sequence's grammar masks, then logit bias
-        and penalties with each node's path counted (``speculative/grammar.py``, ``penalties.py``). A new tensor
-        where any applies; the raw logits are left as they were."""
+        """The logits the target's choice is taken from: each constrained sequence's grammar masks, its allowed
+        tokens and the stop tokens ``min_tokens`` bars at each node, then logit bias and penalties with each node's
+        path counted (``speculative/grammar.py``, ``token_masks.py``, ``penalties.py``). A new tensor where any
+        applies; the raw logits are left as they were."""
         logits = mask_logits(logits, seqs)
+        masks = TokenMaskBatch.of(seqs, self.target.vocab_size, self.device)
+        if masks is not None:
+            logits = apply_token_masks(logits, masks, tree.depth if tree is not None else None)
         penalties = PenaltyBatch.of(seqs, self.target.vocab_size, self.device)
         if penalties is not None:
             logits = apply_penalties(logits, penalties, *((tree.tokens, tree.ancestors) if tree is not None else ()))

@@ -93,6 +93,7 @@ class Sequence:
     prompt_logprobs_from: int = 1               # the first prompt position scored (the first token has no logits)
     fork: object | None = None                  # its ForkGroup: sequences sharing its prompt's first tokens
     fork_ready: bool = True                     # False while it waits for a member of its group to hold them
+    stop_floor: int | None = None               # characters of text no stop string may end in (``min_tokens``'s)
 
     @property
     def finished(self) -> bool:
@@ -135,19 +136,25 @@ class Sequence:
         return len(tokens)
 
     def update_text(self) -> None:
-        """Detokenise the new tokens; a stop string ends the sequence there (its text and tokens are cut). A stop
-        token ends it too: its id is the last output id, its text is not in the output (as vLLM's)."""
+        """Detokenise the new tokens; a stop string ends the sequence there (its text and tokens are cut before it,
+        or after it with ``include_stop_str_in_output``). A stop token ends it too: its id is the last output id,
+        its text is not in the output (as vLLM's) unless ``include_stop_str_in_output``. A stop string ending in
+        the text of the first ``min_tokens`` tokens does not count (as vLLM's)."""
         if self.detok is None:
             return
-        ids = self.output_ids
-        end = len(ids) - 1 if self.finish_reason == "stop" and ids and ids[-1] in self.stop_ids else len(ids)
+        ids, keep_stop = self.output_ids, self.params.include_stop_str_in_output
+        end = len(ids) - 1 if (self.finish_reason == "stop" and ids and ids[-1] in self.stop_ids
+                               and not keep_stop) else len(ids)
         new = self.detok.add(ids[len(self.detok.ids):end])
-        if self.stops is None:
+        if self.stops is None or len(self.detok.ids) <= self.params.min_tokens:
             return
-        at = self.stops.find(self.detok.text, len(new))
-        if at is None:
+        if self.stop_floor is None:   # once: the text the first min_tokens tokens hold
+            self.stop_floor = len(self.detok.text_of(self.params.min_tokens)) if self.params.min_tokens else 0
+        hit = self.stops.find(self.detok.text, len(new), self.stop_floor)
+        if hit is None:
             return
-        keep = self.detok.tokens_reaching(at)
+        cut = hit[1] if keep_stop else hit[0]
+        keep = self.detok.tokens_reaching(hit[1] - 1 if keep_stop else hit[0])   # the stop's last / first character
         del self.output_ids[keep:]
-        self.detok.truncate(keep, at)
+        self.detok.truncate(keep, cut)
         self.finish_reason = "stop"

@@ -44,10 +44,16 @@ class TextCodec:
             log.warning("the tokenizer has %d tokens but the model embeds %d: prompts holding the others are refused",
                         len(tokenizer), vocab_size)
 
-    def encode(self, prompt, room: int | None = None) -> list[int]:
+    def encode(self, prompt, room: int | None = None, keep_last: int | None = None) -> list[int]:
         """Token ids of ``prompt`` (str, chat messages, token ids or a parsed :class:`Prompt`); with ``room``,
-        a prompt that cannot fit is refused before it is tokenised when its size alone proves it."""
+        a prompt that cannot fit is refused before it is tokenised when its size alone proves it. ``keep_last``:
+        only the prompt's last this many tokens are kept (vLLM's ``truncate_prompt_tokens``; -1: ``room``), so its
+        size proves nothing."""
         p = parse_prompt(prompt)
+        if keep_last is not None:
+            keep_last = room if keep_last == -1 else keep_last
+            ids = self.encode(p)[-keep_last:] if keep_last else self.encode(p)
+            return self.encode(Prompt("tokens", ids), room)
         if p.kind == "tokens":
             bad = [t for t in p.value if not 0 <= t < self.vocab_size]
             if bad:
@@ -166,8 +172,9 @@ class Detokenizer:
     output adds to it. A primer that ends inside a character is not used.
     """
 
-    def __init__(self, tokenizer, prompt_ids=()):
+    def __init__(self, tokenizer, prompt_ids=(), skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []   # the output's ids
         self.text = ""
         self.prefix = 0   # window start
@@ -179,7 +186,7 @@ class Detokenizer:
             self.primer, self.primer_text = [], ""
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def _window(self, start: int, end: int | None = None) -> str:
         """Text of ``ids[start:end]``; from the output's start, what it adds to the primer's text (decoded alone
@@ -202,6 +209,10 @@ class Detokenizer:
             self.shown += len(new)
         self.text += new
         return new
+
+    def text_of(self, tokens: int) -> str:
+        """The text of the output's first ``tokens`` tokens."""
+        return self._window(0, tokens)
 
     def tokens_reaching(self, chars: int) -> int:
         """The fewest tokens whose text is longer than ``chars`` characters (binary search: a handful of
@@ -229,12 +240,13 @@ class StopStrings:
         self.stops = [s for s in stops if s]
         self.longest = max((len(s) for s in self.stops), default=0)
 
-    def find(self, text: str, new_chars: int) -> int | None:
-        """Index in ``text`` where the earliest stop string starts, if one ends in the last ``new_chars``."""
+    def find(self, text: str, new_chars: int, floor: int = 0) -> tuple[int, int] | None:
+        """(start, end) in ``text`` of the earliest stop string that ends in the last ``new_chars`` characters and
+        past the first ``floor`` (the text of a request's first ``min_tokens`` tokens, where no stop counts)."""
         if not self.stops or not new_chars:
             return None
         start = max(0, len(text) - new_chars - self.longest + 1)
-        hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
+        hits = [(i, i + len(s)) for s in self.stops if (i := text.find(s, max(start, floor - len(s) + 1))) >= 0]
         return min(hits) if hits else None
 
     @property

@@ -6,8 +6,8 @@ runs on the event loop and is fuzzed directly by the tests. Prompt and sampling 
 request parser, the same one the batch job uses. Unknown fields are ignored (clients send many), and so is an
 explicit ``null`` (OpenAI's fields are nullable: clients send unset options as ``null``); unsupported ones that
 would change what is generated or returned (``n`` above the server's cap, ``echo`` on chat, ``best_of``,
-``suffix``, tools, and vLLM's extra sampling fields such as ``min_tokens`` or ``min_p``, and its chat-template
-fields ``chat_template`` and ``documents``) are refused, unless they hold the value that changes nothing; vLLM's
+``suffix``, tools, vLLM's ``bad_words``, beam search and ``prompt_logprobs``, and its chat-template fields
+``chat_template`` and ``documents``) are refused, unless they hold the value that changes nothing; vLLM's
 ``chat_template_kwargs``, ``add_generation_prompt`` and ``continue_final_message`` are taken on chat. Types are
 strict where lax parsing would change the request: ``"stream": "yes"`` or ``"max_tokens": true`` are refused, not
 read as true and 1.
@@ -49,17 +49,15 @@ UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""),
                "tools": (None, []), "functions": (None, []),
                "tool_choice": (None, "none", "auto"), "function_call": (None, "none", "auto"),
                "audio": (None,), "web_search_options": (None,),
-               "length_penalty": (None, 1.0), "min_tokens": (None, 0),
-               "min_p": (None, 0.0), "use_beam_search": (None, False), "include_stop_str_in_output": (None, False),
-               "skip_special_tokens": (None, True), "prompt_logprobs": (None,), "allowed_token_ids": (None,),
-               "bad_words": (None, []), "logits_processors": (None, []), "truncate_prompt_tokens": (None,),
+               "length_penalty": (None, 1.0), "use_beam_search": (None, False), "prompt_logprobs": (None,),
+               "bad_words": (None, []), "logits_processors": (None, []),
                "chat_template": (None,), "documents": (None, [])}
 # chat fields that mean nothing to a completion's prompt (it is not templated), with the values that change nothing
 CHAT_ONLY = {"chat_template_kwargs": (None, {}), "add_generation_prompt": (None, True),
              "continue_final_message": (None, False)}
 NUMBERS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n", "seed",
-           "presence_penalty", "frequency_penalty", "repetition_penalty",
-           "top_logprobs")   # a JSON true or false is not one of these
+           "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
+           "truncate_prompt_tokens", "top_logprobs")   # a JSON true or false is not one of these
 MAX_PROMPTS = 64    # prompts one completions request may batch
 
 
@@ -87,6 +85,13 @@ class _Request(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False
+    # vLLM's extra sampling and output fields (checked by the engine's parser)
+    min_p: float = 0.0
+    min_tokens: StrictInt = 0
+    allowed_token_ids: list[StrictInt] | None = None
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    truncate_prompt_tokens: StrictInt | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     # penalties, logit bias and structured output: checked by the engine's parser (eagle_ray/config.py)
@@ -149,6 +154,11 @@ class _Request(BaseModel):
                                 "stop_token_ids": self.stop_token_ids or [], "logprobs": self.top(), "n": self.n,
                                "frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty,
                                "repetition_penalty": self.repetition_penalty, "logit_bias": self.logit_bias,
+                               "min_p": self.min_p, "min_tokens": self.min_tokens,
+                               "allowed_token_ids": self.allowed_token_ids,
+                               "include_stop_str_in_output": self.include_stop_str_in_output,
+                               "skip_special_tokens": self.skip_special_tokens,
+                               "truncate_prompt_tokens": self.truncate_prompt_tokens,
                                **guided_fields(self)}, field=None)
 
 

@@ -1,4 +1,4 @@
-"""Logits processors (temperature, top-k, top-p) and token choice, shared by plain decoding and verification.
+"""Logits processors (temperature, min-p, top-k, top-p) and token choice, shared by plain decoding and verification.
 
 Per-row parameters are tensors, so one call serves a batch whose requests sample differently.
 """
@@ -24,6 +24,7 @@ class SamplingBatch:
     sampled_rows: list[int] | None = None   # rows with temperature > 0 (None: read from ``temperature``)
     need_k: bool | None = None
     need_p: bool | None = None
+    min_p: torch.Tensor | None = None       # [B] float, 0 = off (None: off for every row)
 
     def __post_init__(self):
         if self.sampled_rows is None:  # built from tensors (tests): the flags come from them once
@@ -38,7 +39,7 @@ class SamplingBatch:
 
     @staticmethod
     def params_of(seqs: list) -> list[list[float]]:
-        return [[s.params.temperature, s.params.top_k, s.params.top_p] for s in seqs]
+        return [[s.params.temperature, s.params.top_k, s.params.top_p, s.params.min_p] for s in seqs]
 
     @staticmethod
     def seeds_of(seqs: list) -> list[int]:
@@ -54,8 +55,9 @@ class SamplingBatch:
         upload = uploads_for(device)
         rows = upload.floats(cls.params_of(seqs))
         seeds = upload.ints(cls.seeds_of(seqs))
+        min_p = rows[:, 3].float() if any(s.params.min_p > 0 for s in seqs) else None
         return cls(rows[:, 0].float(), rows[:, 1].long(), rows[:, 2].float(), seeds, sampled,
-                   any(s.params.top_k > 0 for s in seqs), any(s.params.top_p < 1.0 for s in seqs))
+                   any(s.params.top_k > 0 for s in seqs), any(s.params.top_p < 1.0 for s in seqs), min_p)
 
 
 _MIX64 = ((30, -4658895280553007687), (27, -7723592293110705685), (31, None))   # splitmix64's finaliser
@@ -98,14 +100,21 @@ def position_noise(seed: torch.Tensor, position: torch.Tensor, vocab: int) -> to
 
 
 def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                    top_p: torch.Tensor, need_k: bool | None = None, need_p: bool | None = None) -> torch.Tensor:
-    """Target distribution after temperature, then top-k, then top-p (the order of HF and the EAGLE reference).
+                    top_p: torch.Tensor, need_k: bool | None = None, need_p: bool | None = None,
+                    min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """Target distribution after temperature, then min-p, then top-k, then top-p (temperature, top-k and top-p in
+    the order of HF and the EAGLE reference; min-p where vLLM applies it, before top-k and top-p).
 
-    ``logits [N, V]`` float32, parameters ``[N]``. Top-p keeps the smallest prefix of the sorted distribution whose
-    mass reaches ``top_p`` (at least one token). ``need_k`` / ``need_p``: whether any row uses top-k / top-p, when
-    the caller knows (None: read from the tensors).
+    ``logits [N, V]`` float32, parameters ``[N]``. Min-p drops the tokens less probable than ``min_p`` times the
+    most probable one. Top-p keeps the smallest prefix of the sorted distribution whose mass reaches ``top_p`` (at
+    least one token). ``need_k`` / ``need_p``: whether any row uses top-k / top-p, when the caller knows (None:
+    read from the tensors); ``min_p`` None: no row uses it.
     """
     logits = logits / temperature.clamp(min=1e-5).unsqueeze(-1)
+    if min_p is not None:
+        probs = logits.softmax(-1)
+        floor = min_p.unsqueeze(-1) * probs.amax(-1, keepdim=True)
+        logits = logits.masked_fill(probs < floor, float("-inf"))
     need_k = bool((top_k > 0).any()) if need_k is None else need_k
     need_p = bool((top_p < 1.0).any()) if need_p is None else need_p
     if need_k or need_p:
@@ -137,7 +146,8 @@ def choose_tokens(logits: torch.Tensor, sampling: SamplingBatch, positions: torc
     rows = uploads_for(logits.device).ints(sampling.sampled_rows)
     rep = lambda x: x[rows].unsqueeze(1).expand(-1, T).reshape(-1)  # noqa: E731
     probs = processed_probs(logits[rows].reshape(-1, V).float(), rep(sampling.temperature), rep(sampling.top_k),
-                            rep(sampling.top_p), sampling.need_k, sampling.need_p)
+                            rep(sampling.top_p), sampling.need_k, sampling.need_p,
+                            None if sampling.min_p is None else rep(sampling.min_p))
     noise = position_noise(rep(sampling.seed), positions[rows].reshape(-1), V)
     sampled = (probs / noise).argmax(-1).view(len(sampling.sampled_rows), T)
     out = greedy.clone()

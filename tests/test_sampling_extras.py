@@ -1,0 +1,255 @@
+"""vLLM's further sampling and output fields: ``min_p``, ``min_tokens``, ``allowed_token_ids``,
+``include_stop_str_in_output``, ``skip_special_tokens`` and ``truncate_prompt_tokens``.
+
+The fields that change which token is chosen are lossless under speculation: greedy speculative output equals greedy
+plain decoding under the same field and an independent reference (a full forward per token with the rule written
+out), token for token; min-p's sampled output has the distribution transformers' own min-p warper gives. The text
+fields are exact strings on the tiny word-level tokenizer.
+"""
+import collections
+
+import pytest
+import torch
+from test_sampling_lossless import PROMPT, V, chi_square_p, draws_engine, exact_joint, small_vocab  # noqa: F401
+from tiny import text_after, tiny_engine
+from transformers.generation.logits_process import MinPLogitsWarper, TemperatureLogitsWarper
+
+from eagle_ray.config import SamplingParams, TreeConfig
+from eagle_ray.engine.host_reads import count_host_reads
+from eagle_ray.errors import ConfigError, InvalidRequestError, PromptTooLongError
+from eagle_ray.speculative.token_masks import TokenMaskBatch, apply_token_masks
+from eagle_ray.uploads import uploads_for
+
+TREE = TreeConfig(total_tokens=12, depth=3, top_k=3)
+
+
+def prompts(n: int, seed: int = 3) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 64, (int(k),), generator=g).tolist() for k in torch.randint(2, 16, (n,), generator=g)]
+
+
+def masked_reference(hf, prompt: list[int], n: int, allowed=None, stop_ids=(), min_tokens=0) -> list[int]:
+    """A full forward per token: only ``allowed`` tokens, and ``stop_ids`` barred before ``min_tokens`` outputs;
+    ends after a stop token once it may be chosen."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = hf(torch.tensor([ids])).logits[0, -1].clone()
+            if allowed is not None:
+                keep = torch.full_like(logits, float("-inf"))
+                keep[allowed] = 0.0
+                logits += keep
+            if len(ids) - len(prompt) < min_tokens:
+                logits[list(stop_ids)] = float("-inf")
+            ids.append(int(logits.argmax()))
+            if ids[-1] in stop_ids:
+                break
+    return ids[len(prompt):]
+
+
+def frequent_tokens(outputs, k: int) -> list[int]:
+    """The ``k`` tokens the free outputs choose most: stop ids that would end them early."""
+    return [t for t, _ in collections.Counter(t for o in outputs for t in o.token_ids[:6]).most_common(k)]
+
+
+# ---- min_tokens ---------------------------------------------------------------------------------------------------
+def test_min_tokens_bars_stop_tokens_at_every_node_and_stays_lossless(tiny_dir, tiny_hf, tiny_head):
+    """Stop ids the outputs choose often, so that with trees accepted a stop falls at a deep node right after the
+    ``min_tokens`` bound (a node is barred by its own depth, not its root's)."""
+    engine = tiny_engine(tiny_dir, tiny_head, TREE, max_batch_size=8)
+    ps = prompts(8)
+    free = engine.generate(ps, SamplingParams(max_new_tokens=20, ignore_eos=True))
+    stops = frequent_tokens(free, 4)
+    early = engine.generate(ps, SamplingParams(max_new_tokens=20, ignore_eos=True, stop_token_ids=stops))
+    assert min(len(o.token_ids) for o in early) < 3                    # without min_tokens, stops come soon
+    for m in (3, 6, 9):
+        params = SamplingParams(max_new_tokens=20, ignore_eos=True, stop_token_ids=stops, min_tokens=m)
+        spec = engine.generate(ps, params)
+        plain = engine.generate(ps, params, speculative=False)
+        for s, p, prompt in zip(spec, plain, ps):
+            assert s.token_ids == p.token_ids == masked_reference(tiny_hf, prompt, 20, stop_ids=stops, min_tokens=m)
+            assert len(s.token_ids) >= m and not set(s.token_ids[:m - 1]) & set(stops)
+        assert sum(sum(o.stats.accepted_per_depth) for o in spec) > 0     # trees are accepted under it
+
+
+def test_min_tokens_bars_the_end_of_sequence_token_unless_eos_is_ignored():
+    """The stop ids barred are the sequence's own: EOS unless ``ignore_eos``, and ``stop_token_ids``."""
+    class Seq:
+        def __init__(self, output_ids, stop_ids, **kw):
+            self.params, self.output_ids, self.stop_ids = SamplingParams(**kw), output_ids, frozenset(stop_ids)
+    seqs = [Seq([4, 4], {1, 6}, min_tokens=4), Seq([], set(), min_tokens=4), Seq([5], {1}, allowed_token_ids=[2, 3])]
+    batch = TokenMaskBatch.of(seqs, 8, "cpu")
+    assert batch.rows.tolist() == [0, 2]           # the second has no stop id to bar: no mask
+    depth = torch.tensor([[0, 1, 2, 1]] * 3)
+    out = apply_token_masks(torch.zeros(3, 4, 8), batch, depth)
+    barred = out == float("-inf")
+    # two output tokens of four: nodes at depth 0 and 1 choose the third and fourth, depth 2 the fifth
+    assert barred[0, :, 1].tolist() == barred[0, :, 6].tolist() == [True, True, False, True]
+    assert barred[0].sum() == 6 and not barred[1].any()
+    assert barred[2].tolist() == [[t not in (2, 3) for t in range(8)]] * 4
+
+
+def test_stop_strings_ending_in_the_first_min_tokens_tokens_do_not_count(tiny_dir, tiny_head):
+    """As vLLM's: a stop string ending inside the text of the first ``min_tokens`` tokens is passed over; the
+    first one ending after it stops the output."""
+    engine = tiny_engine(tiny_dir, tiny_head)
+    prompt = prompts(1, seed=5)[0]
+    full = engine.generate([prompt], SamplingParams(max_new_tokens=30, ignore_eos=True))[0]
+    words = full.text.split(" ")[1:]          # the text starts with the space before its first word
+    stop = words[1]
+    assert words.count(stop) >= 2, "the tiny model repeats its words: pick a prompt where it does"
+    first, second = [i for i, w in enumerate(words) if w == stop][:2]
+    out = engine.generate([prompt], SamplingParams(max_new_tokens=30, ignore_eos=True, stop=[stop],
+                                                   min_tokens=first + 1))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == " " + " ".join(words[:second]) + " "
+    plain = engine.generate([prompt], SamplingParams(max_new_tokens=30, ignore_eos=True, stop=[stop]))[0]
+    assert plain.text == " " + " ".join(words[:first]) + " "
+
+
+# ---- include_stop_str_in_output, skip_special_tokens ---------------------------------------------------------------
+def test_a_stop_string_stays_in_the_text_when_asked(tiny_dir, tiny_head):
+    engine = tiny_engine(tiny_dir, tiny_head)
+    prompt = prompts(1, seed=9)[0]
+    full = engine.generate([prompt], SamplingParams(max_new_tokens=30, ignore_eos=True))[0]
+    words = full.text.split(" ")
+    stop = " ".join(words[4:6])
+    cut = engine.generate([prompt], SamplingParams(max_new_tokens=30, ignore_eos=True, stop=[stop]))[0]
+    kept = engine.generate([prompt], SamplingParams(max_new_tokens=30, ignore_eos=True, stop=[stop],
+                                                    include_stop_str_in_output=True))[0]
+    assert cut.text + stop == kept.text == full.text[: full.text.index(stop) + len(stop)]
+    assert kept.finish_reason == "stop" and len(kept.token_ids) == len(cut.token_ids) + 1   # the stop's 2nd word
+    assert text_after(engine.tokenizer, kept.prompt_token_ids, kept.token_ids) == kept.text
+
+
+def test_special_tokens_text_and_a_stop_tokens_text_when_asked(tiny_dir, tiny_head):
+    """The tiny tokenizer's ``<s>`` (id 2) is special: skipped from the text unless asked; a stop token's text is
+    left out unless ``include_stop_str_in_output``."""
+    engine = tiny_engine(tiny_dir, tiny_head)
+    only_bos = dict(max_new_tokens=3, ignore_eos=True, allowed_token_ids=[2])
+    assert engine.generate([[5, 6]], SamplingParams(**only_bos))[0].text == ""
+    out = engine.generate([[5, 6]], SamplingParams(**only_bos, skip_special_tokens=False))[0]
+    assert (out.token_ids, out.text) == ([2, 2, 2], " <s> <s> <s>")
+    word = dict(max_new_tokens=3, allowed_token_ids=[9], stop_token_ids=[9])    # w2, chosen and stopping at once
+    assert engine.generate([[5, 6]], SamplingParams(**word))[0].text == ""
+    assert engine.generate([[5, 6]], SamplingParams(**word, include_stop_str_in_output=True))[0].text == " w2"
+
+
+# ---- allowed_token_ids ----------------------------------------------------------------------------------------------
+def test_allowed_token_ids_restrict_every_choice_and_stay_lossless(tiny_dir, tiny_hf, tiny_head):
+    engine = tiny_engine(tiny_dir, tiny_head, TREE, max_batch_size=4)
+    ps = prompts(4, seed=8)
+    free = engine.generate(ps, SamplingParams(max_new_tokens=16, ignore_eos=True))
+    allowed = sorted(set(frequent_tokens(free, 6)) | {20, 31})
+    kinds = [dict(allowed_token_ids=allowed), {}, dict(allowed_token_ids=allowed[:2]), dict(min_tokens=4)]
+    params = [SamplingParams(max_new_tokens=16, ignore_eos=True, **k) for k in kinds]
+    spec = engine.generate(ps, params)
+    plain = engine.generate(ps, params, speculative=False)
+    for s, p, prompt, k in zip(spec, plain, ps, kinds):
+        assert s.token_ids == p.token_ids == masked_reference(tiny_hf, prompt, 16, k.get("allowed_token_ids"))
+    assert set(spec[0].token_ids) <= set(allowed) and set(spec[2].token_ids) <= set(allowed[:2])
+    assert spec[0].token_ids != free[0].token_ids or spec[2].token_ids != free[2].token_ids
+
+
+def test_a_masked_step_still_reads_once_and_copies_once(tiny_dir, tiny_head):
+    engine = tiny_engine(tiny_dir, tiny_head, TREE, max_batch_size=3)
+    for i, k in enumerate([dict(allowed_token_ids=[7, 8, 9, 10]), dict(min_tokens=30, stop_token_ids=[4]), {}]):
+        engine.add_request([5 + i, 9, 10, 11], SamplingParams(max_new_tokens=40, **k))
+    while engine.scheduler.prefilling:
+        engine.step()
+    engine.step()
+    upload = uploads_for(engine.device)
+    copies, misses = upload.copies, upload.misses
+    with count_host_reads() as reads:
+        engine.step()
+    assert (len(reads.sites), upload.copies - copies, upload.misses - misses) == (1, 1, 0)
+
+
+# ---- min_p --------------------------------------------------------------------------------------------------------
+def exact_min_p_joint(hf, temperature: float, min_p: float) -> dict[tuple, float]:
+    """The exact joint of the first three tokens with transformers' temperature and min-p warpers."""
+    def probs(prefixes):
+        with torch.no_grad():
+            logits = hf(torch.tensor(prefixes)).logits[:, -1]
+        logits = MinPLogitsWarper(min_p)(None, TemperatureLogitsWarper(temperature)(None, logits))
+        return logits.double().softmax(-1)
+    p1 = probs([PROMPT])[0]
+    p2 = probs([PROMPT + [a] for a in range(V)])
+    p3 = probs([PROMPT + [a, b] for a in range(V) for b in range(V)]).view(V, V, V)
+    return {(a, b, c): float(p1[a] * p2[a, b] * p3[a, b, c]) for a in range(V) for b in range(V) for c in range(V)}
+
+
+def test_sampled_speculation_has_the_min_p_distribution(small_vocab):  # noqa: F811 - the fixture
+    """On an 8-token target: 4,000 seeded sequences of 3 tokens at T=1.3, min_p=0.3, drafted with trees, against
+    the exact joint (and told apart from the joint without min-p)."""
+    path, hf = small_vocab
+    engine = draws_engine(path)
+    outs = engine.generate([PROMPT] * 4000, [SamplingParams(temperature=1.3, min_p=0.3, max_new_tokens=3,
+                                                            ignore_eos=True, seed=i) for i in range(4000)])
+    assert max(o.stats.tau for o in outs) > 1
+    draws = [tuple(o.token_ids) for o in outs]
+    assert chi_square_p(draws, exact_min_p_joint(hf, 1.3, 0.3)) > 0.01
+    assert chi_square_p(draws, exact_joint(hf, temperature=1.3)) < 1e-6
+
+
+def test_a_seeded_min_p_sample_is_the_same_with_and_without_speculation(tiny_dir, tiny_head):
+    engine = tiny_engine(tiny_dir, tiny_head, TREE, max_batch_size=3)
+    params = [SamplingParams(temperature=0.9, min_p=0.1, top_p=0.95, max_new_tokens=20, ignore_eos=True, seed=s)
+              for s in range(3)]
+    ps = prompts(3, seed=4)
+    assert [o.token_ids for o in engine.generate(ps, params)] == \
+        [o.token_ids for o in engine.generate(ps, params, speculative=False)]
+
+
+# ---- truncate_prompt_tokens ---------------------------------------------------------------------------------------
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(tiny_dir, tiny_head):
+    engine = tiny_engine(tiny_dir, tiny_head, max_model_len=64)
+    long = prompts(1, seed=2)[0] * 20
+    cut = engine.generate([long], SamplingParams(max_new_tokens=5, truncate_prompt_tokens=6))[0]
+    alone = engine.generate([long[-6:]], SamplingParams(max_new_tokens=5))[0]
+    assert cut.prompt_token_ids == long[-6:] and cut.token_ids == alone.token_ids
+    words = " ".join(f"w{i}" for i in range(3, 40))   # text: tokenised first, then cut
+    assert engine.generate([words], SamplingParams(max_new_tokens=2, truncate_prompt_tokens=3))[0] \
+        .prompt_token_ids == engine.codec.encode(words)[-3:]
+    room = engine.prompt_room()
+    most = engine.generate([long], SamplingParams(max_new_tokens=2, truncate_prompt_tokens=-1))[0]
+    assert most.prompt_token_ids == long[-room:]
+    with pytest.raises(PromptTooLongError, match="prompt has 80 tokens"):   # without it, the same prompt does not fit
+        engine.generate([long], SamplingParams(max_new_tokens=2))
+
+
+# ---- what is refused ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fields, message", [
+    (dict(min_tokens=10, max_new_tokens=5), "min_tokens \\(10\\) is more than the output may hold"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[-1]), "allowed_token_ids"),
+    (dict(min_p=1.5), "min_p"),
+    (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens: 0 would keep no prompt"),
+    (dict(allowed_token_ids=[3], guided_regex="a+"), "allowed_token_ids and guided_regex"),
+    (dict(min_tokens=2, guided_choice=["a", "b"]), "min_tokens and guided_choice"),
+])
+def test_inconsistent_fields_are_refused_naming_them(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        SamplingParams(**fields)
+
+
+def test_an_allowed_token_outside_the_vocabulary_is_refused(tiny_dir, tiny_head):
+    engine = tiny_engine(tiny_dir, tiny_head, TREE)
+    with pytest.raises(InvalidRequestError, match="allowed_token_ids: token id 64 is not in the vocabulary"):
+        engine.generate([[5, 6]], SamplingParams(allowed_token_ids=[3, 64]))
+
+
+def test_a_job_rows_sampling_params_take_the_fields_as_strictly_as_serve():
+    """A row's ``sampling_params`` (JSON or Parquet: a whole float counts as an integer, as pandas writes integers
+    with nulls; a null is absent)."""
+    from eagle_ray.engine.request import sampling_params
+    params = sampling_params({"min_tokens": 2.0, "allowed_token_ids": [3, 4], "min_p": 0.1, "seed": None,
+                              "include_stop_str_in_output": True, "truncate_prompt_tokens": 8,
+                              "skip_special_tokens": False})
+    assert (params.min_tokens, params.allowed_token_ids, params.min_p, params.include_stop_str_in_output,
+            params.skip_special_tokens, params.truncate_prompt_tokens) == (2, [3, 4], 0.1, True, False, 8)
+    for row, message in [({"min_tokens": True}, "sampling_params.min_tokens: an integer is required"),
+                         ({"allowed_token_ids": [1, "2"]}, "sampling_params.allowed_token_ids: a list of integers"),
+                         ({"skip_special_tokens": 0}, "sampling_params.skip_special_tokens: true or false")]:
+        with pytest.raises(InvalidRequestError, match=message):
+            sampling_params(row)

@@ -167,6 +167,12 @@ REQUEST_FIELDS = {
     "min_p": st.floats(-1, 2), "min_tokens": st.integers(-1, 20), "allowed_token_ids": st.lists(st.integers(-2, 99)),
     "include_stop_str_in_output": st.booleans(), "skip_special_tokens": st.booleans(),
     "truncate_prompt_tokens": st.integers(-2, 5000),
+    "tools": st.lists(st.sampled_from([{"type": "function", "function": {"name": "w5", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}}}}, {"type": "function"}, "w1",
+        {"type": "function", "function": {"name": "w6", "parameters": {"type": 3}}}]), max_size=2),
+    "tool_choice": st.sampled_from(["none", "auto", "required", 5, {"type": "x"},
+                                    {"type": "function", "function": {"name": "w5"}}]),
+    "parallel_tool_calls": st.booleans(),
     "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "json_schema"},
                                         {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 3}}},
                                         {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}])}

@@ -325,7 +325,7 @@ def test_the_serve_parser_reads_null_as_unset_and_refuses_what_it_would_ignore()
                                  "presence_penalty", "frequency_penalty", "logprobs", "echo", "logit_bias")}
     got = parse({"model": "m", "prompt": "w1", **nulls})
     assert (got.params.temperature, got.params.top_p, got.params.max_new_tokens, got.stream) == (1.0, 1.0, 16, False)
-    for field, value in [("echo", True), ("best_of", 2), ("suffix", "w9"), ("tools", [{"type": "function"}])]:
+    for field, value in [("echo", True), ("best_of", 2), ("suffix", "w9"), ("functions", [{"name": "f"}])]:
         with pytest.raises(ApiError, match=f"{field} is not supported") as e:
             parse({"model": "m", "messages": [{"role": "user", "content": "w1"}], field: value}, "chat")
         assert e.value.status == 400 and e.value.param == field
@@ -361,7 +361,7 @@ def test_the_serve_parser_refuses_vllm_fields_it_would_ignore_and_reads_types_st
     def parse(body, kind="completion"):
         return parse_body(json.dumps({"model": "m", "prompt": "w1", **body}).encode(), kind, "m", 100, 16)
     for field, value in [("bad_words", ["w1"]), ("prompt_logprobs", 1),
-                         ("tool_choice", "required"), ("logits_processors", ["x"]),
+                         ("function_call", "required"), ("logits_processors", ["x"]),
                          ("use_beam_search", True), ("best_of", True),
                          ("chat_template", "{{ x }}")]:
         with pytest.raises(ApiError, match=f"^{field} is not supported") as e:
@@ -433,7 +433,7 @@ def test_the_serve_parser_takes_vllms_further_sampling_fields_strictly():
 
 def test_a_chat_reads_as_vllm_reads_it():
     """Both output limits set: OpenAI's ``max_completion_tokens`` (which deprecates ``max_tokens``) wins. A
-    message's text parts are joined by a newline. Tool calls in the history are refused, not dropped."""
+    message's text parts are joined by a newline. A user message making tool calls is refused, not dropped."""
     from eagle_ray.serve.openai_api import ApiError, parse_body
 
     def chat(body):
@@ -446,8 +446,8 @@ def test_a_chat_reads_as_vllm_reads_it():
         chat({"messages": user, "max_tokens": 50, "max_completion_tokens": 500})
     assert e.value.status == 400
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-    with pytest.raises(ApiError, match=r"messages\[1\].tool_calls: tool calls are not supported"):
-        chat({"messages": user + [{"role": "assistant", "content": None, "tool_calls": [call]}] + user})
+    with pytest.raises(ApiError, match=r"messages\[0\].tool_calls: only an assistant message makes tool calls"):
+        chat({"messages": [user[0] | {"tool_calls": [call]}]})
     row = parse_row({"messages": user, "sampling_params": {"max_tokens": 50, "max_completion_tokens": 5}},
                     SamplingParams())
     assert row.params.max_new_tokens == 5 and row.prompt.value[0]["content"] == "w1\nw2"

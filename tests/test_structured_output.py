@@ -2,7 +2,8 @@
 
 200 sampled objects for three schemas (nested objects, enums, arrays), each valid under ``jsonschema``; greedy
 constrained EAGLE equal to greedy constrained plain decoding token for token, with draft nodes pruned; the official
-``openai`` client reading a ``json_schema`` response from the Serve app, parsed into its own model and validated.
+``openai`` client reading a ``json_schema`` response from the Serve app, parsed into its own model and validated,
+and calling tools (a named function, ``required``, streamed, a call's result sent back, ``auto``).
 """
 import json
 import sys
@@ -88,8 +89,11 @@ def embedded_server(ray_local):
         port = s.getsockname()[1]
     # a named tree (the engine's default): unnamed, the app would first tune its tree to this machine, minutes on
     # a CPU (tests/test_tuning.py covers the tuner)
-    cfg = ServeConfig(engine={"dtype": "float32", "max_batch_size": 4, "max_model_len": 1024, "tree": {}},
-                      model_name="smol", port=port, num_cpus=1, default_max_tokens=128)
+    # the model's own template, and tools shown hermes-style where a request has them (tests/templates/)
+    template = str(Path(__file__).resolve().parent / "templates" / "smollm2_tools.jinja")
+    cfg = ServeConfig(engine={"dtype": "float32", "max_batch_size": 4, "max_model_len": 1024, "tree": {},
+                              "chat_template": template},
+                      model_name="smol", port=port, num_cpus=1, default_max_tokens=128, tool_call_parser="hermes")
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(json.loads(cfg.model_dump_json())), name="eagle-structured", route_prefix="/",
               blocking=False)
@@ -131,3 +135,55 @@ def test_the_openai_client_parses_a_json_schema_response(embedded_server):
     with pytest.raises(openai.BadRequestError, match="not a valid JSON schema"):
         client.chat.completions.create(model="smol", messages=chat("hi"), response_format={
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}})
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "description": "The local time in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+                   "required": ["city"], "additionalProperties": False}}}
+
+
+def test_the_openai_client_calls_tools(embedded_server):
+    """Forced calls always parse and hold to their tool's schema (structured output); a stream carries the same
+    call; the call and its result sent back are answered in text; ``auto`` answers either way, well formed."""
+    import openai
+    client = openai.OpenAI(base_url=embedded_server + "/v1", api_key="unused", max_retries=0, timeout=300)
+    ask = chat("What is the weather in Paris right now?")
+    common = dict(model="smol", messages=ask, tools=[WEATHER, CLOCK], temperature=0, max_tokens=64)
+    named = client.chat.completions.create(**common, tool_choice={"type": "function",
+                                                                  "function": {"name": "get_weather"}})
+    choice = named.choices[0]
+    (call,) = choice.message.tool_calls
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+
+    required = client.chat.completions.create(**common, tool_choice="required", parallel_tool_calls=False)
+    (any_call,) = required.choices[0].message.tool_calls
+    tool = {"get_weather": WEATHER, "get_time": CLOCK}[any_call.function.name]
+    jsonschema.validate(json.loads(any_call.function.arguments), tool["function"]["parameters"])
+
+    chunks = list(client.chat.completions.create(**common, stream=True, tool_choice={
+        "type": "function", "function": {"name": "get_weather"}}))
+    deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert [(d.tool_calls[0].function.name, d.tool_calls[0].function.arguments) for d in deltas] == \
+        [("get_weather", call.function.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+    result = {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21, "sky": "clear"}'}
+    answer = client.chat.completions.create(**common | {"messages": ask + [choice.message.model_dump(
+        exclude_none=True), result]}, tool_choice="none")
+    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+    assert answer.usage.prompt_tokens > named.usage.prompt_tokens + 20   # the call and its result were shown
+
+    auto = client.chat.completions.create(**common).choices[0]   # tool_choice auto: the hermes parser reads it
+    assert auto.message.content or auto.message.tool_calls
+    assert auto.finish_reason == ("tool_calls" if auto.message.tool_calls else "stop") or \
+        auto.finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match="not among the tools"):
+        client.chat.completions.create(**common, tool_choice={"type": "function", "function": {"name": "f"}})

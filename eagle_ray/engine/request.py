@@ -7,6 +7,7 @@ has nulls in the fields a row does not set.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from eagle_ray.config import SamplingParams
@@ -28,6 +29,7 @@ class Prompt:
     generation_prompt: bool = True  # a chat ends with the assistant's turn opened (``add_generation_prompt``)
     continue_final: bool = False    # or with its final message left open, to be continued
                                     # (``continue_final_message``: an answer's prefill)
+    tools: tuple | None = None      # function tools the template shows the model (Serve's ``tools``)
 
 
 def check_text(text: str, field: str) -> str:
@@ -75,15 +77,49 @@ def parse_messages(value, field: str = "messages") -> list[dict]:
         role = m.get("role")
         if role not in CHAT_ROLES:
             raise InvalidRequestError(f"{where}.role must be one of {list(CHAT_ROLES)}, got {_show(role)}")
-        if m.get("tool_calls"):   # the chat would reach the template without them: refused, not dropped
-            raise InvalidRequestError(f"{where}.tool_calls: tool calls are not supported")
+        calls = _tool_calls(m.get("tool_calls"), f"{where}.tool_calls") if role == "assistant" else None
+        if m.get("tool_calls") and calls is None:
+            raise InvalidRequestError(f"{where}.tool_calls: only an assistant message makes tool calls")
         content = m.get("content")
         if role == "assistant" and (content in ("", None, []) or isinstance(content, list) and all(
                 isinstance(p, dict) and p.get("type") == "text" and p.get("text") == "" for p in content)):
             content = ""
         else:
             content = _content_text(content, f"{where}.content")
-        out.append({"role": role, "content": check_text(content, f"{where}.content")})
+        message = {"role": role, "content": check_text(content, f"{where}.content")}
+        if calls:
+            message["tool_calls"] = calls
+        if role == "tool" and m.get("tool_call_id") is not None:   # which call a tool's result answers
+            if not isinstance(m["tool_call_id"], str):
+                raise InvalidRequestError(f"{where}.tool_call_id must be a string")
+            message["tool_call_id"] = check_text(m["tool_call_id"], f"{where}.tool_call_id")
+        out.append(message)
+    return out
+
+
+def _tool_calls(value, where: str) -> list[dict] | None:
+    """An assistant message's earlier tool calls as chat templates read them: each function's arguments as an
+    object (OpenAI sends them as JSON text; templates render ``arguments | tojson``), as vLLM hands them over."""
+    if value in (None, []):
+        return None
+    if not isinstance(value, list):
+        raise InvalidRequestError(f"{where} must be a list of tool calls")
+    out = []
+    for j, call in enumerate(value):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise InvalidRequestError(f"{where}[{j}] must be {{\"type\": \"function\", \"function\": "
+                                      "{\"name\", \"arguments\"}}")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                raise InvalidRequestError(f"{where}[{j}].function.arguments is not valid JSON") from None
+        if not isinstance(args, dict):
+            raise InvalidRequestError(f"{where}[{j}].function.arguments must be a JSON object")
+        out.append({"id": str(call.get("id") or f"call_{j}"), "type": "function",
+                    "function": {"name": check_text(fn["name"], f"{where}[{j}].function.name"), "arguments": args}})
     return out
 
 

@@ -100,13 +100,38 @@ class TextCodec:
             if self.split_special_tokens and p.variables and self._special_text_in(p.variables):
                 raise InvalidRequestError("chat_template_kwargs: a value holds special-token text, which the "
                                           "template would render as control tokens; remove that text")
+            if self.split_special_tokens and self._special_text_in(
+                    [list(p.tools or []), [{k: v for k, v in m.items() if k not in ("role", "content")}
+                                           for m in p.value]]):
+                raise InvalidRequestError("tools or tool calls hold special-token text, which the template would "
+                                          "render as control tokens; remove that text")
+            if p.tools:
+                options["tools"] = [dict(t) for t in p.tools]
+            if p.tools or any("tool_calls" in m for m in p.value):
+                self._check_shows_tools(p.value, options)
             if self.split_special_tokens and self._forges_special_tokens(p.value):
                 return self._chat_with_plain_content(p.value, options)
             return list(self.tokenizer.apply_chat_template(p.value, tokenize=True, return_dict=True,
                                                            **options)["input_ids"])
+        except InvalidRequestError:
+            raise
         except Exception as e:  # noqa: BLE001
             raise InvalidRequestError(f"cannot tokenize the prompt: {type(e).__name__}: {e}") from None
 
+
+    def _check_shows_tools(self, messages, options: dict) -> None:
+        """A template that ignores ``tools``, or earlier calls, would leave the model unaware of them: refused, not
+        passed over."""
+        def text(msgs, opts) -> str:
+            return self.tokenizer.apply_chat_template(msgs, tokenize=False, **opts)
+        shown = text(messages, options)
+        if "tools" in options and shown == text(messages, {k: v for k, v in options.items() if k != "tools"}):
+            raise InvalidRequestError("tools: this model's chat template does not show tools to the model; give "
+                                      "the deployment a template that does (model.chat_template)")
+        if any("tool_calls" in m for m in messages) and shown == text(
+                [{k: v for k, v in m.items() if k != "tool_calls"} for m in messages], options):
+            raise InvalidRequestError("messages: this model's chat template does not show earlier tool calls to the "
+                                      "model; give the engine a template that does (model.chat_template)")
 
     @functools.cached_property
     def _special_tokens(self) -> list[str]:

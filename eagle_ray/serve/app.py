@@ -114,7 +114,7 @@ class EagleServer:
             raise ApiError(400, "the client disconnected before the request body ended") from None
         # parsed in a worker thread: a body of megabytes takes a second, which must not stall running streams
         return await asyncio.to_thread(parse_body, bytes(raw), kind, self.cfg.model_name, self.cfg.max_tokens_cap,
-                                       self.cfg.default_max_tokens, self.cfg.max_n)
+                                       self.cfg.default_max_tokens, self.cfg.max_n, self.cfg.tool_call_parser)
 
     async def _handle(self, request: Request, kind: str):
         try:
@@ -131,7 +131,7 @@ class EagleServer:
                 self.engine.check_room(len(p.prompt_ids), req.body.limit(), req.body.limit_field())
         except PromptTooLongError as e:
             return _err(400, str(e), param=req.body.limit_field(), code="context_length_exceeded")
-        shape = ChoiceShape(kind, req.body.echo_prompt, req.body.top(), self.token_text)
+        shape = ChoiceShape(kind, req.body.echo_prompt, req.body.top(), self.token_text, req.tools)
         if req.stream:
             return StreamingResponse(self._sse(req.body, prompts, shape, rid), media_type="text/event-stream")
         seqs = [s for p in prompts for s in p.seqs]
@@ -161,11 +161,14 @@ class EagleServer:
         states = [StreamState() for _ in items]
         outs: list = [None] * len(items)
 
-        def chunk(index: int, text: str | None, reason: str | None, first: bool = False, logprobs=None) -> dict:
+        def chunk(index: int, text: str | None, reason: str | None, first: bool = False, logprobs=None,
+                  calls: list | None = None) -> dict:
             if kind == "chat":
                 delta = {} if text is None else {"content": text}
                 if first:
                     delta["role"] = "assistant"
+                if calls:
+                    delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
                 c = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
             else:
                 c = {"index": index, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
@@ -201,13 +204,21 @@ class EagleServer:
                     st.echoed, st.first = True, False
                     st.offset = len(text)
                     yield f"data: {json.dumps(chunk(index, text, None, logprobs=lp))}\n\n"
+                text, reason = d.text, finish_reason(d.output.finish_reason) if d.finished else None
+                if shape.reads_calls:   # an answer read for tool calls is sent whole, once it has ended
+                    if not d.finished:
+                        continue
+                    message, reason = shape.tools.message(d.output.text, reason)
+                    parts = (message["content"], None, True, new_logprobs(index, seq, d), message.get("tool_calls"))
+                    yield f"data: {json.dumps(chunk(index, *parts))}\n\n"
+                    text, st.first = None, False
                 lp = new_logprobs(index, seq, d)
-                if d.text or st.first or lp is not None:
-                    yield f"data: {json.dumps(chunk(index, d.text, None, st.first, lp))}\n\n"
+                if text or st.first or lp is not None:
+                    yield f"data: {json.dumps(chunk(index, text, None, st.first, lp))}\n\n"
                     st.first = False
                 if d.finished:
                     out = outs[index] = d.output
-                    last = chunk(index, None if kind == "chat" else "", finish_reason(out.finish_reason))
+                    last = chunk(index, None if kind == "chat" else "", reason)
                     last["eagle"] = eagle_stats(out.stats)
                     yield f"data: {json.dumps(last)}\n\n"
             if include_usage:   # OpenAI's shape: a last chunk of its own, no choices, the usage

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from eagle_ray.engine.sequence import Sequence
 from eagle_ray.serve.logprobs import TokenText, chat_logprobs, completion_logprobs, echoed, merge_completion
+from eagle_ray.serve.tools import ToolPlan
 from eagle_ray.speculative.logprobs import TokenLogprobs
 from eagle_ray.stats import RequestStats
 
@@ -58,6 +59,11 @@ class ChoiceShape:
     echo: bool
     k: int | None
     text: TokenText
+    tools: ToolPlan | None = None   # a chat's tools: its answers are read for calls unless tool_choice is none
+
+    @property
+    def reads_calls(self) -> bool:
+        return self.tools is not None and self.tools.calls
 
     def echo_part(self, prompt: PromptChoices) -> tuple[str, dict | None]:
         """The echoed prompt's text and completions logprobs."""
@@ -79,7 +85,10 @@ class ChoiceShape:
     def choice(self, index: int, prompt: PromptChoices, out, reason: str | None) -> dict:
         """A whole choice of a response that is not streamed."""
         if self.kind == "chat":
-            return {"index": index, "message": {"role": "assistant", "content": out.text}, "finish_reason": reason,
+            message = {"role": "assistant", "content": out.text}
+            if self.reads_calls:
+                message, reason = self.tools.message(out.text, reason)
+            return {"index": index, "message": message, "finish_reason": reason,
                     "logprobs": self.output_logprobs(out.logprobs, out.token_ids, 0, prompt.prompt_ids)}
         text, lp = self.echo_part(prompt) if self.echo else ("", None)
         own = self.output_logprobs(out.logprobs, out.token_ids, len(text), prompt.prompt_ids)

@@ -1,6 +1,8 @@
 """The Serve app's configuration (``eagle-ray serve --config serve.yaml`` / ``serve run``)."""
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, field_validator, model_validator
 
 from eagle_ray.config import (EngineConfig, S3Options, StrictModel, gpus_for_ranks, need_a_head_to_speculate,
@@ -31,6 +33,10 @@ class ServeConfig(StrictModel):
     max_request_bytes: int = Field(4 * 2**20, ge=1024, description="largest request body (413 above it)")
     split_special_tokens: bool = Field(True, description="tokenise chat message content with special-token text "
                                        "(<|im_end|>, ...) split into plain text, so a client cannot forge a role")
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
+        None, description="how answers are read for tool calls where the model chooses (tool_choice auto): the "
+        "format the target's chat template teaches (hermes: Qwen2.5/Qwen3/Hermes; llama3_json: Llama 3.1-3.3); "
+        "null: tool_choice auto is refused, named and required calls are served")
     s3: S3Options = Field(default_factory=S3Options)
     stall_floor_s: float = Field(120.0, gt=0, description="an engine step may run this long at least before it "
                                  "counts as stalled")

@@ -6,11 +6,11 @@ runs on the event loop and is fuzzed directly by the tests. Prompt and sampling 
 request parser, the same one the batch job uses. Unknown fields are ignored (clients send many), and so is an
 explicit ``null`` (OpenAI's fields are nullable: clients send unset options as ``null``); unsupported ones that
 would change what is generated or returned (``n`` above the server's cap, ``echo`` on chat, ``best_of``,
-``suffix``, tools, vLLM's ``bad_words``, beam search and ``prompt_logprobs``, and its chat-template fields
-``chat_template`` and ``documents``) are refused, unless they hold the value that changes nothing; vLLM's
-``chat_template_kwargs``, ``add_generation_prompt`` and ``continue_final_message`` are taken on chat. Types are
-strict where lax parsing would change the request: ``"stream": "yes"`` or ``"max_tokens": true`` are refused, not
-read as true and 1.
+``suffix``, the legacy ``functions``, vLLM's ``bad_words``, beam search and ``prompt_logprobs``, and its
+chat-template fields ``chat_template`` and ``documents``) are refused, unless they hold the value that changes
+nothing; vLLM's ``chat_template_kwargs``, ``add_generation_prompt`` and ``continue_final_message``, and ``tools``
+with ``tool_choice`` (``serve/tools.py``), are taken on chat. Types are strict where lax parsing would change the
+request: ``"stream": "yes"`` or ``"max_tokens": true`` are refused, not read as true and 1.
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from eagle_ray.config import JSON_OBJECT, SamplingParams, checked_schema, engine
 from eagle_ray.engine.request import (MAX_NESTING, Prompt, nesting_depth, parse_messages, parse_prompt,
                                      sampling_params, storable)
 from eagle_ray.errors import InvalidRequestError
+from eagle_ray.serve.tools import ToolError, ToolPlan, tool_plan
 from eagle_ray.speculative.logprobs import MAX_TOP
 from eagle_ray.stats import RequestStats
 
@@ -46,15 +47,15 @@ class ApiError(Exception):
 # fields that would change what is generated or returned, with the values that change nothing (OpenAI's, then
 # vLLM's extra sampling and output fields, which its clients send in the same body)
 UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""),
-               "tools": (None, []), "functions": (None, []),
-               "tool_choice": (None, "none", "auto"), "function_call": (None, "none", "auto"),
+               "functions": (None, []), "function_call": (None, "none", "auto"),
                "audio": (None,), "web_search_options": (None,),
                "length_penalty": (None, 1.0), "use_beam_search": (None, False), "prompt_logprobs": (None,),
                "bad_words": (None, []), "logits_processors": (None, []),
                "chat_template": (None,), "documents": (None, [])}
 # chat fields that mean nothing to a completion's prompt (it is not templated), with the values that change nothing
 CHAT_ONLY = {"chat_template_kwargs": (None, {}), "add_generation_prompt": (None, True),
-             "continue_final_message": (None, False)}
+             "continue_final_message": (None, False), "tools": (None, []), "tool_choice": (None, "none", "auto"),
+             "parallel_tool_calls": (None, True, False)}
 NUMBERS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n", "seed",
            "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
            "truncate_prompt_tokens", "top_logprobs")   # a JSON true or false is not one of these
@@ -144,10 +145,17 @@ class _Request(BaseModel):
     def echo_prompt(self) -> bool:
         return False
 
-    def sampling(self, default_max_tokens: int) -> SamplingParams:
+    def sampling(self, default_max_tokens: int, tool_schema: dict | None = None) -> SamplingParams:
         """The request's sampling, validated by the engine's parser (a bad seed or top_k is a 400 naming it). A
-        request that echoes its prompt and generates nothing (``max_tokens: 0``) runs its prompt alone."""
+        request that echoes its prompt and generates nothing (``max_tokens: 0``) runs its prompt alone.
+        ``tool_schema``: the JSON schema a forced tool call holds its answer to (``serve/tools.py``)."""
         limit = self.limit()
+        guided = guided_fields(self)
+        if tool_schema is not None:
+            if guided:
+                raise ApiError(400, "tool_choice forces a tool call, whose arguments are structured output already: "
+                               "leave out " + ", ".join(sorted(guided)), param="tool_choice")
+            guided = {"guided_json": tool_schema}
         return sampling_params({"temperature": self.temperature, "top_p": self.top_p, "top_k": max(self.top_k, 0),
                                 "max_new_tokens": default_max_tokens if limit is None else max(limit, 1),
                                 "stop": self.stop or [], "seed": self.seed, "ignore_eos": self.ignore_eos,
@@ -159,7 +167,7 @@ class _Request(BaseModel):
                                "include_stop_str_in_output": self.include_stop_str_in_output,
                                "skip_special_tokens": self.skip_special_tokens,
                                "truncate_prompt_tokens": self.truncate_prompt_tokens,
-                               **guided_fields(self)}, field=None)
+                               **guided}, field=None)
 
 
 STRUCTURED_OUTPUTS = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice",
@@ -281,6 +289,9 @@ class ChatRequest(_Request):
                                               "opened")
     continue_final_message: StrictBool = Field(False, description="vLLM's: leave the final message open, for the "
                                                "model to continue (an answer's prefill)")
+    tools: list | None = Field(None, description="function tools the template shows the model (serve/tools.py)")
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: StrictBool = True
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -329,9 +340,15 @@ class ChatRequest(_Request):
     def limit_field(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
 
-    def to_prompts(self) -> list[Prompt]:
+    def tool_plan(self, parser: str | None) -> ToolPlan | None:
+        try:
+            return tool_plan(self.tools, self.tool_choice, self.parallel_tool_calls, parser)
+        except ToolError as e:
+            raise ApiError(400, str(e), param=e.param) from None
+
+    def to_prompts(self, tools: tuple | None = None) -> list[Prompt]:
         return [Prompt("messages", parse_messages(self.messages, "messages"), self.chat_template_kwargs,
-                       self.add_generation_prompt, self.continue_final_message)]
+                       self.add_generation_prompt, self.continue_final_message, tools)]
 
 
 @dataclass
@@ -339,6 +356,7 @@ class ParsedRequest:
     body: CompletionRequest | ChatRequest
     prompts: list[Prompt]
     params: SamplingParams
+    tools: ToolPlan | None = None   # a chat's tools and how its answers are read
 
     @property
     def prompt(self) -> Prompt:
@@ -355,8 +373,9 @@ class ParsedRequest:
 
 
 def parse_body(raw: bytes, kind: str, model_name: str, max_tokens_cap: int, default_max_tokens: int,
-               max_n: int = 16) -> ParsedRequest:
-    """Validate one request body (``kind``: "completion" or "chat"); raises :class:`ApiError`."""
+               max_n: int = 16, tool_parser: str | None = None) -> ParsedRequest:
+    """Validate one request body (``kind``: "completion" or "chat"); raises :class:`ApiError`. ``tool_parser``:
+    how a chat's answers are read for tool calls where the model chooses (``tool_choice: auto``)."""
     try:
         data = json.loads(raw)
     except ValueError as e:   # JSONDecodeError, UnicodeDecodeError, an integer of more digits than Python converts
@@ -384,7 +403,11 @@ def parse_body(raw: bytes, kind: str, model_name: str, max_tokens_cap: int, defa
     if req.n > max_n:
         raise ApiError(400, f"n={req.n} is above this server's cap of {max_n} choices per prompt", param="n")
     try:
-        return ParsedRequest(req, req.to_prompts(), req.sampling(default_max_tokens))
+        if kind != "chat":
+            return ParsedRequest(req, req.to_prompts(), req.sampling(default_max_tokens))
+        plan = req.tool_plan(tool_parser)
+        return ParsedRequest(req, req.to_prompts(plan.tools if plan else None),
+                             req.sampling(default_max_tokens, plan.guided_json() if plan else None), plan)
     except InvalidRequestError as e:
         raise ApiError(400, str(e), param=str(e).split(":", 1)[0].split(" ", 1)[0] or None) from None
 

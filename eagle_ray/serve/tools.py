@@ -1,0 +1,201 @@
+"""Tool calling on chat completions, as OpenAI's API and vLLM's server take it.
+
+The request's ``tools`` reach the model through the chat template (``apply_chat_template(tools=...)``; a template
+that does not render them is refused, since the model would never see them). ``tool_choice`` decides how the answer
+is read:
+
+- a named function: the output is that function's arguments, constrained to its ``parameters`` schema by the
+  grammar engine (structured output), so it always parses;
+- ``required``: the output is a JSON array of ``{"name", "parameters"}`` calls (at least one; one with
+  ``parallel_tool_calls: false``), each constrained to its tool's schema, as vLLM constrains it;
+- ``auto``: the model decides; its output is read by the deployment's ``tool_call_parser``, the format its chat
+  template teaches: ``hermes`` (``<tool_call>{"name": ..., "arguments": ...}</tool_call>``: Qwen2.5, Qwen3, Hermes)
+  or ``llama3_json`` (``{"name": ..., "parameters": ...}``, ``;``-separated: Llama 3.1-3.3). Without a parser
+  ``auto`` is refused, as vLLM refuses it without ``--tool-call-parser``;
+- ``none``: the tools are shown, the answer is text.
+
+Constrained decoding is exact with speculation on (``speculative/grammar.py``), so a call's tokens are the target's
+own under the schema.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from eagle_ray.config import checked_schema
+
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+PARSERS = ("hermes", "llama3_json")
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+class ToolError(ValueError):
+    """A request's tools or tool choice that cannot be served: ``param`` names the field."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """A chat request's tools, as the template gets them, and how its answer is read."""
+    tools: tuple[dict, ...]     # [{"type": "function", "function": {"name", "description", "parameters"}}]
+    choice: str                 # "none" | "auto" | "required" | "named"
+    name: str | None = None     # the function ``tool_choice`` names
+    parser: str | None = None   # how an ``auto`` answer is read
+    parallel: bool = True       # ``parallel_tool_calls``: more than one call in an answer
+
+    @property
+    def calls(self) -> bool:
+        """Whether answers are read for tool calls (every choice but ``none``)."""
+        return self.choice != "none"
+
+    def schema(self, name: str) -> dict:
+        fn = next(t["function"] for t in self.tools if t["function"]["name"] == name)
+        return fn.get("parameters") or {"type": "object"}
+
+    def guided_json(self) -> dict | None:
+        """The JSON schema the answer is held to: the named function's arguments, or ``required``'s call list."""
+        if self.choice == "named":
+            return self.schema(self.name)
+        if self.choice != "required":
+            return None
+        calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
+                                                   "parameters": self.schema(t["function"]["name"])},
+                  "required": ["name", "parameters"]} for t in self.tools]
+        return {"type": "array", "minItems": 1, **({} if self.parallel else {"maxItems": 1}),
+                "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+
+    def message(self, text: str, reason: str | None) -> tuple[dict, str | None]:
+        """The assistant message an answer makes, and its finish reason (``tool_calls`` where calls were read)."""
+        content, calls = text, []
+        if self.choice == "named":
+            content, calls = None, [(self.name, text)]
+        elif self.choice == "required":
+            calls = _listed_calls(text)
+            content = None if calls else text
+        elif self.choice == "auto":
+            content, calls = (_hermes_calls if self.parser == "hermes" else _llama3_calls)(text)
+        if not calls:
+            return {"role": "assistant", "content": content}, reason
+        message = {"role": "assistant", "content": content,
+                   "tool_calls": [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                                   "function": {"name": name, "arguments": args}} for name, args in calls]}
+        return message, "tool_calls" if reason == "stop" else reason
+
+
+def _arguments(value) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def _call(obj, key: str) -> tuple[str, str] | None:
+    if isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(obj.get(key, {}), (dict, str)):
+        return obj["name"], _arguments(obj.get(key, {}))
+    return None
+
+
+def _listed_calls(text: str) -> list[tuple[str, str]]:
+    """``required``'s answer: a JSON array of ``{"name", "parameters"}`` (none where it does not parse: a cut)."""
+    try:
+        listed = json.loads(text)
+    except ValueError:
+        return []
+    calls = [_call(c, "parameters") for c in listed] if isinstance(listed, list) else []
+    return calls if calls and all(calls) else []
+
+
+def _hermes_calls(text: str) -> tuple[str | None, list[tuple[str, str]]]:
+    """``<tool_call>{json}</tool_call>`` blocks; the text before the first is the content. An answer whose blocks
+    do not all parse is left as text."""
+    blocks = _HERMES.findall(text)
+    if not blocks:
+        return text, []
+    try:
+        calls = [_call(json.loads(b), "arguments") for b in blocks]
+    except ValueError:
+        return text, []
+    if not all(calls):
+        return text, []
+    content = text[: text.index("<tool_call>")].strip()
+    return content or None, calls
+
+
+def _llama3_calls(text: str) -> tuple[str | None, list[tuple[str, str]]]:
+    """An answer that is ``{"name", "parameters"}`` objects (``;``-separated, after an optional
+    ``<|python_tag|>``); anything else is text."""
+    body = text.strip().removeprefix("<|python_tag|>").strip()
+    if not body.startswith("{"):
+        return text, []
+    decoder, calls, i = json.JSONDecoder(), [], 0
+    try:
+        while i < len(body):
+            obj, i = decoder.raw_decode(body, i)
+            calls.append(_call(obj, "arguments" if isinstance(obj, dict) and "arguments" in obj else "parameters"))
+            i = len(body) - len(body[i:].lstrip().removeprefix(";").lstrip())
+    except ValueError:
+        return text, []
+    return (None, calls) if calls and all(calls) else (text, [])
+
+
+def tool_plan(tools, tool_choice, parallel: bool, parser: str | None) -> ToolPlan | None:
+    """A chat request's ``tools`` and ``tool_choice`` checked (``ToolError`` names the field), or None where it
+    has no tools and no choice that needs them."""
+    if tool_choice is not None and not isinstance(tool_choice, (str, dict)):
+        raise ToolError("tool_choice must be none, auto, required or {\"type\": \"function\", \"function\": "
+                        "{\"name\": ...}}", "tool_choice")
+    if not tools:
+        if tool_choice in (None, "none"):
+            return None
+        raise ToolError("tool_choice needs tools", "tool_choice")
+    if not isinstance(tools, list):
+        raise ToolError("tools must be a list of {\"type\": \"function\", \"function\": {...}}", "tools")
+    checked = tuple(_tool(t, f"tools[{i}]") for i, t in enumerate(tools))
+    names = [t["function"]["name"] for t in checked]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ToolError(f"tools: the name {twice[0]!r} is given twice", "tools")
+    if isinstance(tool_choice, dict):
+        fn = tool_choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if tool_choice.get("type") != "function" or not isinstance(name, str):
+            raise ToolError("tool_choice must be {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                            "tool_choice")
+        if name not in names:
+            raise ToolError(f"tool_choice names {name!r}, which is not among the tools ({', '.join(names)})",
+                            "tool_choice")
+        return ToolPlan(checked, "named", name, parser, parallel)
+    choice = tool_choice or "auto"
+    if choice not in ("none", "auto", "required"):
+        raise ToolError(f"tool_choice must be none, auto, required or a named function, got {choice!r}",
+                        "tool_choice")
+    if choice == "auto" and parser is None:
+        raise ToolError("tool_choice auto (the default with tools) needs the deployment's tool_call_parser ("
+                        + " or ".join(PARSERS) + "); send tool_choice required or a named function, or none",
+                        "tool_choice")
+    return ToolPlan(checked, choice, None, parser, parallel)
+
+
+def _tool(t, where: str) -> dict:
+    """One tool as the template gets it: ``{"type": "function", "function": {"name", "description"?,
+    "parameters"?}}``, its parameters a valid JSON schema."""
+    fn = t.get("function") if isinstance(t, dict) else None
+    if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict):
+        raise ToolError(f"{where} must be {{\"type\": \"function\", \"function\": {{\"name\", ...}}}}", where)
+    name = fn.get("name")
+    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+        raise ToolError(f"{where}.function.name must be 1-64 letters, digits, _, . or -, got {name!r}",
+                        f"{where}.function.name")
+    out = {"name": name}
+    if fn.get("description") is not None:
+        if not isinstance(fn["description"], str):
+            raise ToolError(f"{where}.function.description must be a string", f"{where}.function.description")
+        out["description"] = fn["description"]
+    if fn.get("parameters") is not None:
+        try:
+            out["parameters"] = checked_schema(fn["parameters"])
+        except ValueError as e:
+            raise ToolError(f"{where}.function.parameters: {e}", f"{where}.function.parameters") from None
+    return {"type": "function", "function": out}

@@ -150,6 +150,31 @@ def test_vllms_further_sampling_fields_equal_the_offline_engine(server, client):
     assert r.choices[0].message.content == want.text and r.usage.prompt_tokens == 3
 
 
+def test_tokenize_and_detokenize_as_vllm_answers_them(server, client):
+    """A prompt's ids as a request would run them (a chat's count is its completion's prompt_tokens), and back."""
+    offline = server[1]
+
+    def post(route: str, body: dict, headers=AUTH) -> httpx.Response:
+        return httpx.post(server[0] + route, json={"model": MODEL, **body}, headers=headers, timeout=60)
+    r = post("/tokenize", {"prompt": PROMPTS[2]}).json()
+    assert r == {"count": 5, "max_model_len": 128, "tokens": offline.codec.encode(PROMPTS[2]), "token_strs": None}
+    chat = [{"role": "user", "content": PROMPTS[1]}]
+    r = post("/tokenize", {"messages": chat, "return_token_strs": True}).json()
+    ran = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=2)
+    assert r["count"] == ran.usage.prompt_tokens and r["token_strs"][-3:] == ["<s>", "assistant", ":"]
+    assert post("/detokenize", {"tokens": r["tokens"]}).json() == {"prompt": offline.tokenizer.decode(r["tokens"])}
+    for route, body, status, reason in [
+            ("/tokenize", {"prompt": "w1", "messages": chat}, 400, "give one of prompt and messages"),
+            ("/tokenize", {"messages": chat, "add_special_tokens": True}, 400, "add_special_tokens"),
+            ("/tokenize", {"prompt": [1, 99]}, 400, "outside the vocabulary"),
+            ("/detokenize", {"tokens": [5, 64]}, 400, "ids [64] are outside the vocabulary"),
+            ("/detokenize", {"tokens": "w1"}, 400, "tokens: Input should be a valid list"),
+            ("/detokenize", {"model": "gpt-5", "tokens": [5]}, 404, "does not exist")]:
+        got = post(route, body)
+        assert got.status_code == status and reason in got.json()["error"]["message"], got.text
+    assert post("/tokenize", {"prompt": "w1"}, headers={}).status_code == 401
+
+
 BAD = {
     "malformed JSON": (b'{"model": "tiny-eagle", "prompt": ', 400, "not valid JSON"),
     "not an object": (b'["w1"]', 400, "JSON object"),

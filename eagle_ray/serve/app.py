@@ -26,6 +26,8 @@ from eagle_ray.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from eagle_ray.serve.metrics import ReplicaMetrics, ServeMetrics
 from eagle_ray.serve.openai_api import (ApiError, ParsedRequest, authorized, eagle_stats, error_body, finish_reason,
                                         new_id, now, parse_body)
+from eagle_ray.serve.tokens import answer as token_answer
+from eagle_ray.serve.tokens import DetokenizeRequest, TokenizeRequest, parse_tokens_body
 from eagle_ray.train.online import adapt
 
 api = FastAPI(title="eagle-ray", docs_url=None, redoc_url=None)
@@ -95,7 +97,7 @@ class EagleServer:
     def _authorized(self, request: Request) -> bool:
         return authorized(request.headers.get("authorization"), self.api_key)
 
-    async def _read(self, request: Request, kind: str) -> ParsedRequest:
+    async def _read(self, request: Request, kind: str) -> ParsedRequest | TokenizeRequest | DetokenizeRequest:
         """Auth, size, JSON, schema, model name and limits (cheap: no tokenisation); raises ApiError."""
         if not self._authorized(request):
             raise ApiError(401, "missing or wrong API key (Authorization: Bearer <key>)", "authentication_error",
@@ -113,6 +115,8 @@ class EagleServer:
         except ClientDisconnect:   # gone mid-body: nobody to answer
             raise ApiError(400, "the client disconnected before the request body ended") from None
         # parsed in a worker thread: a body of megabytes takes a second, which must not stall running streams
+        if kind in ("tokenize", "detokenize"):
+            return await asyncio.to_thread(parse_tokens_body, bytes(raw), kind, self.cfg.model_name)
         return await asyncio.to_thread(parse_body, bytes(raw), kind, self.cfg.model_name, self.cfg.max_tokens_cap,
                                        self.cfg.default_max_tokens, self.cfg.max_n, self.cfg.tool_call_parser)
 
@@ -273,6 +277,24 @@ class EagleServer:
     def _model_card(self) -> dict:
         return {"id": self.cfg.model_name, "object": "model", "created": now(), "owned_by": "eagle-ray",
                 "max_model_len": self.engine.target.max_len}
+
+    @api.post("/tokenize")
+    async def tokenize(self, request: Request):
+        """vLLM's: a prompt's token ids as a completion or chat request would run them (serve/tokens.py)."""
+        return await self._tokens(request, "tokenize")
+
+    @api.post("/detokenize")
+    async def detokenize(self, request: Request):
+        return await self._tokens(request, "detokenize")
+
+    async def _tokens(self, request: Request, kind: str):
+        try:
+            req = await self._read(request, kind)
+            return await asyncio.to_thread(token_answer, self.engine, req)
+        except ApiError as e:
+            return JSONResponse(e.body(), status_code=e.status)
+        except EagleError as e:
+            return _engine_error(e)
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):

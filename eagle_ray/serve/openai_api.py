@@ -389,7 +389,7 @@ def parse_body(raw: bytes, kind: str, model_name: str, max_tokens_cap: int, defa
     try:
         req = (ChatRequest if kind == "chat" else CompletionRequest)(**data)
     except ValidationError as e:
-        msg, param = _validation_message(e)
+        msg, param = validation_message(e)
         raise ApiError(400, msg, param=param) from None
     except (TypeError, RecursionError) as e:  # e.g. keys that are not strings cannot be keyword arguments
         raise ApiError(400, f"malformed request: {e}") from None
@@ -423,7 +423,7 @@ def authorized(header: str | None, api_key: str | None) -> bool:
 TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}   # pydantic's names for a union's branches
 
 
-def _validation_message(e: ValidationError) -> tuple[str, str | None]:
+def validation_message(e: ValidationError) -> tuple[str, str | None]:
     """One line naming each bad field as the client wrote it: ``stop`` or ``stop_token_ids.1``, not the branch of
     a union pydantic tried (``stop.str``, ``stop.list[str]``). A union's branches that fail alike say so once."""
     def where(loc) -> str:

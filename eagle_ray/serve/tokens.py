@@ -1,0 +1,102 @@
+"""vLLM's ``/tokenize`` and ``/detokenize``: a prompt's token ids as the engine would run them, and ids' text.
+
+Clients count a prompt's tokens before they send it (to fit a context, to bill) with the server's own tokenizer and
+chat template; the answer is what a completion or chat request with the same prompt would run, special-token
+handling (``split_special_tokens``) included.
+"""
+from __future__ import annotations
+
+import json
+
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, ValidationError, field_validator
+
+from eagle_ray.config import engine_arguments_in
+from eagle_ray.engine.request import MAX_NESTING, Prompt, nesting_depth, parse_messages, parse_prompt
+from eagle_ray.errors import InvalidRequestError
+from eagle_ray.serve.openai_api import ApiError, validation_message
+from eagle_ray.serve.tools import ToolError, tool_plan
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's body: ``prompt`` (text or ids) or ``messages`` (with its chat fields), and the model."""
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    prompt: str | list[StrictInt] | None = None
+    messages: list | None = None
+    add_special_tokens: StrictBool | None = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict | None = None
+    tools: list | None = None
+    return_token_strs: StrictBool = False
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables_only(cls, v):
+        taken = engine_arguments_in(v)
+        if taken:
+            raise ValueError(f"{', '.join(taken)}: not a template variable (the server sets it)")
+        return v or None
+
+    def to_prompt(self) -> Prompt:
+        if (self.prompt is None) == (self.messages is None):
+            raise ApiError(400, "give one of prompt and messages", param="prompt")
+        if self.prompt is not None:
+            if self.add_special_tokens is False:   # the engine runs a text prompt with them
+                raise ApiError(400, "add_special_tokens: false is not supported for a prompt (a completion "
+                               "runs it with them)", param="add_special_tokens")
+            return parse_prompt(self.prompt, "prompt")
+        if self.add_special_tokens:   # a chat template writes them itself
+            raise ApiError(400, "add_special_tokens: true is not supported with messages (the chat template "
+                           "writes them)", param="add_special_tokens")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ApiError(400, "continue_final_message needs add_generation_prompt: false",
+                           param="continue_final_message")
+        try:
+            plan = tool_plan(self.tools, "none", True, None)
+        except ToolError as e:
+            raise ApiError(400, str(e), param=e.param) from None
+        return Prompt("messages", parse_messages(self.messages, "messages"), self.chat_template_kwargs,
+                      self.add_generation_prompt, self.continue_final_message, plan.tools if plan else None)
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    tokens: list[StrictInt]
+
+
+def parse_tokens_body(raw: bytes, kind: str, model_name: str) -> TokenizeRequest | DetokenizeRequest:
+    """``kind``: "tokenize" or "detokenize"; raises :class:`ApiError` naming the field."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise ApiError(400, "request body is not valid JSON") from None
+    if not isinstance(data, dict) or nesting_depth(data) > MAX_NESTING:
+        raise ApiError(400, f"request body must be a JSON object nested at most {MAX_NESTING} levels")
+    try:
+        req = (TokenizeRequest if kind == "tokenize" else DetokenizeRequest)(**data)
+    except ValidationError as e:
+        msg, param = validation_message(e)
+        raise ApiError(400, msg, param=param) from None
+    except TypeError as e:
+        raise ApiError(400, f"malformed request: {e}") from None
+    if req.model != model_name:
+        raise ApiError(404, f"model {req.model!r} does not exist; this server serves {model_name!r}",
+                       param="model", code="model_not_found")
+    return req
+
+
+def answer(engine, req: TokenizeRequest | DetokenizeRequest) -> dict:
+    """The response body (tokenising: call it off the event loop); a prompt the engine refuses is an
+    :class:`InvalidRequestError` (a 400)."""
+    tokenizer = engine.tokenizer
+    if isinstance(req, DetokenizeRequest):
+        bad = [t for t in req.tokens if not 0 <= t < engine.target.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"tokens: ids {bad[:5]} are outside the vocabulary [0, "
+                                      f"{engine.target.vocab_size})")
+        return {"prompt": tokenizer.decode(req.tokens)}
+    ids = engine.codec.encode(req.to_prompt())
+    return {"count": len(ids), "max_model_len": engine.target.max_len, "tokens": ids,
+            "token_strs": tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None}

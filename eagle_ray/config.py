@@ -108,7 +108,7 @@ class SamplingParams(StrictModel):
     min_tokens: int = Field(0, ge=0, le=2**31 - 1, description="stop tokens (EOS, stop_token_ids) cannot be chosen "
                             "before this many output tokens, and stop strings ending in their text do not stop")
     stop: list[str] = Field(default_factory=list, description="stop strings; not included in the output")
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
     include_stop_str_in_output: bool = Field(False, description="keep the stop string (or a stop token's text) "
                                              "that ended the output in its text")
     ignore_eos: bool = False

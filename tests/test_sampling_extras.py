@@ -28,9 +28,12 @@ def prompts(n: int, seed: int = 3) -> list[list[int]]:
     return [torch.randint(3, 64, (int(k),), generator=g).tolist() for k in torch.randint(2, 16, (n,), generator=g)]
 
 
+EOS = 1   # the tiny target's
+
+
 def masked_reference(hf, prompt: list[int], n: int, allowed=None, stop_ids=(), min_tokens=0) -> list[int]:
-    """A full forward per token: only ``allowed`` tokens, and ``stop_ids`` barred before ``min_tokens`` outputs;
-    ends after a stop token once it may be chosen."""
+    """A full forward per token: only ``allowed`` tokens, and ``stop_ids`` and EOS barred before ``min_tokens``
+    outputs (EOS though it is ignored, as vLLM bars it); ends after a stop token once it may be chosen."""
     ids = list(prompt)
     with torch.no_grad():
         for _ in range(n):
@@ -40,7 +43,7 @@ def masked_reference(hf, prompt: list[int], n: int, allowed=None, stop_ids=(), m
                 keep[allowed] = 0.0
                 logits += keep
             if len(ids) - len(prompt) < min_tokens:
-                logits[list(stop_ids)] = float("-inf")
+                logits[list(stop_ids) + [EOS]] = float("-inf")
             ids.append(int(logits.argmax()))
             if ids[-1] in stop_ids:
                 break
@@ -72,11 +75,11 @@ def test_min_tokens_bars_stop_tokens_at_every_node_and_stays_lossless(tiny_dir, 
         assert sum(sum(o.stats.accepted_per_depth) for o in spec) > 0     # trees are accepted under it
 
 
-def test_min_tokens_bars_the_end_of_sequence_token_unless_eos_is_ignored():
-    """The stop ids barred are the sequence's own: EOS unless ``ignore_eos``, and ``stop_token_ids``."""
+def test_min_tokens_bars_each_node_by_its_depth():
+    """The ids barred are the sequence's (``min_barred``: its stop ids and EOS, as the engine makes them)."""
     class Seq:
-        def __init__(self, output_ids, stop_ids, **kw):
-            self.params, self.output_ids, self.stop_ids = SamplingParams(**kw), output_ids, frozenset(stop_ids)
+        def __init__(self, output_ids, barred, **kw):
+            self.params, self.output_ids, self.min_barred = SamplingParams(**kw), output_ids, frozenset(barred)
     seqs = [Seq([4, 4], {1, 6}, min_tokens=4), Seq([], set(), min_tokens=4), Seq([5], {1}, allowed_token_ids=[2, 3])]
     batch = TokenMaskBatch.of(seqs, 8, "cpu")
     assert batch.rows.tolist() == [0, 2]           # the second has no stop id to bar: no mask
@@ -253,3 +256,53 @@ def test_a_job_rows_sampling_params_take_the_fields_as_strictly_as_serve():
                          ({"skip_special_tokens": 0}, "sampling_params.skip_special_tokens: true or false")]:
         with pytest.raises(InvalidRequestError, match=message):
             sampling_params(row)
+    from eagle_ray.engine.request import parse_row
+    with pytest.raises(InvalidRequestError, match="truncate_prompt_tokens: a scoring row's context is scored as it"):
+        parse_row({"prompt": "w1 w2", "continuation": " w3", "sampling_params": {"truncate_prompt_tokens": 1}},
+                  SamplingParams())
+
+
+def test_stop_ids_and_an_allowed_list_that_leaves_nothing_are_refused(tiny_dir, tiny_head):
+    engine = tiny_engine(tiny_dir, tiny_head, TREE)
+    with pytest.raises(InvalidRequestError, match="stop_token_ids: token id 64 is not in the vocabulary"):
+        engine.generate([[5, 6]], SamplingParams(stop_token_ids=[7, 64], min_tokens=2))
+    with pytest.raises(ConfigError, match="stop_token_ids.0: Input should be greater than or equal to 0"):
+        SamplingParams(stop_token_ids=[-5])
+    with pytest.raises(InvalidRequestError, match="every allowed token is EOS or a stop token, which min_tokens"):
+        engine.generate([[5, 6]], SamplingParams(allowed_token_ids=[EOS, 9], stop_token_ids=[9], min_tokens=2))
+
+
+def test_a_stop_string_ending_in_a_character_the_min_tokens_bound_splits_counts():
+    """Byte-level tokens: "xé" is x, C3, A9; with ``min_tokens: 2`` the bound falls inside "é", so a stop "é",
+    ending past it, stops the output (vLLM's rule: the text of the first two tokens is "x" and half a character)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from eagle_ray.engine.sequence import Sequence
+    from eagle_ray.engine.text import Detokenizer, StopStrings
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE({c: i for i, c in enumerate(alphabet)}, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
+    ids = fast("xéy")["input_ids"]
+    assert len(ids) == 4
+    for min_tokens, text in [(2, "x"), (3, "xéy")]:
+        seq = Sequence("r", [], SamplingParams(min_tokens=min_tokens, stop=["é"]), frozenset(), 0,
+                       detok=Detokenizer(fast), stops=StopStrings(["é"]))
+        seq.output_ids = list(ids)
+        seq.update_text()
+        assert seq.text == text and seq.finish_reason == ("stop" if text == "x" else None)
+
+
+def test_completions_token_texts_keep_special_tokens_when_asked(tiny_dir, tiny_head):
+    """With ``skip_special_tokens: false`` each token's text (completions ``logprobs.tokens``) holds the special
+    token's text too, so the tokens joined are still the choice's text."""
+    from eagle_ray.serve.logprobs import TokenText, completion_logprobs
+    from eagle_ray.speculative.logprobs import TokenLogprobs
+    engine = tiny_engine(tiny_dir, tiny_head)
+    out = engine.generate([[5, 6]], SamplingParams(max_new_tokens=3, ignore_eos=True, allowed_token_ids=[2, 9],
+                                                   skip_special_tokens=False, logprobs=0))[0]
+    lp = completion_logprobs(TokenLogprobs(out.logprobs.values, out.logprobs.top), out.token_ids, 0,
+                             TokenText(engine.tokenizer), 0, (), [5, 6], skip_special=False)
+    assert "".join(lp["tokens"]) == out.text and "<s>" in out.text

@@ -83,8 +83,10 @@ def test_auto_and_none_leave_the_answer_free():
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, None,
      "tool_choice forces a tool call, whose arguments are structured output already: leave out guided_json",
      "tool_choice"),
-    ({"tools": [WEATHER], "tool_choice": "required", "min_tokens": 2}, None, "min_tokens and guided_json",
-     "min_tokens"),
+    ({"tools": [WEATHER], "tool_choice": "required", "min_tokens": 2}, None, "tool_choice forces a tool call, "
+     "whose arguments are structured output already: leave out min_tokens", "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "required", "allowed_token_ids": [5]}, None, "leave out allowed_token_ids",
+     "tool_choice"),
 ])
 def test_tools_that_cannot_be_served_are_refused_naming_the_field(body, parser, message, param):
     e = refused(body, parser)
@@ -109,9 +111,9 @@ def calls_of(message: dict) -> list[tuple[str, dict]]:
 
 
 def test_a_named_call_is_the_answer_as_its_arguments():
+    """Made to call, it ends with ``stop`` (OpenAI's and vLLM's finish reason for a forced function)."""
     message, reason = plan("named", "get_weather").message('{"city": "Lima"}', "stop")
-    assert (message["content"], calls_of(message), reason) == (None, [("get_weather", {"city": "Lima"})],
-                                                              "tool_calls")
+    assert (message["content"], calls_of(message), reason) == (None, [("get_weather", {"city": "Lima"})], "stop")
     assert message["tool_calls"][0]["id"].startswith("call_") and message["tool_calls"][0]["type"] == "function"
     cut, reason = plan("named", "get_weather").message('{"city": "Li', "length")   # cut: the arguments as written
     assert cut["tool_calls"][0]["function"]["arguments"] == '{"city": "Li' and reason == "length"
@@ -123,6 +125,19 @@ def test_required_calls_are_read_from_the_list():
     assert calls_of(message) == [("get_weather", {"city": "Oslo"}), ("get_time", {})] and reason == "tool_calls"
     cut, reason = plan("required").message('[{"name": "get_weather", "par', "length")
     assert cut == {"role": "assistant", "content": '[{"name": "get_weather", "par'} and reason == "length"
+
+
+def test_auto_takes_the_first_call_alone_without_parallel_calls_and_hermes_keeps_its_markers():
+    text = ('<tool_call>{"name": "get_time", "arguments": {}}</tool_call><tool_call>{"name": "get_weather", '
+            '"arguments": {"city": "A"}}')   # the last block left open: read too, as vLLM reads it
+    both, _ = plan("auto", parser="hermes").message(text, "stop")
+    assert calls_of(both) == [("get_time", {}), ("get_weather", {"city": "A"})]
+    one, _ = ToolPlan((WEATHER, TIME), "auto", None, "hermes", parallel=False).message(text, "stop")
+    assert calls_of(one) == [("get_time", {})]
+    # <tool_call> is a special token of some tokenizers: a hermes answer keeps special tokens' text
+    assert chat({"tools": [WEATHER]}, parser="hermes").params.skip_special_tokens is False
+    assert chat({"tools": [WEATHER]}, parser="llama3_json").params.skip_special_tokens is True
+    assert chat({"tools": [WEATHER], "tool_choice": "required"}, parser="hermes").params.skip_special_tokens
 
 
 @pytest.mark.parametrize("parser, text, content, calls", [

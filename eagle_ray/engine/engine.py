@@ -162,17 +162,23 @@ class EagleEngine:
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         if speculative and self.draft is None:
             raise InvalidRequestError("this engine has no draft head; use speculative=False")
-        for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids)):
+        for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids),
+                          ("stop_token_ids", params.stop_token_ids)):
             if ids and max(ids) >= self.target.vocab_size:
                 raise InvalidRequestError(f"{name}: token id {max(ids)} is not in the vocabulary (ids 0 to "
                                           f"{self.target.vocab_size - 1})")
+        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
+        # what min_tokens bars: the stop ids and EOS, ignored or not (as vLLM bars it)
+        barred = frozenset(stop | set(self.eos_ids)) if params.min_tokens else frozenset()
+        if barred and params.allowed_token_ids and set(params.allowed_token_ids) <= barred:
+            raise InvalidRequestError("allowed_token_ids: every allowed token is EOS or a stop token, which "
+                                      f"min_tokens ({params.min_tokens}) bars: nothing could be chosen")
         ids = self.codec.encode(prompt, self.prompt_room(), keep_last=params.truncate_prompt_tokens)
         guide = self.grammars.guide(params)   # compiled here, on the caller's thread (cached per grammar)
-        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
         return Sequence(request_id or str(next(self._ids)), ids, params, frozenset(stop), seed,
                         detok=Detokenizer(self.tokenizer, ids, params.skip_special_tokens), speculative=speculative,
-                        stops=StopStrings(params.stop) if params.stop else None, guide=guide,
+                        stops=StopStrings(params.stop) if params.stop else None, guide=guide, min_barred=barred,
                         logprobs=TokenLogprobs() if params.logprobs is not None else None)
 
     def make_samples(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,

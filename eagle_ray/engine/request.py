@@ -277,6 +277,9 @@ def parse_continuations(rec: dict, kind: str, params: SamplingParams) -> list[st
         raise InvalidRequestError(f"{given[0]} is scored after a prompt (text), not after {kind}")
     if params.n != 1:
         raise InvalidRequestError("sampling_params.n: a scoring row generates nothing, so it takes no samples")
+    if params.truncate_prompt_tokens is not None:
+        raise InvalidRequestError("sampling_params.truncate_prompt_tokens: a scoring row's context is scored as "
+                                  "it stands")
     return [check_text(c, f"{given[0]}[{i}]") for i, c in enumerate(value)]
 
 

@@ -94,6 +94,7 @@ class Sequence:
     fork: object | None = None                  # its ForkGroup: sequences sharing its prompt's first tokens
     fork_ready: bool = True                     # False while it waits for a member of its group to hold them
     stop_floor: int | None = None               # characters of text no stop string may end in (``min_tokens``'s)
+    min_barred: frozenset[int] = frozenset()    # ids ``min_tokens`` bars: its stop ids and EOS, ignored or not
 
     @property
     def finished(self) -> bool:
@@ -149,7 +150,8 @@ class Sequence:
         if self.stops is None or len(self.detok.ids) <= self.params.min_tokens:
             return
         if self.stop_floor is None:   # once: the text the first min_tokens tokens hold
-            self.stop_floor = len(self.detok.text_of(self.params.min_tokens)) if self.params.min_tokens else 0
+            m = self.params.min_tokens   # a character its last token only begins is text past the floor
+            self.stop_floor = len(self.detok.text_of(m).rstrip("\ufffd")) if m else 0
         hit = self.stops.find(self.detok.text, len(new), self.stop_floor)
         if hit is None:
             return

@@ -135,7 +135,8 @@ class EagleServer:
                 self.engine.check_room(len(p.prompt_ids), req.body.limit(), req.body.limit_field())
         except PromptTooLongError as e:
             return _err(400, str(e), param=req.body.limit_field(), code="context_length_exceeded")
-        shape = ChoiceShape(kind, req.body.echo_prompt, req.body.top(), self.token_text, req.tools)
+        shape = ChoiceShape(kind, req.body.echo_prompt, req.body.top(), self.token_text, req.tools,
+                            req.params.skip_special_tokens)
         if req.stream:
             return StreamingResponse(self._sse(req.body, prompts, shape, rid), media_type="text/event-stream")
         seqs = [s for p in prompts for s in p.seqs]

@@ -43,7 +43,8 @@ def prepare(engine, parsed, request_id: str, speculative: bool) -> list[PromptCh
         seqs = engine.make_samples(prompt, parsed.params, rid, speculative)
         text = ""
         if body.echo_prompt:
-            text = prompt.value if prompt.kind == "text" else engine.tokenizer.decode(seqs[0].prompt_ids)
+            whole = prompt.kind == "text" and parsed.params.truncate_prompt_tokens is None   # else: what ran
+            text = prompt.value if whole else engine.tokenizer.decode(seqs[0].prompt_ids)
             for s in seqs:
                 s.prompt_only = parsed.prompt_only
                 if k is not None:
@@ -60,6 +61,7 @@ class ChoiceShape:
     k: int | None
     text: TokenText
     tools: ToolPlan | None = None   # a chat's tools: its answers are read for calls unless tool_choice is none
+    skip_special: bool = True       # the request's skip_special_tokens: what a completions token's text holds
 
     @property
     def reads_calls(self) -> bool:
@@ -80,7 +82,7 @@ class ChoiceShape:
             return None
         if self.kind == "chat":
             return chat_logprobs(lp, ids, self.k, self.text)
-        return completion_logprobs(lp, ids, self.k, self.text, offset, before, prompt_ids)
+        return completion_logprobs(lp, ids, self.k, self.text, offset, before, prompt_ids, self.skip_special)
 
     def choice(self, index: int, prompt: PromptChoices, out, reason: str | None) -> dict:
         """A whole choice of a response that is not streamed."""

@@ -36,11 +36,13 @@ class TokenText:
     def _text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def pieces(self, token_ids: list[int], before: list[int] = (), prompt_ids: list[int] = ()) -> list[str]:
+    def pieces(self, token_ids: list[int], before: list[int] = (), prompt_ids: list[int] = (),
+               skip_special: bool = True) -> list[str]:
         """The text each token adds to the text before it, as the engine's detokenizer gives an output's text
-        (``prompt_ids``: the prompt it follows; ``before``: the output's tokens ahead of ``token_ids``). A token
-        that ends inside a character adds nothing; the one that completes it adds the character."""
-        d = Detokenizer(self.tokenizer, prompt_ids)
+        (``prompt_ids``: the prompt it follows; ``before``: the output's tokens ahead of ``token_ids``;
+        ``skip_special``: the request's ``skip_special_tokens``). A token that ends inside a character adds nothing;
+        the one that completes it adds the character."""
+        d = Detokenizer(self.tokenizer, prompt_ids, skip_special)
         if before:
             d.add(list(before))
         return [d.add([t]) for t in token_ids]
@@ -61,12 +63,13 @@ def chat_logprobs(lp: TokenLogprobs, token_ids: list[int], k: int, text: TokenTe
 
 
 def completion_logprobs(lp: TokenLogprobs, token_ids: list[int], k: int, text: TokenText, offset: int = 0,
-                        before: list[int] = (), prompt_ids: list[int] = ()) -> dict:
+                        before: list[int] = (), prompt_ids: list[int] = (), skip_special: bool = True) -> dict:
     """OpenAI's completions ``logprobs`` object for ``token_ids``; ``offset``: the first token's ``text_offset``;
     ``before`` and ``prompt_ids``: the output's tokens ahead of them (a streamed chunk's) and its prompt's, which
     decide their texts (an echoed prompt has neither)."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for t, v, top, piece in zip(token_ids, lp.values, lp.top, text.pieces(token_ids, before, prompt_ids)):
+    for t, v, top, piece in zip(token_ids, lp.values, lp.top, text.pieces(token_ids, before, prompt_ids,
+                                                                                         skip_special)):
         out["tokens"].append(piece)
         out["text_offset"].append(offset)
         offset += len(piece)

@@ -152,9 +152,10 @@ class _Request(BaseModel):
         limit = self.limit()
         guided = guided_fields(self)
         if tool_schema is not None:
-            if guided:
+            taken = sorted(guided) + [f for f in ("min_tokens", "allowed_token_ids") if getattr(self, f)]
+            if taken:
                 raise ApiError(400, "tool_choice forces a tool call, whose arguments are structured output already: "
-                               "leave out " + ", ".join(sorted(guided)), param="tool_choice")
+                               "leave out " + ", ".join(taken), param="tool_choice")
             guided = {"guided_json": tool_schema}
         return sampling_params({"temperature": self.temperature, "top_p": self.top_p, "top_k": max(self.top_k, 0),
                                 "max_new_tokens": default_max_tokens if limit is None else max(limit, 1),
@@ -406,8 +407,10 @@ def parse_body(raw: bytes, kind: str, model_name: str, max_tokens_cap: int, defa
         if kind != "chat":
             return ParsedRequest(req, req.to_prompts(), req.sampling(default_max_tokens))
         plan = req.tool_plan(tool_parser)
-        return ParsedRequest(req, req.to_prompts(plan.tools if plan else None),
-                             req.sampling(default_max_tokens, plan.guided_json() if plan else None), plan)
+        params = req.sampling(default_max_tokens, plan.guided_json() if plan else None)
+        if plan is not None and plan.keeps_special_text:
+            params = params.model_copy(update={"skip_special_tokens": False})
+        return ParsedRequest(req, req.to_prompts(plan.tools if plan else None), params, plan)
     except InvalidRequestError as e:
         raise ApiError(400, str(e), param=str(e).split(":", 1)[0].split(" ", 1)[0] or None) from None
 

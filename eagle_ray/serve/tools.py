@@ -10,8 +10,9 @@ is read:
   ``parallel_tool_calls: false``), each constrained to its tool's schema, as vLLM constrains it;
 - ``auto``: the model decides; its output is read by the deployment's ``tool_call_parser``, the format its chat
   template teaches: ``hermes`` (``<tool_call>{"name": ..., "arguments": ...}</tool_call>``: Qwen2.5, Qwen3, Hermes)
-  or ``llama3_json`` (``{"name": ..., "parameters": ...}``, ``;``-separated: Llama 3.1-3.3). Without a parser
-  ``auto`` is refused, as vLLM refuses it without ``--tool-call-parser``;
+  or ``llama3_json`` (``{"name": ..., "parameters": ...}``, ``;``-separated: Llama 3.1-3.3); the first call alone
+  with ``parallel_tool_calls: false``. Without a parser ``auto`` is refused, as vLLM refuses it without
+  ``--tool-call-parser``;
 - ``none``: the tools are shown, the answer is text.
 
 Constrained decoding is exact with speculation on (``speculative/grammar.py``), so a call's tokens are the target's
@@ -28,7 +29,7 @@ from eagle_ray.config import checked_schema
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 PARSERS = ("hermes", "llama3_json")
-_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)   # the last may be left open
 
 
 class ToolError(ValueError):
@@ -69,8 +70,16 @@ class ToolPlan:
         return {"type": "array", "minItems": 1, **({} if self.parallel else {"maxItems": 1}),
                 "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
 
+    @property
+    def keeps_special_text(self) -> bool:
+        """Whether answers keep special tokens' text: hermes' ``<tool_call>`` is a special token of some
+        tokenizers, which decoding would drop with the call's markers (vLLM's hermes parser keeps them too)."""
+        return self.choice == "auto" and self.parser == "hermes"
+
     def message(self, text: str, reason: str | None) -> tuple[dict, str | None]:
-        """The assistant message an answer makes, and its finish reason (``tool_calls`` where calls were read)."""
+        """The assistant message an answer makes, and its finish reason: ``tool_calls`` where the model chose to
+        call (``auto``, ``required``); a call it was made to make (a named function) ends with ``stop``, as
+        OpenAI's and vLLM's do."""
         content, calls = text, []
         if self.choice == "named":
             content, calls = None, [(self.name, text)]
@@ -79,12 +88,13 @@ class ToolPlan:
             content = None if calls else text
         elif self.choice == "auto":
             content, calls = (_hermes_calls if self.parser == "hermes" else _llama3_calls)(text)
+            calls = calls if self.parallel else calls[:1]
         if not calls:
             return {"role": "assistant", "content": content}, reason
         message = {"role": "assistant", "content": content,
                    "tool_calls": [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                                    "function": {"name": name, "arguments": args}} for name, args in calls]}
-        return message, "tool_calls" if reason == "stop" else reason
+        return message, "tool_calls" if reason == "stop" and self.choice != "named" else reason
 
 
 def _arguments(value) -> str:

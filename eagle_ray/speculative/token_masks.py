@@ -1,4 +1,5 @@
-"""Tokens a request may not choose: outside its ``allowed_token_ids``, or a stop token before ``min_tokens``.
+"""Tokens a request may not choose: outside its ``allowed_token_ids``, or EOS and its stop tokens before
+``min_tokens`` (EOS even where ``ignore_eos`` keeps it from stopping the output, as vLLM bars it).
 
 Both are masks (-inf) on the target's logits at every node of a tree, as vLLM applies them in plain decoding. A node
 at depth d chooses the sequence's output token number ``len(output) + d + 1``, so the stop tokens are barred at the
@@ -19,7 +20,7 @@ from eagle_ray.uploads import uploads_for
 def masked(seq) -> bool:
     """Whether a sequence's logits get a token mask now: an allowed list, or stop tokens still barred."""
     p = seq.params
-    return p.allowed_token_ids is not None or (len(seq.output_ids) < p.min_tokens and bool(seq.stop_ids))
+    return p.allowed_token_ids is not None or (len(seq.output_ids) < p.min_tokens and bool(seq.min_barred))
 
 
 def _padded(rows: list[list[int]], pad: int) -> np.ndarray:
@@ -48,7 +49,7 @@ class TokenMaskBatch:
         picked = [seqs[i] for i in rows]
         allowed = _padded([s.params.allowed_token_ids or [vocab + 1] for s in picked], vocab)
         short = [max(0, s.params.min_tokens - len(s.output_ids)) for s in picked]
-        barred = _padded([sorted(s.stop_ids) if n else [] for s, n in zip(picked, short)], vocab)
+        barred = _padded([sorted(s.min_barred) if n else [] for s, n in zip(picked, short)], vocab)
         return [rows, allowed, barred, short]
 
     @classmethod

@@ -171,10 +171,17 @@ def test_the_openai_client_calls_tools(embedded_server):
 
     chunks = list(client.chat.completions.create(**common, stream=True, tool_choice={
         "type": "function", "function": {"name": "get_weather"}}))
-    deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].delta.tool_calls]
-    assert [(d.tool_calls[0].function.name, d.tool_calls[0].function.arguments) for d in deltas] == \
-        [("get_weather", call.function.arguments)]
+    deltas = [c.choices[0].delta.tool_calls[0] for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert len(deltas) > 3 and all(d.index == 0 for d in deltas)   # the arguments stream as they come
+    assert (deltas[0].function.name, deltas[0].type) == ("get_weather", "function") and deltas[0].id
+    assert all(d.id is None and d.function.name is None for d in deltas[1:])
+    assert "".join(d.function.arguments for d in deltas) == call.function.arguments
     assert chunks[-1].choices[0].finish_reason == "stop"
+    required_streamed = list(client.chat.completions.create(**common, stream=True, tool_choice="required",
+                                                            parallel_tool_calls=False))
+    whole = [c.choices[0].delta.tool_calls for c in required_streamed if c.choices and c.choices[0].delta.tool_calls]
+    assert [(w[0].function.name, w[0].function.arguments) for w in whole] == \
+        [(any_call.function.name, any_call.function.arguments)]   # read once ended, sent whole
 
     result = {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21, "sky": "clear"}'}
     answer = client.chat.completions.create(**common | {"messages": ask + [choice.message.model_dump(

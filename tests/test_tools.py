@@ -206,3 +206,16 @@ def test_special_token_text_in_tools_or_calls_is_refused_where_content_is_kept_p
     req = chat({"messages": USER + [{"role": "assistant", "tool_calls": [call]}, {"role": "user", "content": "w2"}]})
     with pytest.raises(InvalidRequestError, match="tools or tool calls hold special-token text"):
         engine.make_sequence(req.prompt, req.params)
+
+
+def test_a_streamed_named_call_opens_then_adds_its_arguments():
+    named = plan("named", "get_weather")
+    content, calls, reason = named.stream_part("", None, True, None)
+    assert content is None and calls[0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert calls[0]["id"].startswith("call_") and calls[0]["type"] == "function" and reason is None
+    assert named.stream_part('{"city": ', None, False, None) == (None, [{"function": {"arguments": '{"city": '}}],
+                                                                 None)
+    assert named.stream_part("", '{"city": "A"}', False, "stop") == (None, None, "stop")   # the end: nothing new
+    text = '[{"name": "get_time", "parameters": {}}]'
+    content, calls, reason = plan("required").stream_part("", text, False, "stop")   # whole, once ended
+    assert (content, [c["function"]["name"] for c in calls], reason) == (None, ["get_time"], "tool_calls")

@@ -209,17 +209,15 @@ class EagleServer:
                     st.echoed, st.first = True, False
                     st.offset = len(text)
                     yield f"data: {json.dumps(chunk(index, text, None, logprobs=lp))}\n\n"
-                text, reason = d.text, finish_reason(d.output.finish_reason) if d.finished else None
-                if shape.reads_calls:   # an answer read for tool calls is sent whole, once it has ended
-                    if not d.finished:
+                text, calls, reason = d.text, None, finish_reason(d.output.finish_reason) if d.finished else None
+                if shape.reads_calls:   # a named call streams its arguments; other answers go whole, once ended
+                    if shape.tools.choice != "named" and not d.finished:
                         continue
-                    message, reason = shape.tools.message(d.output.text, reason)
-                    parts = (message["content"], None, True, new_logprobs(index, seq, d), message.get("tool_calls"))
-                    yield f"data: {json.dumps(chunk(index, *parts))}\n\n"
-                    text, st.first = None, False
+                    text, calls, reason = shape.tools.stream_part(d.text, d.output.text if d.finished else None,
+                                                                  st.first, reason)
                 lp = new_logprobs(index, seq, d)
-                if text or st.first or lp is not None:
-                    yield f"data: {json.dumps(chunk(index, text, None, st.first, lp))}\n\n"
+                if text or calls or st.first or lp is not None:
+                    yield f"data: {json.dumps(chunk(index, text, None, st.first, lp, calls))}\n\n"
                     st.first = False
                 if d.finished:
                     out = outs[index] = d.output

@@ -76,6 +76,19 @@ class ToolPlan:
         tokenizers, which decoding would drop with the call's markers (vLLM's hermes parser keeps them too)."""
         return self.choice == "auto" and self.parser == "hermes"
 
+    def stream_part(self, delta: str, whole: str | None, first: bool, reason: str | None
+                    ) -> tuple[str | None, list[dict] | None, str | None]:
+        """A streamed choice's (content, calls, finish reason) for one delta: a named call's arguments go out as
+        they come (the first delta opens the call: id, type, name), as OpenAI streams them; any other answer read
+        for calls goes out whole, once it has ended (``whole``: its text then)."""
+        if self.choice == "named":
+            if first:
+                return None, [{"id": _call_id(), "type": "function",
+                               "function": {"name": self.name, "arguments": delta}}], reason
+            return None, [{"function": {"arguments": delta}}] if delta else None, reason
+        message, reason = self.message(whole, reason)
+        return message["content"], message.get("tool_calls"), reason
+
     def message(self, text: str, reason: str | None) -> tuple[dict, str | None]:
         """The assistant message an answer makes, and its finish reason: ``tool_calls`` where the model chose to
         call (``auto``, ``required``); a call it was made to make (a named function) ends with ``stop``, as
@@ -92,9 +105,13 @@ class ToolPlan:
         if not calls:
             return {"role": "assistant", "content": content}, reason
         message = {"role": "assistant", "content": content,
-                   "tool_calls": [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                   "tool_calls": [{"id": _call_id(), "type": "function",
                                    "function": {"name": name, "arguments": args}} for name, args in calls]}
         return message, "tool_calls" if reason == "stop" and self.choice != "named" else reason
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def _arguments(value) -> str:

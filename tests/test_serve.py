@@ -111,6 +111,12 @@ def test_streaming_chat_and_completion(server, client):
                                                extra_body={"ignore_eos": True}))
     assert chat[0].choices[0].delta.role == "assistant" and chat[-1].choices[0].finish_reason == "length"
     assert len(chat) > 2
+    running = list(client.completions.create(   # vLLM's continuous_usage_stats: the usage so far on every chunk
+        model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0, stream=True, extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    made = [c.usage.completion_tokens for c in running]
+    assert all(c.usage.prompt_tokens == 3 for c in running) and made == sorted(made) and made[-1] == 24
+    assert 0 < made[1] < 24
 
 
 def test_stop_sequences(server, client):

@@ -160,11 +160,13 @@ class EagleServer:
         created = now()
         kind = shape.kind
         include_usage = req.stream_options is not None and req.stream_options.include_usage
+        continuous = include_usage and req.stream_options.continuous_usage_stats
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         n = len(prompts[0].seqs)
         items = [(i, s) for i, s in enumerate(s for p in prompts for s in p.seqs)]
         states = [StreamState() for _ in items]
         outs: list = [None] * len(items)
+        made = [0] * len(items)   # output tokens each choice has so far (continuous usage)
 
         def chunk(index: int, text: str | None, reason: str | None, first: bool = False, logprobs=None,
                   calls: list | None = None) -> dict:
@@ -178,7 +180,7 @@ class EagleServer:
             else:
                 c = {"index": index, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
             return {"id": rid, "object": obj, "created": created, "model": self.cfg.model_name, "choices": [c],
-                    **({"usage": None} if include_usage else {})}
+                    **({"usage": usage(prompts, made) if continuous else None} if include_usage else {})}
 
         def new_logprobs(index: int, seq, d):
             """The logprobs of the output tokens not yet sent; with stop strings, all on the last chunk (a stop
@@ -204,6 +206,7 @@ class EagleServer:
                 if d is None:
                     continue
                 st, seq = states[index], items[index][1]
+                made[index] = len(d.output.token_ids) if d.finished else d.num_tokens
                 if shape.echo and not st.echoed:
                     text, lp = shape.echo_part(prompts[index // n])
                     st.echoed, st.first = True, False

@@ -109,9 +109,10 @@ class StreamState:
 
 
 def usage(prompts: list[PromptChoices], outs: list) -> dict:
-    """OpenAI's usage: each prompt counted once, every choice's output."""
+    """OpenAI's usage: each prompt counted once, every choice's output (``outs``: outputs, or their token counts
+    so far)."""
     p = sum(len(c.prompt_ids) for c in prompts)
-    c = sum(len(o.token_ids) for o in outs)
+    c = sum(o if isinstance(o, int) else len(o.token_ids) for o in outs)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 

@@ -70,6 +70,13 @@ def _same(value, harmless) -> bool:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False   # vLLM's: every chunk carries the usage so far
+
+    @model_validator(mode="after")
+    def _usage_to_carry(self):
+        if self.continuous_usage_stats and not self.include_usage:
+            raise ValueError("continuous_usage_stats needs include_usage: true")
+        return self
 
 
 class _Request(BaseModel):

@@ -93,7 +93,8 @@ def embedded_server(ray_local):
     template = str(Path(__file__).resolve().parent / "templates" / "smollm2_tools.jinja")
     cfg = ServeConfig(engine={"dtype": "float32", "max_batch_size": 4, "max_model_len": 1024, "tree": {},
                               "chat_template": template},
-                      model_name="smol", port=port, num_cpus=1, default_max_tokens=128, tool_call_parser="hermes")
+                      model_name="smol", port=port, num_cpus=1, default_max_tokens=128, tool_call_parser="hermes",
+                      reasoning_parser="qwen3")   # SmolLM2 does not think: every answer is content
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(json.loads(cfg.model_dump_json())), name="eagle-structured", route_prefix="/",
               blocking=False)
@@ -187,6 +188,7 @@ def test_the_openai_client_calls_tools(embedded_server):
     answer = client.chat.completions.create(**common | {"messages": ask + [choice.message.model_dump(
         exclude_none=True), result]}, tool_choice="none")
     assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+    assert answer.choices[0].message.model_extra == {"reasoning_content": None}   # the parser found no thinking
     assert answer.usage.prompt_tokens > named.usage.prompt_tokens + 20   # the call and its result were shown
 
     auto = client.chat.completions.create(**common).choices[0]   # tool_choice auto: the hermes parser reads it

@@ -189,7 +189,8 @@ def test_the_template_shows_the_tools_and_earlier_calls_or_the_request_is_refuse
     assert engine.tokenizer.decode(seq.prompt_ids) == "<s> system : w5 </s> <s> user : w1 </s> <s> assistant :"
     assert engine.make_sequence(chat({}).prompt, req.params).prompt_ids == engine.codec.encode(USER)
     call = {"id": "c1", "type": "function", "function": {"name": "w5", "arguments": "{}"}}
-    earlier = chat({"messages": USER + [{"role": "assistant", "tool_calls": [call]}, {"role": "tool", "content": "w3"}]})
+    earlier = chat({"messages": USER + [{"role": "assistant", "tool_calls": [call]},
+                                        {"role": "tool", "content": "w3"}]})
     with pytest.raises(InvalidRequestError, match="does not show earlier tool calls"):   # not dropped unseen
         engine.make_sequence(earlier.prompt, earlier.params)
 

@@ -91,7 +91,7 @@ def sibling(seq: Sequence, request_id: str, seed: int, index: int, prompt_ids: l
     ids = list(seq.prompt_ids if prompt_ids is None else prompt_ids)
     tokenizer = seq.detok.tokenizer if seq.detok is not None else None
     return Sequence(request_id, ids, seq.params, seq.stop_ids, seed,
-                    detok=Detokenizer(tokenizer, ids, seq.params.skip_special_tokens) if tokenizer is not None else None,
+                    detok=None if tokenizer is None else Detokenizer(tokenizer, ids, seq.params.skip_special_tokens),
                     speculative=seq.speculative, stops=StopStrings(seq.params.stop) if seq.params.stop else None,
                     sample_index=index, logprobs=TokenLogprobs() if seq.logprobs is not None else None,
                     prompt_only=seq.prompt_only, prompt_logprobs_k=seq.prompt_logprobs_k,

@@ -19,7 +19,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from eagle_ray.errors import EagleError, EngineDeadError, PromptTooLongError
-from eagle_ray.serve.choices import ChoiceShape, Interleaved, StreamState, merged_stats, prepare, usage
+from eagle_ray.serve.choices import Chunks, ChoiceShape, Interleaved, StreamState, merged_stats, prepare, usage
+from eagle_ray.serve.reasoning import ReasoningStream, split_reasoning
 from eagle_ray.serve.config import ServeConfig
 from eagle_ray.serve.logprobs import TokenText
 from eagle_ray.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -118,7 +119,8 @@ class EagleServer:
         if kind in ("tokenize", "detokenize"):
             return await asyncio.to_thread(parse_tokens_body, bytes(raw), kind, self.cfg.model_name)
         return await asyncio.to_thread(parse_body, bytes(raw), kind, self.cfg.model_name, self.cfg.max_tokens_cap,
-                                       self.cfg.default_max_tokens, self.cfg.max_n, self.cfg.tool_call_parser)
+                                       self.cfg.default_max_tokens, self.cfg.max_n, self.cfg.tool_call_parser,
+                                       self.cfg.reasoning_parser)
 
     async def _handle(self, request: Request, kind: str):
         try:
@@ -136,7 +138,7 @@ class EagleServer:
         except PromptTooLongError as e:
             return _err(400, str(e), param=req.body.limit_field(), code="context_length_exceeded")
         shape = ChoiceShape(kind, req.body.echo_prompt, req.body.top(), self.token_text, req.tools,
-                            req.params.skip_special_tokens)
+                            req.params.skip_special_tokens, req.reasoning)
         if req.stream:
             return StreamingResponse(self._sse(req.body, prompts, shape, rid), media_type="text/event-stream")
         seqs = [s for p in prompts for s in p.seqs]
@@ -157,30 +159,14 @@ class EagleServer:
                              "usage": usage(prompts, outs), "eagle": eagle_stats(merged_stats(outs))})
 
     async def _sse(self, req, prompts, shape: ChoiceShape, rid: str):
-        created = now()
         kind = shape.kind
         include_usage = req.stream_options is not None and req.stream_options.include_usage
-        continuous = include_usage and req.stream_options.continuous_usage_stats
-        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         n = len(prompts[0].seqs)
         items = [(i, s) for i, s in enumerate(s for p in prompts for s in p.seqs)]
-        states = [StreamState() for _ in items]
+        states = [StreamState(split=ReasoningStream(shape.reasoning) if shape.reasoning else None) for _ in items]
         outs: list = [None] * len(items)
-        made = [0] * len(items)   # output tokens each choice has so far (continuous usage)
-
-        def chunk(index: int, text: str | None, reason: str | None, first: bool = False, logprobs=None,
-                  calls: list | None = None) -> dict:
-            if kind == "chat":
-                delta = {} if text is None else {"content": text}
-                if first:
-                    delta["role"] = "assistant"
-                if calls:
-                    delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
-                c = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
-            else:
-                c = {"index": index, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
-            return {"id": rid, "object": obj, "created": created, "model": self.cfg.model_name, "choices": [c],
-                    **({"usage": usage(prompts, made) if continuous else None} if include_usage else {})}
+        chunk = Chunks(rid, kind, self.cfg.model_name, prompts, include_usage,
+                       include_usage and req.stream_options.continuous_usage_stats, [0] * len(items))
 
         def new_logprobs(index: int, seq, d):
             """The logprobs of the output tokens not yet sent; with stop strings, all on the last chunk (a stop
@@ -206,21 +192,26 @@ class EagleServer:
                 if d is None:
                     continue
                 st, seq = states[index], items[index][1]
-                made[index] = len(d.output.token_ids) if d.finished else d.num_tokens
+                chunk.made[index] = len(d.output.token_ids) if d.finished else d.num_tokens
                 if shape.echo and not st.echoed:
                     text, lp = shape.echo_part(prompts[index // n])
                     st.echoed, st.first = True, False
                     st.offset = len(text)
                     yield f"data: {json.dumps(chunk(index, text, None, logprobs=lp))}\n\n"
-                text, calls, reason = d.text, None, finish_reason(d.output.finish_reason) if d.finished else None
+                text, calls, thought = d.text, None, None
+                reason = finish_reason(d.output.finish_reason) if d.finished else None
                 if shape.reads_calls:   # a named call streams its arguments; other answers go whole, once ended
                     if shape.tools.choice != "named" and not d.finished:
                         continue
-                    text, calls, reason = shape.tools.stream_part(d.text, d.output.text if d.finished else None,
-                                                                  st.first, reason)
+                    whole = d.output.text if d.finished else ""
+                    if shape.reasoning:
+                        thought, whole = split_reasoning(whole, shape.reasoning)
+                    text, calls, reason = shape.tools.stream_part(d.text, whole or "", st.first, reason)
+                elif st.split is not None:   # thinking and answer apart
+                    thought, text = st.split.feed(text, final=d.finished)
                 lp = new_logprobs(index, seq, d)
-                if text or calls or st.first or lp is not None:
-                    yield f"data: {json.dumps(chunk(index, text, None, st.first, lp, calls))}\n\n"
+                if text or calls or thought or st.first or lp is not None:
+                    yield f"data: {json.dumps(chunk(index, text, None, st.first, lp, calls, thought))}\n\n"
                     st.first = False
                 if d.finished:
                     out = outs[index] = d.output

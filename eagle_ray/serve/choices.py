@@ -8,10 +8,12 @@ samples and are read from whichever sample ran all of the prompt.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 from eagle_ray.engine.sequence import Sequence
 from eagle_ray.serve.logprobs import TokenText, chat_logprobs, completion_logprobs, echoed, merge_completion
+from eagle_ray.serve.reasoning import ReasoningStream, split_reasoning
 from eagle_ray.serve.tools import ToolPlan
 from eagle_ray.speculative.logprobs import TokenLogprobs
 from eagle_ray.stats import RequestStats
@@ -62,6 +64,7 @@ class ChoiceShape:
     text: TokenText
     tools: ToolPlan | None = None   # a chat's tools: its answers are read for calls unless tool_choice is none
     skip_special: bool = True       # the request's skip_special_tokens: what a completions token's text holds
+    reasoning: str | None = None    # the reasoning parser that splits a chat's thinking from its answer
 
     @property
     def reads_calls(self) -> bool:
@@ -87,9 +90,12 @@ class ChoiceShape:
     def choice(self, index: int, prompt: PromptChoices, out, reason: str | None) -> dict:
         """A whole choice of a response that is not streamed."""
         if self.kind == "chat":
-            message = {"role": "assistant", "content": out.text}
+            thought, text = (None, out.text) if self.reasoning is None else split_reasoning(out.text, self.reasoning)
+            message = {"role": "assistant", "content": text}
             if self.reads_calls:
-                message, reason = self.tools.message(out.text, reason)
+                message, reason = self.tools.message(text or "", reason)
+            if self.reasoning is not None:
+                message["reasoning_content"] = thought
             return {"index": index, "message": message, "finish_reason": reason,
                     "logprobs": self.output_logprobs(out.logprobs, out.token_ids, 0, prompt.prompt_ids)}
         text, lp = self.echo_part(prompt) if self.echo else ("", None)
@@ -106,6 +112,39 @@ class StreamState:
     echoed: bool = False
     tokens: int = 0          # output tokens whose logprobs went out
     offset: int = 0          # completions text_offset of the next token
+    split: ReasoningStream | None = None   # its thinking apart from its answer, where a reasoning parser is set
+
+
+@dataclass
+class Chunks:
+    """A stream's chunk objects: one choice's delta in OpenAI's shape, with the usage where asked (with vLLM's
+    ``continuous_usage_stats``, the usage so far: ``made``, each choice's output tokens until then)."""
+    rid: str
+    kind: str
+    model: str
+    prompts: list[PromptChoices]
+    include_usage: bool
+    continuous: bool
+    made: list[int]
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __call__(self, index: int, text: str | None, reason: str | None, first: bool = False, logprobs=None,
+                 calls: list | None = None, reasoning: str | None = None) -> dict:
+        if self.kind == "chat":
+            delta = {} if text is None else {"content": text}
+            if first:
+                delta["role"] = "assistant"
+            if reasoning is not None:
+                delta["reasoning_content"] = reasoning
+            if calls:
+                delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+            c = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
+        else:
+            c = {"index": index, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
+        return {"id": self.rid, "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
+                "created": self.created, "model": self.model, "choices": [c],
+                **({"usage": usage(self.prompts, self.made) if self.continuous else None}
+                   if self.include_usage else {})}
 
 
 def usage(prompts: list[PromptChoices], outs: list) -> dict:

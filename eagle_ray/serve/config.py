@@ -37,6 +37,9 @@ class ServeConfig(StrictModel):
         None, description="how answers are read for tool calls where the model chooses (tool_choice auto): the "
         "format the target's chat template teaches (hermes: Qwen2.5/Qwen3/Hermes; llama3_json: Llama 3.1-3.3); "
         "null: tool_choice auto is refused, named and required calls are served")
+    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
+        None, description="a reasoning model's thinking (<think> ... </think>) returned apart from its answer, in "
+        "a chat message's reasoning_content, as vLLM's --reasoning-parser: qwen3 or deepseek_r1 (and its distills)")
     s3: S3Options = Field(default_factory=S3Options)
     stall_floor_s: float = Field(120.0, gt=0, description="an engine step may run this long at least before it "
                                  "counts as stalled")

@@ -365,6 +365,7 @@ class ParsedRequest:
     prompts: list[Prompt]
     params: SamplingParams
     tools: ToolPlan | None = None   # a chat's tools and how its answers are read
+    reasoning: str | None = None    # the parser that splits a chat's thinking from its answer (serve/reasoning.py)
 
     @property
     def prompt(self) -> Prompt:
@@ -381,9 +382,12 @@ class ParsedRequest:
 
 
 def parse_body(raw: bytes, kind: str, model_name: str, max_tokens_cap: int, default_max_tokens: int,
-               max_n: int = 16, tool_parser: str | None = None) -> ParsedRequest:
+               max_n: int = 16, tool_parser: str | None = None, reasoning_parser: str | None = None
+               ) -> ParsedRequest:
     """Validate one request body (``kind``: "completion" or "chat"); raises :class:`ApiError`. ``tool_parser``:
-    how a chat's answers are read for tool calls where the model chooses (``tool_choice: auto``)."""
+    how a chat's answers are read for tool calls where the model chooses (``tool_choice: auto``);
+    ``reasoning_parser``: how a chat's thinking is told from its answer (not where structured output or a forced
+    call constrains the answer from its first token)."""
     try:
         data = json.loads(raw)
     except ValueError as e:   # JSONDecodeError, UnicodeDecodeError, an integer of more digits than Python converts
@@ -417,7 +421,8 @@ def parse_body(raw: bytes, kind: str, model_name: str, max_tokens_cap: int, defa
         params = req.sampling(default_max_tokens, plan.guided_json() if plan else None)
         if plan is not None and plan.keeps_special_text:
             params = params.model_copy(update={"skip_special_tokens": False})
-        return ParsedRequest(req, req.to_prompts(plan.tools if plan else None), params, plan)
+        return ParsedRequest(req, req.to_prompts(plan.tools if plan else None), params, plan,
+                             None if params.guided else reasoning_parser)
     except InvalidRequestError as e:
         raise ApiError(400, str(e), param=str(e).split(":", 1)[0].split(" ", 1)[0] or None) from None
 

@@ -13,7 +13,7 @@ from eagle_ray.engine.engine import RequestOutput
 from eagle_ray.engine.queue import StreamDelta
 from eagle_ray.serve.choices import ChoiceShape, PromptChoices
 from eagle_ray.serve.openai_api import parse_body
-from eagle_ray.serve.reasoning import ReasoningStream, split_reasoning
+from eagle_ray.engine.reasoning import ReasoningStream, split_reasoning
 
 THOUGHT = "<think>\nThe user wants Paris' weather.\n</think>\n\nLet me check."
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
@@ -137,3 +137,43 @@ def test_a_streamed_answer_read_for_calls_keeps_its_thinking_apart():
     assert first["delta"]["content"] == "Let me check."
     assert first["delta"]["tool_calls"][0]["function"]["name"] == "get_weather"
     assert last["finish_reason"] == "tool_calls"
+
+
+# ---- the batch job ---------------------------------------------------------------------------------------------------
+def test_a_jobs_rows_keep_the_thinking_in_their_reasoning_column():
+    """The job splits as Serve does: ``output`` is the answer ("" where the output never left its thinking),
+    ``reasoning`` the thinking; structured output stays whole; a job without a parser writes outputs whole."""
+    from eagle_ray.batch.stage import GenerateStage
+    from eagle_ray.config import SamplingParams
+
+    def answer(parser, text, **params):
+        return GenerateStage.answer(SimpleNamespace(cfg=SimpleNamespace(reasoning_parser=parser)), text,
+                                    SamplingParams(**params))
+    assert answer("qwen3", THOUGHT) == {"output": "Let me check.", "reasoning": "\nThe user wants Paris' weather.\n",
+                                        "turn_outputs": ["Let me check."]}
+    assert answer("deepseek_r1", "cut while thinking") == {"output": "", "reasoning": "cut while thinking",
+                                                           "turn_outputs": [""]}
+    assert answer("qwen3", THOUGHT, guided_json={"type": "object"})["output"] == THOUGHT
+    assert answer(None, THOUGHT) == {"output": THOUGHT, "reasoning": None, "turn_outputs": [THOUGHT]}
+
+
+def test_a_jobs_output_records_its_reasoning_parser(tmp_path):
+    """A resume with another parser would mix split and whole outputs: refused, naming it."""
+    from test_job_output import FS, job, write_rows
+
+    from eagle_ray.batch.job import check_output_identity
+    from eagle_ray.errors import ConfigError
+    check_output_identity(FS, str(tmp_path), job(reasoning_parser="qwen3"))
+    write_rows(tmp_path, {"row-0": '{"prompt": "a"}'})
+    with pytest.raises(ConfigError, match="reasoning_parser: 'qwen3' there, None now"):
+        check_output_identity(FS, str(tmp_path), job())
+
+
+def test_a_job_runs_rows_through_the_parser(tiny_dir, tmp_path):
+    from test_batch_faults import stage_for
+    from test_job_output import run_rows
+    stage = stage_for(tiny_dir, tmp_path)
+    stage.cfg.reasoning_parser = "deepseek_r1"   # the tiny model never closes a thinking: all of it is thinking
+    plain, turns = run_rows(stage, [{"prompt": "w1 w2"}, {"turns": ["w1", "w2"]}])
+    assert plain["error"] is None and plain["output"] == "" and plain["reasoning"]
+    assert turns["turn_outputs"] == ["", ""] and turns["reasoning"]

@@ -391,7 +391,8 @@ EVAL_FIELDS = [
 # Every column has an explicit type, so a batch of error rows (all-null outputs) writes the same schema.
 OUTPUT_SCHEMA = pa.schema([
     ("id", pa.string()), ("row_index", pa.int64()), ("input", pa.string()),
-    ("output", pa.string()), ("turn_outputs", pa.list_(pa.string())), ("output_token_ids", pa.list_(pa.int64())),
+    ("output", pa.string()), ("reasoning", pa.string()),   # an output's thinking apart, with a reasoning parser
+    ("turn_outputs", pa.list_(pa.string())), ("output_token_ids", pa.list_(pa.int64())),
     ("prompt_tokens", pa.int64()), ("output_tokens", pa.int64()), ("finish_reason", pa.string()),
     ("error", pa.string()), ("error_kind", pa.string()),
     *EVAL_FIELDS,

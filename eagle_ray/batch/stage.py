@@ -28,6 +28,7 @@ import pyarrow as pa
 
 from eagle_ray.batch.config import ProcessorConfig
 from eagle_ray.batch.rows import ENGINE_FAILED, INTERNAL_ERROR, empty_row, error_kind, logprob_columns, to_table
+from eagle_ray.engine.reasoning import split_reasoning
 from eagle_ray.engine.request import RowRequest, parse_row
 from eagle_ray.errors import EagleError, EngineStalledError
 from eagle_ray.stats import RequestStats
@@ -270,7 +271,7 @@ class GenerateStage:
             log.exception("row %s failed", item["id"])
             row.update(error=f"{type(e).__name__}: {e}", error_kind=INTERNAL_ERROR)
         if row["error"]:   # a multi-turn row keeps the turns answered before the one that failed
-            for key in ("output", "output_token_ids", "prompt_tokens", "output_tokens", "finish_reason"):
+            for key in ("output", "reasoning", "output_token_ids", "prompt_tokens", "output_tokens", "finish_reason"):
                 row[key] = None
             row["turn_outputs"] = row["turn_outputs"] or None
         row["tree"] = json.dumps(self.engine.policy.summary())   # what each batch size runs as this row ends
@@ -278,6 +279,14 @@ class GenerateStage:
         if row["error"] or samples is None:
             return [row]
         return [row | sample | {"tree": row["tree"], "finished_at": row["finished_at"]} for sample in samples]
+
+    def answer(self, text: str, params) -> dict:
+        """An output's ``output`` (and ``turn_outputs``) and ``reasoning`` columns: with a reasoning parser, its
+        thinking apart (not where structured output constrains it from its first token; no answer is "")."""
+        if self.cfg.reasoning_parser is None or params.guided:
+            return {"output": text, "reasoning": None, "turn_outputs": [text]}
+        thought, answer = split_reasoning(text, self.cfg.reasoning_parser)
+        return {"output": answer or "", "reasoning": thought, "turn_outputs": [answer or ""]}
 
     async def outputs(self, seqs) -> list:
         """Every sequence's output; where one fails, the others are cancelled and its error raised."""
@@ -295,7 +304,7 @@ class GenerateStage:
                                        f"{rid}/{uuid.uuid4().hex[:8]}", self.cfg.speculative)
         self.engine.check_room(len(seqs[0].prompt_ids), req.asked_tokens)
         outs = await self.outputs(seqs)
-        return [{"output": o.text, "turn_outputs": [o.text], "output_token_ids": o.token_ids,
+        return [{**self.answer(o.text, req.params), "output_token_ids": o.token_ids,
                  "prompt_tokens": len(o.prompt_token_ids), "output_tokens": len(o.token_ids),
                  "finish_reason": o.finish_reason, "sample_index": o.sample_index, **logprob_columns(o.logprobs),
                  **{k: v for k, v in o.stats.to_dict().items() if k not in ("step_tokens", "tree_tokens")}}
@@ -339,14 +348,16 @@ class GenerateStage:
                 row["turn_outputs"] = outputs   # what was answered stays
                 raise type(e)(f"turn {i + 1} of {len(turns)}: {e}" + (f" (turns 1-{i} were answered: turn_outputs)"
                                                                       if i else "")) from None
-            if req.kind == "turns":
-                messages.append({"role": "assistant", "content": out.text})
-            outputs.append(out.text)
+            answer = self.answer(out.text, req.params)
+            if req.kind == "turns":   # the next turn sees the answer, not the thinking
+                messages.append({"role": "assistant", "content": answer["output"]})
+            outputs.append(answer["output"])
             prompt_tokens += len(out.prompt_token_ids)
             output_tokens += len(out.token_ids)
             stats.merge(out.stats)
             finish = out.finish_reason
-        row.update(output=outputs[-1], turn_outputs=outputs, output_token_ids=out.token_ids,
+        row.update(output=outputs[-1], reasoning=answer["reasoning"], turn_outputs=outputs,
+                   output_token_ids=out.token_ids,
                    prompt_tokens=prompt_tokens, sample_index=0, **logprob_columns(out.logprobs),
                    output_tokens=output_tokens, finish_reason=finish, **stats.to_dict())
         row.pop("step_tokens", None)

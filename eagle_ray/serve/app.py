@@ -18,17 +18,17 @@ from ray import serve
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from eagle_ray.engine.reasoning import ReasoningStream, split_reasoning
 from eagle_ray.errors import EagleError, EngineDeadError, PromptTooLongError
-from eagle_ray.serve.choices import Chunks, ChoiceShape, Interleaved, StreamState, merged_stats, prepare, usage
-from eagle_ray.serve.reasoning import ReasoningStream, split_reasoning
+from eagle_ray.serve.choices import ChoiceShape, Chunks, Interleaved, StreamState, merged_stats, prepare, usage
 from eagle_ray.serve.config import ServeConfig
 from eagle_ray.serve.logprobs import TokenText
 from eagle_ray.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from eagle_ray.serve.metrics import ReplicaMetrics, ServeMetrics
 from eagle_ray.serve.openai_api import (ApiError, ParsedRequest, authorized, eagle_stats, error_body, finish_reason,
                                         new_id, now, parse_body)
-from eagle_ray.serve.tokens import answer as token_answer
 from eagle_ray.serve.tokens import DetokenizeRequest, TokenizeRequest, parse_tokens_body
+from eagle_ray.serve.tokens import answer as token_answer
 from eagle_ray.train.online import adapt
 
 api = FastAPI(title="eagle-ray", docs_url=None, redoc_url=None)

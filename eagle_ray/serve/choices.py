@@ -11,9 +11,9 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from eagle_ray.engine.reasoning import ReasoningStream, split_reasoning
 from eagle_ray.engine.sequence import Sequence
 from eagle_ray.serve.logprobs import TokenText, chat_logprobs, completion_logprobs, echoed, merge_completion
-from eagle_ray.serve.reasoning import ReasoningStream, split_reasoning
 from eagle_ray.serve.tools import ToolPlan
 from eagle_ray.speculative.logprobs import TokenLogprobs
 from eagle_ray.stats import RequestStats

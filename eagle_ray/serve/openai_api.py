@@ -365,7 +365,7 @@ class ParsedRequest:
     prompts: list[Prompt]
     params: SamplingParams
     tools: ToolPlan | None = None   # a chat's tools and how its answers are read
-    reasoning: str | None = None    # the parser that splits a chat's thinking from its answer (serve/reasoning.py)
+    reasoning: str | None = None    # the parser that splits a chat's thinking from its answer (engine/reasoning.py)
 
     @property
     def prompt(self) -> Prompt:

@@ -12,29 +12,43 @@ import pytest
 from eagle_ray.engine.engine import RequestOutput
 from eagle_ray.engine.queue import StreamDelta
 from eagle_ray.serve.choices import ChoiceShape, PromptChoices
-from eagle_ray.serve.openai_api import parse_body
-from eagle_ray.engine.reasoning import ReasoningStream, split_reasoning
+from eagle_ray.serve.openai_api import ApiError, parse_body
+from eagle_ray.engine.reasoning import ReasoningStream, split_reasoning, thinking_mode
 
 THOUGHT = "<think>\nThe user wants Paris' weather.\n</think>\n\nLet me check."
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
 WEATHER = {"type": "function", "function": {"name": "get_weather"}}
+QWEN3_PROMPT = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"   # the output may open a thinking
+R1_PROMPT = "<｜User｜>hi<｜Assistant｜><think>\n"                            # the template opened it
+OFF_PROMPT = "<|im_start|>assistant\n<think>\n\n</think>\n\n"              # thinking turned off
 
 
-@pytest.mark.parametrize("parser, text, thought, answer", [
-    ("qwen3", THOUGHT, "\nThe user wants Paris' weather.\n", "Let me check."),
-    ("qwen3", "Paris is sunny.", None, "Paris is sunny."),                    # enable_thinking: false
-    ("qwen3", "<think>\nStill thinking when cut", "\nStill thinking when cut", None),
-    ("qwen3", "Sunny</think> today", None, "Sunny</think> today"),            # thinking never opened
-    ("deepseek_r1", "The template opened it.\n</think>\n\nSunny.", "The template opened it.\n", "Sunny."),
-    ("deepseek_r1", THOUGHT, "\nThe user wants Paris' weather.\n", "Let me check."),
-    ("deepseek_r1", "Cut while thinking", "Cut while thinking", None),
+@pytest.mark.parametrize("parser, prompt, constrained, mode", [
+    ("qwen3", QWEN3_PROMPT, False, "if_opened"), ("qwen3", R1_PROMPT, False, "until_close"),
+    ("qwen3", OFF_PROMPT, False, "if_opened"), ("deepseek_r1", R1_PROMPT, False, "until_close"),
+    ("deepseek_r1", QWEN3_PROMPT, False, "until_close"), ("deepseek_r1", OFF_PROMPT, False, "answer"),
+    ("qwen3", R1_PROMPT, True, "answer"), ("deepseek_r1", R1_PROMPT, True, "answer"),
 ])
-def test_a_whole_output_splits_into_thinking_and_answer(parser, text, thought, answer):
-    assert split_reasoning(text, parser) == (thought, answer)
+def test_a_requests_mode_comes_from_the_end_of_its_prompt(parser, prompt, constrained, mode):
+    assert thinking_mode(parser, prompt, constrained) == mode
 
 
-def streamed(parser: str, pieces: list[str]) -> tuple[str | None, str | None]:
-    s, thought, answer = ReasoningStream(parser), "", ""
+@pytest.mark.parametrize("mode, text, thought, answer", [
+    ("if_opened", THOUGHT, "\nThe user wants Paris' weather.\n", "\n\nLet me check."),   # text kept as vLLM's
+    ("if_opened", "Paris is sunny.", None, "Paris is sunny."),                    # enable_thinking: false
+    ("if_opened", "<think>\nStill thinking when cut", "\nStill thinking when cut", None),
+    ("if_opened", "Sunny</think> today", None, "Sunny</think> today"),            # thinking never opened
+    ("until_close", "The template opened it.\n</think>\n\nSunny.", "The template opened it.\n", "\n\nSunny."),
+    ("until_close", THOUGHT, "\nThe user wants Paris' weather.\n", "\n\nLet me check."),
+    ("until_close", "Cut while thinking", "Cut while thinking", None),
+    ("answer", THOUGHT, None, THOUGHT),
+])
+def test_a_whole_output_splits_into_thinking_and_answer(mode, text, thought, answer):
+    assert split_reasoning(text, mode) == (thought, answer)
+
+
+def streamed(mode: str, pieces: list[str]) -> tuple[str | None, str | None]:
+    s, thought, answer = ReasoningStream(mode), "", ""
     for i, piece in enumerate(pieces):
         t, a = s.feed(piece, final=i == len(pieces) - 1)
         assert t is None or a is None or "</think>" in "".join(pieces[: i + 1])   # one side, but at the marker
@@ -42,51 +56,77 @@ def streamed(parser: str, pieces: list[str]) -> tuple[str | None, str | None]:
     return thought or None, answer or None
 
 
-@pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1"])
+@pytest.mark.parametrize("mode", ["if_opened", "until_close", "answer"])
 @pytest.mark.parametrize("text", [THOUGHT, "Paris is sunny.", "<think>x</thi", "\n<think></think>\n\nA", "<th"])
-def test_a_stream_splits_as_the_whole_output_however_its_deltas_fall(parser, text):
+def test_a_stream_splits_as_the_whole_output_however_its_deltas_fall(mode, text):
     """Every way of cutting the text into three deltas (and each character alone)."""
-    whole = split_reasoning(text, parser)
+    whole = split_reasoning(text, mode)
     for i, j in itertools.combinations(range(len(text) + 1), 2):
-        assert streamed(parser, [text[:i], text[i:j], text[j:]]) == whole, (i, j)
-    assert streamed(parser, list(text) + [""]) == whole
+        assert streamed(mode, [text[:i], text[i:j], text[j:]]) == whole, (i, j)
+    assert streamed(mode, list(text) + [""]) == whole
 
 
-def test_structured_output_and_forced_calls_are_not_split():
-    def chat(body):
-        body = {"model": "m", "messages": [{"role": "user", "content": "w1"}], **body}
-        return parse_body(json.dumps(body).encode(), "chat", "m", 100, 16, tool_parser="hermes",
-                          reasoning_parser="qwen3")
-    assert chat({}).reasoning == "qwen3" and chat({"tools": [WEATHER]}).reasoning == "qwen3"
-    assert chat({"response_format": {"type": "json_object"}}).reasoning is None
-    assert chat({"tools": [WEATHER], "tool_choice": "required"}).reasoning is None
+def chat(body, **parsers):
+    body = {"model": "m", "messages": [{"role": "user", "content": "w1"}], **body}
+    return parse_body(json.dumps(body).encode(), "chat", "m", 100, 16, **parsers)
+
+
+def test_a_chat_carries_the_parser_and_its_thinking_fields():
+    got = chat({"include_reasoning": False, "reasoning_effort": "low"}, reasoning_parser="qwen3")
+    assert got.reasoning == "qwen3" and got.body.include_reasoning is False
+    assert got.prompt.variables == {"reasoning_effort": "low"}       # to the template, as vLLM hands it
     completion = parse_body(b'{"model": "m", "prompt": "w1"}', "completion", "m", 100, 16,
                             reasoning_parser="qwen3")
     assert completion.reasoning is None
+    for field, value in [("include_reasoning", False), ("reasoning_effort", "high")]:
+        with pytest.raises(ApiError, match=f"{field} is a chat field"):
+            parse_body(json.dumps({"model": "m", "prompt": "w1", field: value}).encode(), "completion", "m", 100, 16)
 
 
 def auto_tools():
     """A chat's tools read by the hermes parser (``tool_choice`` auto)."""
-    return parse_body(json.dumps({"model": "m", "messages": [{"role": "user", "content": "w1"}],
-                                  "tools": [WEATHER]}).encode(), "chat", "m", 100, 16, tool_parser="hermes").tools
+    return chat({"tools": [WEATHER]}, tool_parser="hermes").tools
+
+
+class Prompted:
+    """A tokenizer whose decoding of any prompt is ``text`` (the end of a templated prompt)."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def decode(self, ids, skip_special_tokens=True):
+        return self.text
+
+
+def shape_for(prompt: str = QWEN3_PROMPT, tools=None, parser="qwen3", constrained=False, include=True):
+    return ChoiceShape("chat", False, None, SimpleNamespace(tokenizer=Prompted(prompt)), tools, True, parser,
+                       constrained, include)
 
 
 def output(text: str) -> RequestOutput:
     return RequestOutput("r", [1, 2], list(range(len(text))), text, "stop")
 
 
-def test_a_whole_chat_answer_carries_reasoning_content_and_calls_from_the_answer_alone():
-    plan = auto_tools()
-    shape = ChoiceShape("chat", False, None, None, plan, True, "qwen3")
+def test_a_whole_chat_answer_carries_the_thinking_and_calls_from_the_answer_alone():
     seqs = [SimpleNamespace(prompt_ids=[1, 2])]
-    choice = shape.choice(0, PromptChoices(seqs, ""), output(THOUGHT + CALL), "stop")
+    choice = shape_for(tools=auto_tools()).choice(0, PromptChoices(seqs, ""), output(THOUGHT + CALL), "stop")
     message = choice["message"]
-    assert message["reasoning_content"] == "\nThe user wants Paris' weather.\n"
+    assert message["reasoning_content"] == message["reasoning"] == "\nThe user wants Paris' weather.\n"
     assert message["content"] == "Let me check." and choice["finish_reason"] == "tool_calls"
     assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
-    plain = ChoiceShape("chat", False, None, None, None, True, "qwen3").choice(0, PromptChoices(seqs, ""),
-                                                                             output("Sunny."), "stop")
-    assert plain["message"] == {"role": "assistant", "content": "Sunny.", "reasoning_content": None}
+    plain = shape_for().choice(0, PromptChoices(seqs, ""), output("Sunny."), "stop")
+    assert plain["message"] == {"role": "assistant", "content": "Sunny.", "reasoning_content": None,
+                                "reasoning": None}
+    opened = shape_for(R1_PROMPT).choice(0, PromptChoices(seqs, ""), output("Hmm.</think>Sunny."), "stop")
+    assert (opened["message"]["reasoning"], opened["message"]["content"]) == ("Hmm.", "Sunny.")
+    hidden = shape_for(include=False).choice(0, PromptChoices(seqs, ""), output(THOUGHT), "stop")
+    assert hidden["message"]["reasoning"] is None and hidden["message"]["content"] == "\n\nLet me check."
+    cut = shape_for(tools=auto_tools()).choice(0, PromptChoices(seqs, ""), output("<think>still"), "length")
+    assert cut["message"] == {"role": "assistant", "content": None, "reasoning_content": "still",
+                              "reasoning": "still"} and cut["finish_reason"] == "length"
+    schema = shape_for(constrained=True).choice(0, PromptChoices(seqs, ""), output('{"a": 1}'), "stop")
+    assert schema["message"] == {"role": "assistant", "content": '{"a": 1}', "reasoning_content": None,
+                                 "reasoning": None}   # the same keys under structured output
 
 
 class ReplayQueue:
@@ -100,16 +140,15 @@ class ReplayQueue:
             yield d
 
 
-def sse_chunks(pieces: list[str], tools=None, parser="qwen3") -> list[dict]:
+def sse_chunks(pieces: list[str], tools=None, stream_options=None) -> list[dict]:
     from eagle_ray.serve.app import EagleServer
     text = "".join(pieces)
     deltas = [StreamDelta("r", p, i + 1) for i, p in enumerate(pieces[:-1])]
     deltas.append(StreamDelta("r", pieces[-1], len(pieces), True, output(text)))
     server = SimpleNamespace(cfg=SimpleNamespace(model_name="m"), queue=ReplayQueue(deltas))
-    body = SimpleNamespace(stream_options=None)
+    body = SimpleNamespace(stream_options=stream_options)
     seqs = [SimpleNamespace(prompt_ids=[1, 2], logprobs=None, output_ids=[], stops=None)]
-    shape = ChoiceShape("chat", False, None, None, tools, True, parser)
-    sse = EagleServer.func_or_class._sse(server, body, [PromptChoices(seqs, "")], shape, "rid")
+    sse = EagleServer.func_or_class._sse(server, body, [PromptChoices(seqs, "")], shape_for(tools=tools), "rid")
 
     async def collect():
         return [line async for line in sse]
@@ -118,25 +157,35 @@ def sse_chunks(pieces: list[str], tools=None, parser="qwen3") -> list[dict]:
     return [json.loads(line[len("data: "):]) for line in lines[:-1]]
 
 
-def test_the_apps_stream_sends_thinking_as_reasoning_content_and_the_rest_as_content():
+def test_the_apps_stream_sends_thinking_as_reasoning_and_the_rest_as_content():
     pieces = ["<thi", "nk>\nThe user wants", " Paris' weather.\n</", "think>\n", "\nLet me", " check."]
     chunks = sse_chunks(pieces)
     deltas = [c["choices"][0]["delta"] for c in chunks]
     assert deltas[0]["role"] == "assistant"
-    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "\nThe user wants Paris' weather.\n"
-    assert "".join(d.get("content") or "" for d in deltas) == "Let me check."
+    assert "".join(d.get("reasoning") or "" for d in deltas) == "\nThe user wants Paris' weather.\n"
+    assert all(d.get("reasoning") == d.get("reasoning_content") for d in deltas)
+    assert "".join(d.get("content") or "" for d in deltas) == "\n\nLet me check."
     assert not any("<think>" in json.dumps(d) or "</think>" in json.dumps(d) for d in deltas)
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
-def test_a_streamed_answer_read_for_calls_keeps_its_thinking_apart():
-    plan = auto_tools()
-    chunks = sse_chunks([THOUGHT[:20], THOUGHT[20:], CALL], tools=plan)
-    (first, last) = [c["choices"][0] for c in chunks]
-    assert first["delta"]["reasoning_content"] == "\nThe user wants Paris' weather.\n"
-    assert first["delta"]["content"] == "Let me check."
-    assert first["delta"]["tool_calls"][0]["function"]["name"] == "get_weather"
-    assert last["finish_reason"] == "tool_calls"
+def test_a_streamed_answer_read_for_calls_sends_its_thinking_as_it_comes():
+    """The thinking goes out live (it may take minutes); the answer is held and read for calls once it ends."""
+    chunks = sse_chunks([THOUGHT[:20], THOUGHT[20:], CALL], tools=auto_tools())
+    deltas = [c["choices"][0]["delta"] for c in chunks[:-1]]
+    assert deltas[0]["role"] == "assistant" and deltas[0]["reasoning"] == THOUGHT[len("<think>"):20]
+    assert "".join(d.get("reasoning") or "" for d in deltas) == "\nThe user wants Paris' weather.\n"
+    *_, calls = deltas
+    assert calls["content"] == "Let me check." and calls["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_continuous_usage_counts_the_chunks_own_choice():
+    options = SimpleNamespace(include_usage=None, continuous_usage_stats=True)   # continuous implies usage
+    chunks = sse_chunks(["a", "b", "c"], stream_options=options)
+    assert [c["usage"]["completion_tokens"] for c in chunks[:-1]] == [1, 2, 3, 3]
+    assert all(c["usage"]["prompt_tokens"] == 2 for c in chunks)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
 
 
 # ---- the batch job ---------------------------------------------------------------------------------------------------
@@ -146,13 +195,14 @@ def test_a_jobs_rows_keep_the_thinking_in_their_reasoning_column():
     from eagle_ray.batch.stage import GenerateStage
     from eagle_ray.config import SamplingParams
 
-    def answer(parser, text, **params):
-        return GenerateStage.answer(SimpleNamespace(cfg=SimpleNamespace(reasoning_parser=parser)), text,
-                                    SamplingParams(**params))
-    assert answer("qwen3", THOUGHT) == {"output": "Let me check.", "reasoning": "\nThe user wants Paris' weather.\n",
-                                        "turn_outputs": ["Let me check."]}
-    assert answer("deepseek_r1", "cut while thinking") == {"output": "", "reasoning": "cut while thinking",
-                                                           "turn_outputs": [""]}
+    def answer(parser, text, prompt=QWEN3_PROMPT, **params):
+        stage = SimpleNamespace(cfg=SimpleNamespace(reasoning_parser=parser),
+                                engine=SimpleNamespace(tokenizer=Prompted(prompt)))
+        return GenerateStage.answer(stage, output(text), SamplingParams(**params))
+    assert answer("qwen3", THOUGHT) == {"output": "\n\nLet me check.", "reasoning": "\nThe user wants Paris' "
+                                        "weather.\n", "turn_outputs": ["\n\nLet me check."]}
+    assert answer("deepseek_r1", "cut while thinking", R1_PROMPT) == {
+        "output": "", "reasoning": "cut while thinking", "turn_outputs": [""]}
     assert answer("qwen3", THOUGHT, guided_json={"type": "object"})["output"] == THOUGHT
     assert answer(None, THOUGHT) == {"output": THOUGHT, "reasoning": None, "turn_outputs": [THOUGHT]}
 

@@ -188,7 +188,7 @@ def test_the_openai_client_calls_tools(embedded_server):
     answer = client.chat.completions.create(**common | {"messages": ask + [choice.message.model_dump(
         exclude_none=True), result]}, tool_choice="none")
     assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
-    assert answer.choices[0].message.model_extra == {"reasoning_content": None}   # the parser found no thinking
+    assert answer.choices[0].message.model_extra == {"reasoning_content": None, "reasoning": None}   # none found
     assert answer.usage.prompt_tokens > named.usage.prompt_tokens + 20   # the call and its result were shown
 
     auto = client.chat.completions.create(**common).choices[0]   # tool_choice auto: the hermes parser reads it

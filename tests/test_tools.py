@@ -220,3 +220,16 @@ def test_a_streamed_named_call_opens_then_adds_its_arguments():
     text = '[{"name": "get_time", "parameters": {}}]'
     content, calls, reason = plan("required").stream_part("", text, False, "stop")   # whole, once ended
     assert (content, [c["function"]["name"] for c in calls], reason) == (None, ["get_time"], "tool_calls")
+
+
+def test_tokenize_takes_vllms_body():
+    """``model`` optional, an empty prompt holds no tokens, a template of the request's own refused."""
+    from eagle_ray.serve.tokens import parse_tokens_body
+    req = parse_tokens_body(b'{"prompt": ""}', "tokenize", "m")
+    assert req.model is None and req.to_prompt() is None
+    with pytest.raises(ApiError, match="chat_template: Value error, the deployment sets the chat template") as e:
+        parse_tokens_body(json.dumps({"messages": USER, "chat_template": "{{ x }}"}).encode(), "tokenize", "m")
+    assert e.value.status == 400
+    with pytest.raises(ApiError, match="does not exist") as e:
+        parse_tokens_body(b'{"model": "other", "tokens": [1]}', "detokenize", "m")
+    assert e.value.status == 404

@@ -28,7 +28,7 @@ import pyarrow as pa
 
 from eagle_ray.batch.config import ProcessorConfig
 from eagle_ray.batch.rows import ENGINE_FAILED, INTERNAL_ERROR, empty_row, error_kind, logprob_columns, to_table
-from eagle_ray.engine.reasoning import split_reasoning
+from eagle_ray.engine.reasoning import mode_for, split_reasoning
 from eagle_ray.engine.request import RowRequest, parse_row
 from eagle_ray.errors import EagleError, EngineStalledError
 from eagle_ray.stats import RequestStats
@@ -280,12 +280,15 @@ class GenerateStage:
             return [row]
         return [row | sample | {"tree": row["tree"], "finished_at": row["finished_at"]} for sample in samples]
 
-    def answer(self, text: str, params) -> dict:
+    def answer(self, out, params) -> dict:
         """An output's ``output`` (and ``turn_outputs``) and ``reasoning`` columns: with a reasoning parser, its
-        thinking apart (not where structured output constrains it from its first token; no answer is "")."""
-        if self.cfg.reasoning_parser is None or params.guided:
+        thinking apart (``engine/reasoning.py``: its mode read from the end of the prompt; no answer is "")."""
+        text = out.text
+        if self.cfg.reasoning_parser is None:
             return {"output": text, "reasoning": None, "turn_outputs": [text]}
-        thought, answer = split_reasoning(text, self.cfg.reasoning_parser)
+        mode = mode_for(self.cfg.reasoning_parser, self.engine.tokenizer, out.prompt_token_ids,
+                        params.guided is not None)
+        thought, answer = split_reasoning(text, mode)
         return {"output": answer or "", "reasoning": thought, "turn_outputs": [answer or ""]}
 
     async def outputs(self, seqs) -> list:
@@ -304,7 +307,7 @@ class GenerateStage:
                                        f"{rid}/{uuid.uuid4().hex[:8]}", self.cfg.speculative)
         self.engine.check_room(len(seqs[0].prompt_ids), req.asked_tokens)
         outs = await self.outputs(seqs)
-        return [{**self.answer(o.text, req.params), "output_token_ids": o.token_ids,
+        return [{**self.answer(o, req.params), "output_token_ids": o.token_ids,
                  "prompt_tokens": len(o.prompt_token_ids), "output_tokens": len(o.token_ids),
                  "finish_reason": o.finish_reason, "sample_index": o.sample_index, **logprob_columns(o.logprobs),
                  **{k: v for k, v in o.stats.to_dict().items() if k not in ("step_tokens", "tree_tokens")}}
@@ -348,7 +351,7 @@ class GenerateStage:
                 row["turn_outputs"] = outputs   # what was answered stays
                 raise type(e)(f"turn {i + 1} of {len(turns)}: {e}" + (f" (turns 1-{i} were answered: turn_outputs)"
                                                                       if i else "")) from None
-            answer = self.answer(out.text, req.params)
+            answer = self.answer(out, req.params)
             if req.kind == "turns":   # the next turn sees the answer, not the thinking
                 messages.append({"role": "assistant", "content": answer["output"]})
             outputs.append(answer["output"])

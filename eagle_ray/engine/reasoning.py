@@ -1,34 +1,54 @@
 """Reasoning models' thinking apart from their answer, as vLLM's ``--reasoning-parser`` returns it.
 
-A model that thinks first (Qwen3, DeepSeek-R1 and its distills) writes ``<think> ... </think>`` and then its answer;
-the deployment's ``reasoning_parser`` puts the thinking in the message's ``reasoning_content`` and the rest in
-``content``:
+A model that thinks first (Qwen3, DeepSeek-R1 and its distills) writes ``<think> ... </think>`` and then its answer.
+Where the thinking starts depends on the chat template, so each request's mode is read from the end of its own
+prompt (:func:`thinking_mode`):
 
-- ``qwen3``: thinking where the output opens with ``<think>``, up to ``</think>``; an output that does not open
-  it (``enable_thinking: false``) is all answer;
-- ``deepseek_r1``: its chat template opens ``<think>`` in the prompt, so everything before ``</think>`` is thinking.
+- the prompt opens a thinking (its last marker is ``<think>``: DeepSeek-R1's template, Qwen3's thinking-only
+  models, an assistant prefill that stops inside one): everything before ``</think>`` is thinking (``until_close``);
+- the prompt closes one (``<think></think>``: thinking turned off): the output is all answer (``answer``), but for
+  ``qwen3``, whose output may still open its own;
+- no marker: ``qwen3`` thinks where the output opens ``<think>`` (``if_opened``; ``enable_thinking: false`` writes
+  none), ``deepseek_r1`` until ``</think>``.
 
-An output cut (``max_tokens``) before it closes its thinking is all thinking, whole or streamed.
-Streamed, each delta goes to one side or the other, a marker split across deltas held back until it is whole.
-Structured output and forced tool calls constrain the answer from its first token, so their outputs are not split.
+An output cut (``max_tokens``) before it closes its thinking is all thinking. As vLLM's parsers, the markers are
+dropped and the text around them kept as it is. Streamed, each delta goes to one side or the other, a marker split
+across deltas held back until it is whole. Structured output and forced tool calls constrain the answer from its
+first token, so their outputs are all answer.
 """
 from __future__ import annotations
 
 PARSERS = ("deepseek_r1", "qwen3")
 OPEN, CLOSE = "<think>", "</think>"
+MODES = ("until_close", "if_opened", "answer")
 
 
-def split_reasoning(text: str, parser: str) -> tuple[str | None, str | None]:
-    """(reasoning, content) of a whole output; None for a side it does not have."""
+def thinking_mode(parser: str, prompt_tail: str, constrained: bool = False) -> str:
+    """How a request's output is split: from the parser, the end of its templated prompt (text holding at least
+    its last marker, if any) and whether structured output constrains it."""
+    if constrained:
+        return "answer"
+    opened, closed = prompt_tail.rfind(OPEN), prompt_tail.rfind(CLOSE)
+    if opened > closed:
+        return "until_close"
+    if parser == "qwen3":
+        return "if_opened"
+    return "answer" if closed >= 0 else "until_close"
+
+
+def split_reasoning(text: str, mode: str) -> tuple[str | None, str | None]:
+    """(reasoning, content) of a whole output; None for a side it does not have (or that is empty)."""
+    if mode == "answer":
+        return None, text or None
     body = text
     if text.lstrip().startswith(OPEN):
         body = text.lstrip()[len(OPEN):]
-    elif parser == "qwen3":
-        return None, text
+    elif mode == "if_opened":
+        return None, text or None
     if CLOSE not in body:
         return body or None, None
     thought, _, answer = body.partition(CLOSE)
-    return thought or None, answer.lstrip("\n") or None
+    return thought or None, answer or None
 
 
 class ReasoningStream:
@@ -36,23 +56,16 @@ class ReasoningStream:
     (reasoning, content) parts; text that may be the start of a marker is held back until a later delta (or the
     end, ``final``) shows what it is."""
 
-    def __init__(self, parser: str):
-        self.parser = parser
-        self.thinking = True      # before the closing marker
-        self.opened = False       # the output's start is past (and its opening marker, where it writes one)
-        self.held = ""            # text that may begin a marker
-        self.started = False      # the answer's first text is out (the newlines after the thinking are not)
-
-    def answer(self, text: str) -> str | None:
-        if not self.started:
-            text = text.lstrip("\n")
-            self.started = bool(text)
-        return text or None
+    def __init__(self, mode: str):
+        self.thinking = mode != "answer"    # before the closing marker
+        self.mode = mode
+        self.opened = False                 # the output's start is past (and its opening marker, where it writes one)
+        self.held = ""                      # text that may begin a marker
 
     def feed(self, delta: str, final: bool = False) -> tuple[str | None, str | None]:
         text, self.held = self.held + delta, ""
         if not self.thinking:
-            return None, self.answer(text)
+            return None, text or None
         if not self.opened:
             stripped = text.lstrip()
             if OPEN.startswith(stripped) and stripped != OPEN and not final:   # "<thi" may become "<think>"
@@ -61,14 +74,23 @@ class ReasoningStream:
             self.opened = True
             if stripped.startswith(OPEN):
                 text = stripped[len(OPEN):]
-            elif self.parser == "qwen3":   # no thinking opened: all answer
-                self.thinking, self.started = False, True
+            elif self.mode == "if_opened":   # no thinking opened: all answer
+                self.thinking = False
                 return None, text or None
         if CLOSE in text:
             thought, _, answer = text.partition(CLOSE)
             self.thinking = False
-            return thought or None, self.answer(answer)
+            return thought or None, answer or None
         keep = next((n for n in range(min(len(CLOSE) - 1, len(text)), 0, -1) if CLOSE.startswith(text[-n:])), 0)
         if keep and not final:
             text, self.held = text[:-keep], text[-keep:]
         return text or None, None
+
+
+def mode_for(parser: str, tokenizer, prompt_ids: list[int], constrained: bool = False) -> str:
+    """:func:`thinking_mode` of a request from its prompt's token ids (the last few hold any marker it ends with)."""
+    return thinking_mode(parser, tokenizer.decode(list(prompt_ids[-TAIL_TOKENS:]), skip_special_tokens=False),
+                         constrained)
+
+
+TAIL_TOKENS = 16   # prompt tokens read for a marker: a template ends with at most a marker and a few newlines

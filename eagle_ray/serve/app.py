@@ -18,7 +18,7 @@ from ray import serve
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from eagle_ray.engine.reasoning import ReasoningStream, split_reasoning
+from eagle_ray.engine.reasoning import ReasoningStream
 from eagle_ray.errors import EagleError, EngineDeadError, PromptTooLongError
 from eagle_ray.serve.choices import ChoiceShape, Chunks, Interleaved, StreamState, merged_stats, prepare, usage
 from eagle_ray.serve.config import ServeConfig
@@ -138,7 +138,8 @@ class EagleServer:
         except PromptTooLongError as e:
             return _err(400, str(e), param=req.body.limit_field(), code="context_length_exceeded")
         shape = ChoiceShape(kind, req.body.echo_prompt, req.body.top(), self.token_text, req.tools,
-                            req.params.skip_special_tokens, req.reasoning)
+                            req.params.skip_special_tokens, req.reasoning, req.params.guided is not None,
+                            getattr(req.body, "include_reasoning", True))
         if req.stream:
             return StreamingResponse(self._sse(req.body, prompts, shape, rid), media_type="text/event-stream")
         seqs = [s for p in prompts for s in p.seqs]
@@ -160,13 +161,15 @@ class EagleServer:
 
     async def _sse(self, req, prompts, shape: ChoiceShape, rid: str):
         kind = shape.kind
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        options = req.stream_options
+        continuous = options is not None and bool(options.continuous_usage_stats)
+        include_usage = options is not None and bool(options.include_usage) or continuous
         n = len(prompts[0].seqs)
         items = [(i, s) for i, s in enumerate(s for p in prompts for s in p.seqs)]
-        states = [StreamState(split=ReasoningStream(shape.reasoning) if shape.reasoning else None) for _ in items]
+        states = [StreamState(split=ReasoningStream(shape.thinking(prompts[i // n])) if shape.reasoning else None)
+                  for i, _ in items]
         outs: list = [None] * len(items)
-        chunk = Chunks(rid, kind, self.cfg.model_name, prompts, include_usage,
-                       include_usage and req.stream_options.continuous_usage_stats, [0] * len(items))
+        chunk = Chunks(rid, shape, self.cfg.model_name, prompts, include_usage, continuous, [0] * len(items))
 
         def new_logprobs(index: int, seq, d):
             """The logprobs of the output tokens not yet sent; with stop strings, all on the last chunk (a stop
@@ -200,15 +203,15 @@ class EagleServer:
                     yield f"data: {json.dumps(chunk(index, text, None, logprobs=lp))}\n\n"
                 text, calls, thought = d.text, None, None
                 reason = finish_reason(d.output.finish_reason) if d.finished else None
-                if shape.reads_calls:   # a named call streams its arguments; other answers go whole, once ended
-                    if shape.tools.choice != "named" and not d.finished:
-                        continue
-                    whole = d.output.text if d.finished else ""
-                    if shape.reasoning:
-                        thought, whole = split_reasoning(whole, shape.reasoning)
-                    text, calls, reason = shape.tools.stream_part(d.text, whole or "", st.first, reason)
-                elif st.split is not None:   # thinking and answer apart
+                if st.split is not None:   # thinking and answer apart
                     thought, text = st.split.feed(text, final=d.finished)
+                if shape.reads_calls:   # a named call streams its arguments; other answers go whole once ended
+                    if shape.tools.choice == "named" or d.finished:
+                        whole = shape.answer(d.output.text, prompts[index // n])[1] if d.finished else None
+                        text, calls, reason = shape.tools.stream_part(text or "", whole, st.first, reason)
+                    else:
+                        text = None   # held: the answer is read for calls once it has ended
+                thought = thought if shape.include_reasoning else None
                 lp = new_logprobs(index, seq, d)
                 if text or calls or thought or st.first or lp is not None:
                     yield f"data: {json.dumps(chunk(index, text, None, st.first, lp, calls, thought))}\n\n"

@@ -11,7 +11,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from eagle_ray.engine.reasoning import ReasoningStream, split_reasoning
+from eagle_ray.engine.reasoning import ReasoningStream, mode_for, split_reasoning
 from eagle_ray.engine.sequence import Sequence
 from eagle_ray.serve.logprobs import TokenText, chat_logprobs, completion_logprobs, echoed, merge_completion
 from eagle_ray.serve.tools import ToolPlan
@@ -65,6 +65,26 @@ class ChoiceShape:
     tools: ToolPlan | None = None   # a chat's tools: its answers are read for calls unless tool_choice is none
     skip_special: bool = True       # the request's skip_special_tokens: what a completions token's text holds
     reasoning: str | None = None    # the reasoning parser that splits a chat's thinking from its answer
+    constrained: bool = False       # structured output holds the answer from its first token: nothing to split
+    include_reasoning: bool = True  # vLLM's include_reasoning: false leaves the thinking out
+
+    def thinking(self, prompt: PromptChoices) -> str:
+        """This prompt's thinking mode (``engine/reasoning.py``: read from the end of its templated prompt)."""
+        return mode_for(self.reasoning, self.text.tokenizer, prompt.prompt_ids, self.constrained)
+
+    def answer(self, text: str, prompt: PromptChoices) -> tuple[str | None, str | None]:
+        """A whole chat output's (thinking, answer); without a reasoning parser, the output is the answer."""
+        if self.reasoning is None:
+            return None, text
+        return split_reasoning(text, self.thinking(prompt))
+
+    def reasoning_fields(self, thought: str | None) -> dict:
+        """The message's (or delta's) thinking under both names clients read: vLLM's older ``reasoning_content``
+        (DeepSeek's API too) and its newer ``reasoning``."""
+        if self.reasoning is None:
+            return {}
+        thought = thought if self.include_reasoning else None
+        return {"reasoning_content": thought, "reasoning": thought}
 
     @property
     def reads_calls(self) -> bool:
@@ -90,12 +110,11 @@ class ChoiceShape:
     def choice(self, index: int, prompt: PromptChoices, out, reason: str | None) -> dict:
         """A whole choice of a response that is not streamed."""
         if self.kind == "chat":
-            thought, text = (None, out.text) if self.reasoning is None else split_reasoning(out.text, self.reasoning)
+            thought, text = self.answer(out.text, prompt)
             message = {"role": "assistant", "content": text}
-            if self.reads_calls:
-                message, reason = self.tools.message(text or "", reason)
-            if self.reasoning is not None:
-                message["reasoning_content"] = thought
+            if self.reads_calls and text is not None:
+                message, reason = self.tools.message(text, reason)
+            message |= self.reasoning_fields(thought)
             return {"index": index, "message": message, "finish_reason": reason,
                     "logprobs": self.output_logprobs(out.logprobs, out.token_ids, 0, prompt.prompt_ids)}
         text, lp = self.echo_part(prompt) if self.echo else ("", None)
@@ -120,7 +139,7 @@ class Chunks:
     """A stream's chunk objects: one choice's delta in OpenAI's shape, with the usage where asked (with vLLM's
     ``continuous_usage_stats``, the usage so far: ``made``, each choice's output tokens until then)."""
     rid: str
-    kind: str
+    shape: ChoiceShape
     model: str
     prompts: list[PromptChoices]
     include_usage: bool
@@ -130,21 +149,25 @@ class Chunks:
 
     def __call__(self, index: int, text: str | None, reason: str | None, first: bool = False, logprobs=None,
                  calls: list | None = None, reasoning: str | None = None) -> dict:
-        if self.kind == "chat":
+        if self.shape.kind == "chat":
             delta = {} if text is None else {"content": text}
             if first:
                 delta["role"] = "assistant"
             if reasoning is not None:
-                delta["reasoning_content"] = reasoning
+                delta |= self.shape.reasoning_fields(reasoning)
             if calls:
                 delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
             c = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
         else:
             c = {"index": index, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
-        return {"id": self.rid, "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
+        return {"id": self.rid, "object": "chat.completion.chunk" if self.shape.kind == "chat" else "text_completion",
                 "created": self.created, "model": self.model, "choices": [c],
-                **({"usage": usage(self.prompts, self.made) if self.continuous else None}
-                   if self.include_usage else {})}
+                **({"usage": self.usage_of(index) if self.continuous else None} if self.include_usage else {})}
+
+    def usage_of(self, index: int) -> dict:
+        """vLLM's continuous usage: the chunk's own choice, its prompt and its tokens so far."""
+        prompt = self.prompts[index // len(self.prompts[0].seqs)]
+        return usage([prompt], [self.made[index]])
 
 
 def usage(prompts: list[PromptChoices], outs: list) -> dict:

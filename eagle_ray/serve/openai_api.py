@@ -19,6 +19,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator,
                       model_validator)
@@ -55,7 +56,8 @@ UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""),
 # chat fields that mean nothing to a completion's prompt (it is not templated), with the values that change nothing
 CHAT_ONLY = {"chat_template_kwargs": (None, {}), "add_generation_prompt": (None, True),
              "continue_final_message": (None, False), "tools": (None, []), "tool_choice": (None, "none", "auto"),
-             "parallel_tool_calls": (None, True, False)}
+             "parallel_tool_calls": (None, True, False), "include_reasoning": (None, True),
+             "reasoning_effort": (None,)}
 NUMBERS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n", "seed",
            "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
            "truncate_prompt_tokens", "top_logprobs")   # a JSON true or false is not one of these
@@ -69,14 +71,8 @@ def _same(value, harmless) -> bool:
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    include_usage: StrictBool = False
-    continuous_usage_stats: StrictBool = False   # vLLM's: every chunk carries the usage so far
-
-    @model_validator(mode="after")
-    def _usage_to_carry(self):
-        if self.continuous_usage_stats and not self.include_usage:
-            raise ValueError("continuous_usage_stats needs include_usage: true")
-        return self
+    include_usage: StrictBool | None = None
+    continuous_usage_stats: StrictBool | None = None   # vLLM's: every chunk carries its choice's usage so far
 
 
 class _Request(BaseModel):
@@ -297,6 +293,9 @@ class ChatRequest(_Request):
                                               "opened")
     continue_final_message: StrictBool = Field(False, description="vLLM's: leave the final message open, for the "
                                                "model to continue (an answer's prefill)")
+    include_reasoning: StrictBool = Field(True, description="vLLM's: false leaves a reasoning model's thinking out")
+    reasoning_effort: Literal["low", "medium", "high"] | None = Field(
+        None, description="handed to the chat template as a variable, as vLLM hands it (templates that read it)")
     tools: list | None = Field(None, description="function tools the template shows the model (serve/tools.py)")
     tool_choice: str | dict | None = None
     parallel_tool_calls: StrictBool = True
@@ -355,7 +354,10 @@ class ChatRequest(_Request):
             raise ApiError(400, str(e), param=e.param) from None
 
     def to_prompts(self, tools: tuple | None = None) -> list[Prompt]:
-        return [Prompt("messages", parse_messages(self.messages, "messages"), self.chat_template_kwargs,
+        variables = self.chat_template_kwargs
+        if self.reasoning_effort is not None:
+            variables = {**(variables or {}), "reasoning_effort": self.reasoning_effort}
+        return [Prompt("messages", parse_messages(self.messages, "messages"), variables,
                        self.add_generation_prompt, self.continue_final_message, tools)]
 
 
@@ -386,8 +388,7 @@ def parse_body(raw: bytes, kind: str, model_name: str, max_tokens_cap: int, defa
                ) -> ParsedRequest:
     """Validate one request body (``kind``: "completion" or "chat"); raises :class:`ApiError`. ``tool_parser``:
     how a chat's answers are read for tool calls where the model chooses (``tool_choice: auto``);
-    ``reasoning_parser``: how a chat's thinking is told from its answer (not where structured output or a forced
-    call constrains the answer from its first token)."""
+    ``reasoning_parser``: how a chat's thinking is told from its answer (``engine/reasoning.py``)."""
     try:
         data = json.loads(raw)
     except ValueError as e:   # JSONDecodeError, UnicodeDecodeError, an integer of more digits than Python converts
@@ -421,8 +422,7 @@ def parse_body(raw: bytes, kind: str, model_name: str, max_tokens_cap: int, defa
         params = req.sampling(default_max_tokens, plan.guided_json() if plan else None)
         if plan is not None and plan.keeps_special_text:
             params = params.model_copy(update={"skip_special_tokens": False})
-        return ParsedRequest(req, req.to_prompts(plan.tools if plan else None), params, plan,
-                             None if params.guided else reasoning_parser)
+        return ParsedRequest(req, req.to_prompts(plan.tools if plan else None), params, plan, reasoning_parser)
     except InvalidRequestError as e:
         raise ApiError(400, str(e), param=str(e).split(":", 1)[0].split(" ", 1)[0] or None) from None
 

@@ -20,7 +20,7 @@ from eagle_ray.serve.tools import ToolError, tool_plan
 class TokenizeRequest(BaseModel):
     """vLLM's body: ``prompt`` (text or ids) or ``messages`` (with its chat fields), and the model."""
     model_config = ConfigDict(extra="ignore")
-    model: str
+    model: str | None = None   # optional, as vLLM's
     prompt: str | list[StrictInt] | None = None
     messages: list | None = None
     add_special_tokens: StrictBool | None = None
@@ -29,6 +29,14 @@ class TokenizeRequest(BaseModel):
     chat_template_kwargs: dict | None = None
     tools: list | None = None
     return_token_strs: StrictBool = False
+    chat_template: object = None
+
+    @field_validator("chat_template")
+    @classmethod
+    def _deployments_template(cls, v):
+        if v is not None:   # refused, as on chat completions
+            raise ValueError("the deployment sets the chat template (engine.model.chat_template)")
+        return v
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -38,14 +46,15 @@ class TokenizeRequest(BaseModel):
             raise ValueError(f"{', '.join(taken)}: not a template variable (the server sets it)")
         return v or None
 
-    def to_prompt(self) -> Prompt:
+    def to_prompt(self) -> Prompt | None:
+        """The prompt as the engine takes it (None: an empty one, which holds no tokens)."""
         if (self.prompt is None) == (self.messages is None):
             raise ApiError(400, "give one of prompt and messages", param="prompt")
         if self.prompt is not None:
             if self.add_special_tokens is False:   # the engine runs a text prompt with them
                 raise ApiError(400, "add_special_tokens: false is not supported for a prompt (a completion "
                                "runs it with them)", param="add_special_tokens")
-            return parse_prompt(self.prompt, "prompt")
+            return parse_prompt(self.prompt, "prompt") if self.prompt not in ("", []) else None
         if self.add_special_tokens:   # a chat template writes them itself
             raise ApiError(400, "add_special_tokens: true is not supported with messages (the chat template "
                            "writes them)", param="add_special_tokens")
@@ -62,7 +71,7 @@ class TokenizeRequest(BaseModel):
 
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    model: str
+    model: str | None = None
     tokens: list[StrictInt]
 
 
@@ -81,7 +90,7 @@ def parse_tokens_body(raw: bytes, kind: str, model_name: str) -> TokenizeRequest
         raise ApiError(400, msg, param=param) from None
     except TypeError as e:
         raise ApiError(400, f"malformed request: {e}") from None
-    if req.model != model_name:
+    if req.model is not None and req.model != model_name:
         raise ApiError(404, f"model {req.model!r} does not exist; this server serves {model_name!r}",
                        param="model", code="model_not_found")
     return req
@@ -97,6 +106,7 @@ def answer(engine, req: TokenizeRequest | DetokenizeRequest) -> dict:
             raise InvalidRequestError(f"tokens: ids {bad[:5]} are outside the vocabulary [0, "
                                       f"{engine.target.vocab_size})")
         return {"prompt": tokenizer.decode(req.tokens)}
-    ids = engine.codec.encode(req.to_prompt())
+    prompt = req.to_prompt()
+    ids = [] if prompt is None else engine.codec.encode(prompt)
     return {"count": len(ids), "max_model_len": engine.target.max_len, "tokens": ids,
             "token_strs": tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None}

@@ -80,12 +80,15 @@ class ToolPlan:
                     ) -> tuple[str | None, list[dict] | None, str | None]:
         """A streamed choice's (content, calls, finish reason) for one delta: a named call's arguments go out as
         they come (the first delta opens the call: id, type, name), as OpenAI streams them; any other answer read
-        for calls goes out whole, once it has ended (``whole``: its text then)."""
+        for calls goes out whole, once it has ended (``whole``: its answer then; None: it has none, cut while
+        thinking)."""
         if self.choice == "named":
             if first:
                 return None, [{"id": _call_id(), "type": "function",
                                "function": {"name": self.name, "arguments": delta}}], reason
             return None, [{"function": {"arguments": delta}}] if delta else None, reason
+        if whole is None:
+            return None, None, reason
         message, reason = self.message(whole, reason)
         return message["content"], message.get("tool_calls"), reason
 

@@ -68,6 +68,16 @@ class Uploads:
         return host.pin_memory().to(self.device, non_blocking=True)
 
 
+def padded(rows: list[list[int]], pad: int) -> np.ndarray:
+    """Rows of ids of any lengths as one ``[len(rows), longest]`` array, filled out with ``pad`` (at least one
+    column)."""
+    width = max(1, max(len(r) for r in rows))
+    out = np.full((len(rows), width), pad, dtype=np.int64)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
+
+
 _UPLOADS: dict[str, Uploads] = {}
 
 

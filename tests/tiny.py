@@ -28,6 +28,21 @@ def make_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     return fast
 
 
+def decode_step_costs(engine) -> tuple[int, int, int]:
+    """Once the queued prompts are in and a step has run: the next step's device reads, host-to-device copies and
+    uploads nobody staged (a step of requests under any sampling rule should cost (1, 1, 0))."""
+    from eagle_ray.engine.host_reads import count_host_reads
+    from eagle_ray.uploads import uploads_for
+    while engine.scheduler.prefilling:
+        engine.step()
+    engine.step()
+    upload = uploads_for(engine.device)
+    copies, misses = upload.copies, upload.misses
+    with count_host_reads() as reads:
+        engine.step()
+    return len(reads.sites), upload.copies - copies, upload.misses - misses
+
+
 def text_after(tok, prompt_ids, ids) -> str:
     """What ``ids`` add to the text of ``prompt_ids``: an output's text, as the engine reports it."""
     before = tok.decode(list(prompt_ids), skip_special_tokens=True)

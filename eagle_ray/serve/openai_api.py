@@ -64,6 +64,15 @@ NUMBERS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k
 MAX_PROMPTS = 64    # prompts one completions request may batch
 
 
+def template_variables(v: dict | None) -> dict | None:
+    """A request's ``chat_template_kwargs``: the server's own apply_chat_template arguments are refused."""
+    taken = engine_arguments_in(v)
+    if taken:
+        raise ValueError(f"{', '.join(taken)}: not a template variable (the server sets it, or a field of the "
+                         "request does)")
+    return v or None
+
+
 def _same(value, harmless) -> bool:
     """``value`` is ``harmless``: equal, and a bool only where a bool is meant (``true == 1`` in Python)."""
     return value == harmless and isinstance(value, bool) == isinstance(harmless, bool)
@@ -303,11 +312,7 @@ class ChatRequest(_Request):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _template_variables_only(cls, v):
-        taken = engine_arguments_in(v)
-        if taken:
-            raise ValueError(f"{', '.join(taken)}: not a template variable (the server sets it, or a field of the "
-                             "request does)")
-        return v or None
+        return template_variables(v)
 
     @field_validator("max_tokens")
     @classmethod
@@ -389,23 +394,7 @@ def parse_body(raw: bytes, kind: str, model_name: str, max_tokens_cap: int, defa
     """Validate one request body (``kind``: "completion" or "chat"); raises :class:`ApiError`. ``tool_parser``:
     how a chat's answers are read for tool calls where the model chooses (``tool_choice: auto``);
     ``reasoning_parser``: how a chat's thinking is told from its answer (``engine/reasoning.py``)."""
-    try:
-        data = json.loads(raw)
-    except ValueError as e:   # JSONDecodeError, UnicodeDecodeError, an integer of more digits than Python converts
-        raise ApiError(400, f"request body is not valid JSON: {str(e).split(';')[0]}") from None
-    except RecursionError:
-        raise ApiError(400, f"request body is nested deeper than {MAX_NESTING} levels") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, "request body must be a JSON object")
-    if nesting_depth(data) > MAX_NESTING:
-        raise ApiError(400, f"request body is nested deeper than {MAX_NESTING} levels")
-    try:
-        req = (ChatRequest if kind == "chat" else CompletionRequest)(**data)
-    except ValidationError as e:
-        msg, param = validation_message(e)
-        raise ApiError(400, msg, param=param) from None
-    except (TypeError, RecursionError) as e:  # e.g. keys that are not strings cannot be keyword arguments
-        raise ApiError(400, f"malformed request: {e}") from None
+    req = read_body(raw, ChatRequest if kind == "chat" else CompletionRequest)
     if req.model != model_name:
         raise ApiError(404, f"model {req.model!r} does not exist; this server serves {model_name!r}",
                        param="model", code="model_not_found")
@@ -425,6 +414,27 @@ def parse_body(raw: bytes, kind: str, model_name: str, max_tokens_cap: int, defa
         return ParsedRequest(req, req.to_prompts(plan.tools if plan else None), params, plan, reasoning_parser)
     except InvalidRequestError as e:
         raise ApiError(400, str(e), param=str(e).split(":", 1)[0].split(" ", 1)[0] or None) from None
+
+
+def read_body(raw: bytes, model: type[BaseModel]):
+    """``raw`` as a ``model`` (a JSON object nested at most ``MAX_NESTING`` deep); raises :class:`ApiError`."""
+    try:
+        data = json.loads(raw)
+    except ValueError as e:   # JSONDecodeError, UnicodeDecodeError, an integer of more digits than Python converts
+        raise ApiError(400, f"request body is not valid JSON: {str(e).split(';')[0]}") from None
+    except RecursionError:
+        raise ApiError(400, f"request body is nested deeper than {MAX_NESTING} levels") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    if nesting_depth(data) > MAX_NESTING:
+        raise ApiError(400, f"request body is nested deeper than {MAX_NESTING} levels")
+    try:
+        return model(**data)
+    except ValidationError as e:
+        msg, param = validation_message(e)
+        raise ApiError(400, msg, param=param) from None
+    except (TypeError, RecursionError) as e:  # e.g. keys that are not strings cannot be keyword arguments
+        raise ApiError(400, f"malformed request: {e}") from None
 
 
 def authorized(header: str | None, api_key: str | None) -> bool:

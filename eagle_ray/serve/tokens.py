@@ -6,14 +6,11 @@ handling (``split_special_tokens``) included.
 """
 from __future__ import annotations
 
-import json
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, field_validator
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, ValidationError, field_validator
-
-from eagle_ray.config import engine_arguments_in
-from eagle_ray.engine.request import MAX_NESTING, Prompt, nesting_depth, parse_messages, parse_prompt
+from eagle_ray.engine.request import Prompt, parse_messages, parse_prompt
 from eagle_ray.errors import InvalidRequestError
-from eagle_ray.serve.openai_api import ApiError, validation_message
+from eagle_ray.serve.openai_api import ApiError, read_body, template_variables
 from eagle_ray.serve.tools import ToolError, tool_plan
 
 
@@ -41,10 +38,7 @@ class TokenizeRequest(BaseModel):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _template_variables_only(cls, v):
-        taken = engine_arguments_in(v)
-        if taken:
-            raise ValueError(f"{', '.join(taken)}: not a template variable (the server sets it)")
-        return v or None
+        return template_variables(v)
 
     def to_prompt(self) -> Prompt | None:
         """The prompt as the engine takes it (None: an empty one, which holds no tokens)."""
@@ -77,19 +71,7 @@ class DetokenizeRequest(BaseModel):
 
 def parse_tokens_body(raw: bytes, kind: str, model_name: str) -> TokenizeRequest | DetokenizeRequest:
     """``kind``: "tokenize" or "detokenize"; raises :class:`ApiError` naming the field."""
-    try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError):
-        raise ApiError(400, "request body is not valid JSON") from None
-    if not isinstance(data, dict) or nesting_depth(data) > MAX_NESTING:
-        raise ApiError(400, f"request body must be a JSON object nested at most {MAX_NESTING} levels")
-    try:
-        req = (TokenizeRequest if kind == "tokenize" else DetokenizeRequest)(**data)
-    except ValidationError as e:
-        msg, param = validation_message(e)
-        raise ApiError(400, msg, param=param) from None
-    except TypeError as e:
-        raise ApiError(400, f"malformed request: {e}") from None
+    req = read_body(raw, TokenizeRequest if kind == "tokenize" else DetokenizeRequest)
     if req.model is not None and req.model != model_name:
         raise ApiError(404, f"model {req.model!r} does not exist; this server serves {model_name!r}",
                        param="model", code="model_not_found")

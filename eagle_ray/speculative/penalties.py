@@ -22,21 +22,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from eagle_ray.uploads import uploads_for
+from eagle_ray.uploads import padded, uploads_for
 
 
 def penalised(params) -> bool:
     """Whether a request's logits are changed by penalties or a logit bias."""
     return bool(params.frequency_penalty or params.presence_penalty or params.repetition_penalty != 1.0
                 or params.logit_bias)
-
-
-def _padded(rows: list[list[int]], pad: int) -> np.ndarray:
-    width = max(1, max(len(r) for r in rows))
-    out = np.full((len(rows), width), pad, dtype=np.int64)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = r
-    return out
 
 
 @dataclass
@@ -60,13 +52,13 @@ class PenaltyBatch:
         rows = [i for i, s in enumerate(seqs) if penalised(s.params)]
         params = [[s.params.frequency_penalty, s.params.presence_penalty, s.params.repetition_penalty]
                   for s in picked]
-        arrays = [rows, np.asarray(params, dtype=np.float64).view(np.int64), _padded([s.output_ids for s in picked],
+        arrays = [rows, np.asarray(params, dtype=np.float64).view(np.int64), padded([s.output_ids for s in picked],
                                                                                      vocab)]
         if any(s.params.repetition_penalty != 1.0 for s in picked):
-            arrays.append(_padded([s.prompt_ids for s in picked], vocab))
+            arrays.append(padded([s.prompt_ids for s in picked], vocab))
         if any(s.params.logit_bias for s in picked):
             biases = [sorted((s.params.logit_bias or {}).items()) for s in picked]
-            arrays.append(_padded([[k for k, _ in b] for b in biases], vocab))
+            arrays.append(padded([[k for k, _ in b] for b in biases], vocab))
             width = arrays[-1].shape[1]
             arrays.append(np.asarray([[v for _, v in b] + [0.0] * (width - len(b)) for b in biases],
                                      dtype=np.float64).view(np.int64))

@@ -11,24 +11,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from eagle_ray.uploads import uploads_for
+from eagle_ray.uploads import padded, uploads_for
 
 
 def masked(seq) -> bool:
     """Whether a sequence's logits get a token mask now: an allowed list, or stop tokens still barred."""
     p = seq.params
     return p.allowed_token_ids is not None or (len(seq.output_ids) < p.min_tokens and bool(seq.min_barred))
-
-
-def _padded(rows: list[list[int]], pad: int) -> np.ndarray:
-    width = max(1, max(len(r) for r in rows))
-    out = np.full((len(rows), width), pad, dtype=np.int64)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = r
-    return out
 
 
 @dataclass
@@ -47,9 +38,9 @@ class TokenMaskBatch:
         if not rows:
             return []
         picked = [seqs[i] for i in rows]
-        allowed = _padded([s.params.allowed_token_ids or [vocab + 1] for s in picked], vocab)
+        allowed = padded([s.params.allowed_token_ids or [vocab + 1] for s in picked], vocab)
         short = [max(0, s.params.min_tokens - len(s.output_ids)) for s in picked]
-        barred = _padded([sorted(s.min_barred) if n else [] for s, n in zip(picked, short)], vocab)
+        barred = padded([sorted(s.min_barred) if n else [] for s, n in zip(picked, short)], vocab)
         return [rows, allowed, barred, short]
 
     @classmethod

@@ -138,6 +138,9 @@ class SamplingParams(StrictModel):
                                  "alternatives; 0: the chosen token's alone; None: off")
     n: int = Field(1, ge=1, le=1024, description="samples of the prompt, each one sequence; the prompt is "
                    "prefilled once for all of them (engine/samples.py)")
+    prompt_logprobs: int | None = Field(None, ge=0, le=20, description="per prompt token but the first, the "
+                                        "target's raw log-probability and the k most probable alternatives, as "
+                                        "vLLM's (engine/scoring.py); None: off")
 
     @model_validator(mode="before")
     @classmethod

@@ -297,3 +297,36 @@ def test_completions_token_texts_keep_special_tokens_when_asked(tiny_dir, tiny_h
     lp = completion_logprobs(TokenLogprobs(out.logprobs.values, out.logprobs.top), out.token_ids, 0,
                              TokenText(engine.tokenizer), 0, (), [5, 6], skip_special=False)
     assert "".join(lp["tokens"]) == out.text and "<s>" in out.text
+
+
+# ---- prompt_logprobs ----------------------------------------------------------------------------------------------
+def test_a_jobs_rows_carry_their_prompts_log_probabilities_as_the_target_gives_them(tiny_dir, tiny_hf, tmp_path):
+    """vLLM's ``prompt_logprobs``: per prompt token, the first's null, the target's raw log-probability after the
+    tokens before it and the k most probable alternatives; the same for each of ``n`` samples (which share the
+    prefill), and the output unchanged by asking."""
+    from test_batch_faults import stage_for
+    from test_job_output import run_rows
+
+    from eagle_ray.engine.request import parse_row
+    prompt = "w3 w9 w4 w12 w7 w30"
+    stage = stage_for(tiny_dir, tmp_path)
+    ids = stage.engine.codec.encode(prompt)
+    with torch.no_grad():
+        want = tiny_hf(torch.tensor([ids])).logits[0].log_softmax(-1)
+    one, *samples, plain = run_rows(stage, [
+        {"prompt": prompt, "sampling_params": {"prompt_logprobs": 2}},
+        {"prompt": prompt, "sampling_params": {"prompt_logprobs": 0, "n": 2, "temperature": 1.0, "seed": 3}},
+        {"prompt": prompt}])
+    assert one["prompt_logprobs"][0] is None and one["prompt_top_logprobs"][0] is None
+    assert len(one["prompt_logprobs"]) == len(ids) == one["prompt_tokens"]
+    for i in range(1, len(ids)):
+        assert one["prompt_logprobs"][i] == pytest.approx(float(want[i - 1, ids[i]]), abs=1e-4)
+        assert [t["token_id"] for t in one["prompt_top_logprobs"][i]] == torch.topk(want[i - 1], 2).indices.tolist()
+    assert [s["sample_index"] for s in samples] == [0, 1]
+    assert samples[0]["prompt_logprobs"] == samples[1]["prompt_logprobs"] == pytest.approx(one["prompt_logprobs"])
+    assert one["output_token_ids"] == plain["output_token_ids"] and plain["prompt_logprobs"] is None
+    for row, message in [({"turns": ["w1"], "sampling_params": {"prompt_logprobs": 1}}, "a conversation answered turn by"),
+                         ({"prompt": "w1", "continuation": " w2", "sampling_params": {"prompt_logprobs": 1}},
+                          "a scoring row scores its continuations")]:
+        with pytest.raises(InvalidRequestError, match=f"sampling_params.prompt_logprobs: {message}"):
+            parse_row(row, SamplingParams())

@@ -383,6 +383,7 @@ TOP_LOGPROBS = pa.list_(pa.list_(pa.struct([("token_id", pa.int64()), ("logprob"
 EVAL_FIELDS = [
     ("sample_index", pa.int64()),                                  # which of the row's n samples (0 without n)
     ("output_logprobs", pa.list_(pa.float32())), ("output_top_logprobs", TOP_LOGPROBS),   # sampling_params.logprobs
+    ("prompt_logprobs", pa.list_(pa.float32())), ("prompt_top_logprobs", TOP_LOGPROBS),   # ... .prompt_logprobs
     ("continuation_logprobs", pa.list_(pa.float64())),   # a scoring row: per continuation, its summed logprob,
     ("continuation_tokens", pa.list_(pa.int64())),       # its token count,
     ("continuation_greedy", pa.list_(pa.bool_())),       # and whether every token is the target's argmax
@@ -415,12 +416,18 @@ def empty_row(item: dict) -> dict:
     return row
 
 
-def logprob_columns(lp) -> dict:
-    """``output_logprobs`` and ``output_top_logprobs`` of a ``TokenLogprobs`` (None: not asked)."""
-    if lp is None:
-        return {}
-    return {"output_logprobs": list(lp.values),
-            "output_top_logprobs": [[{"token_id": i, "logprob": v} for i, v in top] for top in lp.top]}
+def logprob_columns(lp, prompt=None) -> dict:
+    """``output_logprobs`` and ``output_top_logprobs`` of a ``TokenLogprobs``, and ``prompt_logprobs`` and
+    ``prompt_top_logprobs`` of ``prompt``'s (its first token's null, as it has none; None: not asked)."""
+    out = {}
+    if lp is not None:
+        out |= {"output_logprobs": list(lp.values),
+                "output_top_logprobs": [[{"token_id": i, "logprob": v} for i, v in top] for top in lp.top]}
+    if prompt is not None:
+        out |= {"prompt_logprobs": [None] + list(prompt.values),
+                "prompt_top_logprobs": [None] + [[{"token_id": i, "logprob": v} for i, v in top]
+                                                 for top in prompt.top]}
+    return out
 
 
 def to_table(rows: list[dict]) -> pa.Table:

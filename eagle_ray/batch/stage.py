@@ -307,9 +307,12 @@ class GenerateStage:
                                        f"{rid}/{uuid.uuid4().hex[:8]}", self.cfg.speculative)
         self.engine.check_room(len(seqs[0].prompt_ids), req.asked_tokens)
         outs = await self.outputs(seqs)
+        # the prompt's values, from the sample that ran all of it (the others copied its first tokens' K/V)
+        prompt = max((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), key=len, default=None)
         return [{**self.answer(o, req.params), "output_token_ids": o.token_ids,
                  "prompt_tokens": len(o.prompt_token_ids), "output_tokens": len(o.token_ids),
-                 "finish_reason": o.finish_reason, "sample_index": o.sample_index, **logprob_columns(o.logprobs),
+                 "finish_reason": o.finish_reason, "sample_index": o.sample_index,
+                 **logprob_columns(o.logprobs, prompt),
                  **{k: v for k, v in o.stats.to_dict().items() if k not in ("step_tokens", "tree_tokens")}}
                 for o in outs]
 
@@ -361,7 +364,7 @@ class GenerateStage:
             finish = out.finish_reason
         row.update(output=outputs[-1], reasoning=answer["reasoning"], turn_outputs=outputs,
                    output_token_ids=out.token_ids,
-                   prompt_tokens=prompt_tokens, sample_index=0, **logprob_columns(out.logprobs),
+                   prompt_tokens=prompt_tokens, sample_index=0, **logprob_columns(out.logprobs, out.prompt_logprobs),
                    output_tokens=output_tokens, finish_reason=finish, **stats.to_dict())
         row.pop("step_tokens", None)
         row.pop("tree_tokens", None)

@@ -179,7 +179,9 @@ class EagleEngine:
         return Sequence(request_id or str(next(self._ids)), ids, params, frozenset(stop), seed,
                         detok=Detokenizer(self.tokenizer, ids, params.skip_special_tokens), speculative=speculative,
                         stops=StopStrings(params.stop) if params.stop else None, guide=guide, min_barred=barred,
-                        logprobs=TokenLogprobs() if params.logprobs is not None else None)
+                        logprobs=TokenLogprobs() if params.logprobs is not None else None,
+                        prompt_logprobs=TokenLogprobs() if params.prompt_logprobs is not None else None,
+                        prompt_logprobs_k=params.prompt_logprobs or 0)
 
     def make_samples(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                      speculative: bool = True) -> list[Sequence]:

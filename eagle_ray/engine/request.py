@@ -280,6 +280,9 @@ def parse_continuations(rec: dict, kind: str, params: SamplingParams) -> list[st
     if params.truncate_prompt_tokens is not None:
         raise InvalidRequestError("sampling_params.truncate_prompt_tokens: a scoring row's context is scored as "
                                   "it stands")
+    if params.prompt_logprobs is not None:
+        raise InvalidRequestError("sampling_params.prompt_logprobs: a scoring row scores its continuations (its "
+                                  "prompt's own values: a prompt row with prompt_logprobs)")
     return [check_text(c, f"{given[0]}[{i}]") for i, c in enumerate(value)]
 
 
@@ -303,6 +306,9 @@ def parse_row(rec, defaults: SamplingParams) -> RowRequest:
         if params.n != 1:
             raise InvalidRequestError("sampling_params.n: samples of a conversation answered turn by turn are not "
                                       "supported; give the chat as messages")
+        if params.prompt_logprobs is not None:
+            raise InvalidRequestError("sampling_params.prompt_logprobs: a conversation answered turn by turn has a "
+                                      "prompt per turn; give the chat as messages")
         return RowRequest(kind, None, parse_turns(value), params, asked)
     if kind == "prompt":
         if not isinstance(value, str):

@@ -112,7 +112,7 @@ def test_a_whole_chat_answer_carries_the_thinking_and_calls_from_the_answer_alon
     choice = shape_for(tools=auto_tools()).choice(0, PromptChoices(seqs, ""), output(THOUGHT + CALL), "stop")
     message = choice["message"]
     assert message["reasoning_content"] == message["reasoning"] == "\nThe user wants Paris' weather.\n"
-    assert message["content"] == "Let me check." and choice["finish_reason"] == "tool_calls"
+    assert message["content"] == "\n\nLet me check." and choice["finish_reason"] == "tool_calls"
     assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
     plain = shape_for().choice(0, PromptChoices(seqs, ""), output("Sunny."), "stop")
     assert plain["message"] == {"role": "assistant", "content": "Sunny.", "reasoning_content": None,
@@ -169,14 +169,15 @@ def test_the_apps_stream_sends_thinking_as_reasoning_and_the_rest_as_content():
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
-def test_a_streamed_answer_read_for_calls_sends_its_thinking_as_it_comes():
-    """The thinking goes out live (it may take minutes); the answer is held and read for calls once it ends."""
-    chunks = sse_chunks([THOUGHT[:20], THOUGHT[20:], CALL], tools=auto_tools())
+def test_a_streamed_answer_read_for_calls_sends_its_thinking_and_text_as_they_come():
+    """The thinking goes out live (it may take minutes), then the answer's text, then the call once it is whole."""
+    chunks = sse_chunks([THOUGHT[:20], THOUGHT[20:], CALL[:30], CALL[30:]], tools=auto_tools())
     deltas = [c["choices"][0]["delta"] for c in chunks[:-1]]
     assert deltas[0]["role"] == "assistant" and deltas[0]["reasoning"] == THOUGHT[len("<think>"):20]
     assert "".join(d.get("reasoning") or "" for d in deltas) == "\nThe user wants Paris' weather.\n"
-    *_, calls = deltas
-    assert calls["content"] == "Let me check." and calls["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert "".join(d.get("content") or "" for d in deltas) == "\n\nLet me check."
+    (call,) = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert (call["index"], call["function"]["name"]) == (0, "get_weather") and "tool_calls" in deltas[-1]
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 

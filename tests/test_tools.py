@@ -10,7 +10,7 @@ from tiny import CHAT_TEMPLATE, tiny_engine
 from eagle_ray.engine.request import parse_messages
 from eagle_ray.errors import InvalidRequestError
 from eagle_ray.serve.openai_api import ApiError, parse_body
-from eagle_ray.serve.tools import ToolPlan
+from eagle_ray.serve.tools import CallReader, ToolPlan
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -142,7 +142,7 @@ def test_auto_takes_the_first_call_alone_without_parallel_calls_and_hermes_keeps
 
 @pytest.mark.parametrize("parser, text, content, calls", [
     ("hermes", 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>',
-     "Checking.", [("get_weather", {"city": "Rome"})]),
+     "Checking.\n", [("get_weather", {"city": "Rome"})]),   # text around calls kept as it is
     ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "A"}}</tool_call>\n<tool_call>'
      '{"name": "get_time", "arguments": {}}</tool_call>', None, [("get_weather", {"city": "A"}), ("get_time", {})]),
     ("hermes", "It is sunny.", "It is sunny.", []),
@@ -210,16 +210,46 @@ def test_special_token_text_in_tools_or_calls_is_refused_where_content_is_kept_p
 
 
 def test_a_streamed_named_call_opens_then_adds_its_arguments():
-    named = plan("named", "get_weather")
-    content, calls, reason = named.stream_part("", None, True, None)
+    reader = CallReader(plan("named", "get_weather"))
+    content, calls, reason = reader.part("", None, True, None, False)
     assert content is None and calls[0]["function"] == {"name": "get_weather", "arguments": ""}
     assert calls[0]["id"].startswith("call_") and calls[0]["type"] == "function" and reason is None
-    assert named.stream_part('{"city": ', None, False, None) == (None, [{"function": {"arguments": '{"city": '}}],
+    assert reader.part('{"city": ', None, False, None, False) == (None, [{"function": {"arguments": '{"city": '}}],
                                                                  None)
-    assert named.stream_part("", '{"city": "A"}', False, "stop") == (None, None, "stop")   # the end: nothing new
+    assert reader.part("", '{"city": "A"}', False, "stop", True) == (None, None, "stop")   # the end: nothing new
+    required = CallReader(plan("required"))
     text = '[{"name": "get_time", "parameters": {}}]'
-    content, calls, reason = plan("required").stream_part("", text, False, "stop")   # whole, once ended
+    assert required.part(text[:9], None, True, None, False) == (None, None, None)      # held until it ends
+    content, calls, reason = required.part(text[9:], text, False, "stop", True)
     assert (content, [c["function"]["name"] for c in calls], reason) == (None, ["get_time"], "tool_calls")
+
+
+HERMES_ANSWER = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+                 '\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+
+
+@pytest.mark.parametrize("parser, text", [("hermes", HERMES_ANSWER), ("hermes", "No call <tool_ here."),
+                                          ("hermes", "<tool_call>{bad}</tool_call> then text"),
+                                          ("llama3_json", '<|python_tag|>{"name": "get_time", "parameters": {}}'),
+                                          ("llama3_json", "Plain text {with braces}.")])
+def test_an_auto_answer_streams_its_text_as_it_comes_and_reads_as_it_does_whole(parser, text):
+    """However the deltas fall, the text and calls sent add up to the whole answer's message; hermes text goes out
+    before the answer ends, a marker split across deltas held back."""
+    whole, reason = plan("auto", parser=parser).message(text, "stop")
+    for cut in range(len(text) + 1):
+        for deltas in ([text[:cut], text[cut:]], [text[:cut], text[cut:cut + 3], text[cut + 3:]]):
+            reader, content, calls = CallReader(plan("auto", parser=parser)), "", []
+            for i, d in enumerate(deltas):
+                c, found, got = reader.part(d, None, i == 0, "stop" if i == len(deltas) - 1 else None,
+                                            i == len(deltas) - 1)
+                content, calls = content + (c or ""), calls + (found or [])
+            assert (content if content.strip() else None) == whole["content"], (cut, deltas)
+            assert [(c["index"], c["function"]["name"], c["function"]["arguments"]) for c in calls] == \
+                [(i, c["function"]["name"], c["function"]["arguments"]) for i, c in enumerate(whole.get("tool_calls",
+                                                                                                       []))]
+            assert got == reason
+    early, _, _ = CallReader(plan("auto", parser="hermes")).part(HERMES_ANSWER[:16], None, True, None, False)
+    assert early == "Let me look.\n"   # sent before the answer has ended
 
 
 def test_tokenize_takes_vllms_body():

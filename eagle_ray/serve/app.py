@@ -28,6 +28,7 @@ from eagle_ray.serve.metrics import ReplicaMetrics, ServeMetrics
 from eagle_ray.serve.openai_api import (ApiError, ParsedRequest, authorized, eagle_stats, error_body, finish_reason,
                                         new_id, now, parse_body)
 from eagle_ray.serve.tokens import DetokenizeRequest, TokenizeRequest, parse_tokens_body
+from eagle_ray.serve.tools import CallReader
 from eagle_ray.serve.tokens import answer as token_answer
 from eagle_ray.train.online import adapt
 
@@ -166,8 +167,8 @@ class EagleServer:
         include_usage = options is not None and bool(options.include_usage) or continuous
         n = len(prompts[0].seqs)
         items = [(i, s) for i, s in enumerate(s for p in prompts for s in p.seqs)]
-        states = [StreamState(split=ReasoningStream(shape.thinking(prompts[i // n])) if shape.reasoning else None)
-                  for i, _ in items]
+        states = [StreamState(split=ReasoningStream(shape.thinking(prompts[i // n])) if shape.reasoning else None,
+                              reader=CallReader(shape.tools) if shape.reads_calls else None) for i, _ in items]
         outs: list = [None] * len(items)
         chunk = Chunks(rid, shape, self.cfg.model_name, prompts, include_usage, continuous, [0] * len(items))
 
@@ -205,12 +206,9 @@ class EagleServer:
                 reason = finish_reason(d.output.finish_reason) if d.finished else None
                 if st.split is not None:   # thinking and answer apart
                     thought, text = st.split.feed(text, final=d.finished)
-                if shape.reads_calls:   # a named call streams its arguments; other answers go whole once ended
-                    if shape.tools.choice == "named" or d.finished:
-                        whole = shape.answer(d.output.text, prompts[index // n])[1] if d.finished else None
-                        text, calls, reason = shape.tools.stream_part(text or "", whole, st.first, reason)
-                    else:
-                        text = None   # held: the answer is read for calls once it has ended
+                if st.reader is not None:   # the answer read for tool calls (serve/tools.py)
+                    whole = shape.answer(d.output.text, prompts[index // n])[1] if d.finished else None
+                    text, calls, reason = st.reader.part(text or "", whole, st.first, reason, d.finished)
                 thought = thought if shape.include_reasoning else None
                 lp = new_logprobs(index, seq, d)
                 if text or calls or thought or st.first or lp is not None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from eagle_ray.engine.reasoning import ReasoningStream, mode_for, split_reasoning
 from eagle_ray.engine.sequence import Sequence
 from eagle_ray.serve.logprobs import TokenText, chat_logprobs, completion_logprobs, echoed, merge_completion
-from eagle_ray.serve.tools import ToolPlan
+from eagle_ray.serve.tools import CallReader, ToolPlan
 from eagle_ray.speculative.logprobs import TokenLogprobs
 from eagle_ray.stats import RequestStats
 
@@ -132,6 +132,7 @@ class StreamState:
     tokens: int = 0          # output tokens whose logprobs went out
     offset: int = 0          # completions text_offset of the next token
     split: ReasoningStream | None = None   # its thinking apart from its answer, where a reasoning parser is set
+    reader: CallReader | None = None       # its answer read for tool calls, where they are read
 
 
 @dataclass
@@ -155,8 +156,8 @@ class Chunks:
                 delta["role"] = "assistant"
             if reasoning is not None:
                 delta |= self.shape.reasoning_fields(reasoning)
-            if calls:
-                delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+            if calls:   # each call's index among the choice's calls: its own where it has one (a stream's later calls)
+                delta["tool_calls"] = [c if "index" in c else {"index": i, **c} for i, c in enumerate(calls)]
             c = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
         else:
             c = {"index": index, "text": text or "", "finish_reason": reason, "logprobs": logprobs}

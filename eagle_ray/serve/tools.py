@@ -29,7 +29,7 @@ from eagle_ray.config import checked_schema
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 PARSERS = ("hermes", "llama3_json")
-_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)   # the last may be left open
+CALL_OPEN, CALL_CLOSE, PYTHON_TAG = "<tool_call>", "</tool_call>", "<|python_tag|>"
 
 
 class ToolError(ValueError):
@@ -76,22 +76,6 @@ class ToolPlan:
         tokenizers, which decoding would drop with the call's markers (vLLM's hermes parser keeps them too)."""
         return self.choice == "auto" and self.parser == "hermes"
 
-    def stream_part(self, delta: str, whole: str | None, first: bool, reason: str | None
-                    ) -> tuple[str | None, list[dict] | None, str | None]:
-        """A streamed choice's (content, calls, finish reason) for one delta: a named call's arguments go out as
-        they come (the first delta opens the call: id, type, name), as OpenAI streams them; any other answer read
-        for calls goes out whole, once it has ended (``whole``: its answer then; None: it has none, cut while
-        thinking)."""
-        if self.choice == "named":
-            if first:
-                return None, [{"id": _call_id(), "type": "function",
-                               "function": {"name": self.name, "arguments": delta}}], reason
-            return None, [{"function": {"arguments": delta}}] if delta else None, reason
-        if whole is None:
-            return None, None, reason
-        message, reason = self.message(whole, reason)
-        return message["content"], message.get("tool_calls"), reason
-
     def message(self, text: str, reason: str | None) -> tuple[dict, str | None]:
         """The assistant message an answer makes, and its finish reason: ``tool_calls`` where the model chose to
         call (``auto``, ``required``); a call it was made to make (a named function) ends with ``stop``, as
@@ -102,9 +86,9 @@ class ToolPlan:
         elif self.choice == "required":
             calls = _listed_calls(text)
             content = None if calls else text
-        elif self.choice == "auto":
-            content, calls = (_hermes_calls if self.parser == "hermes" else _llama3_calls)(text)
-            calls = calls if self.parallel else calls[:1]
+        elif self.choice == "auto":   # the answer read as a stream read in one delta reads it
+            content, calls = AutoCalls(self.parser, self.parallel).feed(text, final=True)
+            content = content if content.strip() else None
         if not calls:
             return {"role": "assistant", "content": content}, reason
         message = {"role": "assistant", "content": content,
@@ -137,20 +121,112 @@ def _listed_calls(text: str) -> list[tuple[str, str]]:
     return calls if calls and all(calls) else []
 
 
-def _hermes_calls(text: str) -> tuple[str | None, list[tuple[str, str]]]:
-    """``<tool_call>{json}</tool_call>`` blocks; the text before the first is the content. An answer whose blocks
-    do not all parse is left as text."""
-    blocks = _HERMES.findall(text)
-    if not blocks:
-        return text, []
+def _hermes_call(block: str) -> tuple[str, str] | None:
     try:
-        calls = [_call(json.loads(b), "arguments") for b in blocks]
+        return _call(json.loads(block), "arguments")
     except ValueError:
-        return text, []
-    if not all(calls):
-        return text, []
-    content = text[: text.index("<tool_call>")].strip()
-    return content or None, calls
+        return None
+
+
+def _held(text: str, marker: str) -> int:
+    """How many characters at the end of ``text`` may begin ``marker``."""
+    return next((n for n in range(min(len(marker) - 1, len(text)), 0, -1) if marker.startswith(text[-n:])), 0)
+
+
+class AutoCalls:
+    """An ``auto`` answer read as it streams: its text outside calls goes out as it comes, each call once it is
+    whole; read whole, the answer is this stream fed in one delta, so both read alike.
+
+    ``hermes``: ``<tool_call>{json}</tool_call>`` blocks (the last may be left open), text that may begin a marker
+    held back until the next delta shows what it is; a block that does not parse stays text. ``llama3_json``: an
+    answer that starts with ``{`` (or ``<|python_tag|>``) is calls, read once it has ended (stays text where it does
+    not parse); any other answer is text, sent as it comes. Without parallel calls, the first alone is kept."""
+
+    def __init__(self, parser: str, parallel: bool = True):
+        self.parser, self.parallel = parser, parallel
+        self.buf = ""
+        self.in_call = False        # hermes: inside a block
+        self.calls_mode = None      # llama3_json: None while the answer's start is unknown, then True or False
+        self.count = 0              # calls read so far
+
+    def feed(self, delta: str, final: bool = False) -> tuple[str, list[tuple[str, str]]]:
+        """(text, calls) this delta completes."""
+        self.buf += delta
+        content, calls = self._hermes(final) if self.parser == "hermes" else self._llama3(final)
+        calls = calls if self.parallel else calls[: max(0, 1 - self.count)]
+        self.count += len(calls)
+        return content, calls
+
+    def _hermes(self, final: bool) -> tuple[str, list[tuple[str, str]]]:
+        content, calls = "", []
+        while True:
+            if not self.in_call:
+                at = self.buf.find(CALL_OPEN)
+                if at < 0:
+                    cut = len(self.buf) - (0 if final else _held(self.buf, CALL_OPEN))
+                    content, self.buf = content + self.buf[:cut], self.buf[cut:]
+                    return content, calls
+                content, self.buf, self.in_call = content + self.buf[:at], self.buf[at + len(CALL_OPEN):], True
+            end = self.buf.find(CALL_CLOSE)
+            if end < 0 and not final:
+                return content, calls
+            block, rest = (self.buf, "") if end < 0 else (self.buf[:end], self.buf[end + len(CALL_CLOSE):])
+            self.buf, self.in_call = rest, False
+            call = _hermes_call(block.strip())
+            if call is None:
+                content += CALL_OPEN + block + ("" if end < 0 else CALL_CLOSE)
+            else:
+                calls.append(call)
+            if end < 0:
+                return content, calls
+
+    def _llama3(self, final: bool) -> tuple[str, list[tuple[str, str]]]:
+        if self.calls_mode is None:
+            head = self.buf.lstrip()
+            if (not head or PYTHON_TAG.startswith(head)) and not final:
+                return "", []   # not yet known
+            self.calls_mode = head.startswith("{") or head.startswith(PYTHON_TAG)
+        if not self.calls_mode:
+            content, self.buf = self.buf, ""
+            return content, []
+        if not final:
+            return "", []
+        content, calls = _llama3_calls(self.buf)
+        return content or "", calls
+
+
+class CallReader:
+    """One streamed choice's answer read for calls (``plan.choice`` not ``none``): a named call's arguments go out
+    as they come (the first delta opens the call: id, type, name), as OpenAI streams them; an ``auto`` answer's text
+    as it comes and each call once it is whole (:class:`AutoCalls`); a ``required`` answer, a JSON array, whole once
+    it has ended."""
+
+    def __init__(self, plan: ToolPlan):
+        self.plan = plan
+        self.auto = AutoCalls(plan.parser, plan.parallel) if plan.choice == "auto" else None
+        self.sent = 0   # calls sent
+
+    def part(self, delta: str, whole: str | None, first: bool, reason: str | None, finished: bool
+             ) -> tuple[str | None, list[dict] | None, str | None]:
+        """(content, calls, finish reason) of one delta of the answer (``whole``: the whole answer once it has
+        ended; None: it has none, cut while thinking)."""
+        plan = self.plan
+        if plan.choice == "named":
+            if first:
+                return None, [{"id": _call_id(), "type": "function",
+                               "function": {"name": plan.name, "arguments": delta}}], reason
+            return None, [{"function": {"arguments": delta}}] if delta else None, reason
+        if self.auto is not None:
+            content, found = self.auto.feed(delta, final=finished)
+            calls = [{"index": self.sent + i, "id": _call_id(), "type": "function",
+                      "function": {"name": name, "arguments": args}} for i, (name, args) in enumerate(found)]
+            self.sent += len(found)
+            return content or None, calls or None, "tool_calls" if finished and self.sent and reason == "stop" \
+                else reason
+        if not finished or whole is None:
+            return None, None, reason
+        message, reason = plan.message(whole, reason)
+        return message["content"], message.get("tool_calls"), reason
 
 
 def _llama3_calls(text: str) -> tuple[str | None, list[tuple[str, str]]]:

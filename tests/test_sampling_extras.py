@@ -325,8 +325,12 @@ def test_a_jobs_rows_carry_their_prompts_log_probabilities_as_the_target_gives_t
     assert [s["sample_index"] for s in samples] == [0, 1]
     assert samples[0]["prompt_logprobs"] == samples[1]["prompt_logprobs"] == pytest.approx(one["prompt_logprobs"])
     assert one["output_token_ids"] == plain["output_token_ids"] and plain["prompt_logprobs"] is None
-    for row, message in [({"turns": ["w1"], "sampling_params": {"prompt_logprobs": 1}}, "a conversation answered turn by"),
+    for row, message in [({"turns": ["w1"], "sampling_params": {"prompt_logprobs": 1}},
+                          "a conversation answered turn by"),
                          ({"prompt": "w1", "continuation": " w2", "sampling_params": {"prompt_logprobs": 1}},
                           "a scoring row scores its continuations")]:
         with pytest.raises(InvalidRequestError, match=f"sampling_params.prompt_logprobs: {message}"):
             parse_row(row, SamplingParams())
+        inherited = {k: v for k, v in row.items() if k != "sampling_params"}   # the job's default: not theirs
+        assert parse_row(inherited, SamplingParams(prompt_logprobs=1)).params.prompt_logprobs is None
+    assert parse_row({"prompt": "w1"}, SamplingParams(prompt_logprobs=1)).params.prompt_logprobs == 1

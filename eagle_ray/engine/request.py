@@ -298,6 +298,10 @@ def parse_row(rec, defaults: SamplingParams) -> RowRequest:
     value = rec[kind]
     overrides = next((rec[k] for k in SAMPLING_KEYS if rec.get(k) is not None), None)
     params = sampling_params(overrides, defaults)
+    if params.prompt_logprobs is not None and not (isinstance(overrides, dict) and
+                                                   overrides.get("prompt_logprobs") is not None):
+        if kind == "turns" or any(rec.get(k) is not None for k in CONTINUATION_KEYS):   # a job's default: not theirs
+            params = params.model_copy(update={"prompt_logprobs": None})
     limits = ("max_new_tokens", "max_tokens", "max_completion_tokens")
     asked = params.max_new_tokens if isinstance(overrides, dict) and any(overrides.get(k) is not None
                                                                          for k in limits) else None

@@ -88,7 +88,7 @@ class ToolPlan:
             content = None if calls else text
         elif self.choice == "auto":   # the answer read as a stream read in one delta reads it
             content, calls = AutoCalls(self.parser, self.parallel).feed(text, final=True)
-            content = content if content.strip() else None
+            content = (content or None) if calls else content
         if not calls:
             return {"role": "assistant", "content": content}, reason
         message = {"role": "assistant", "content": content,
@@ -140,7 +140,9 @@ class AutoCalls:
     ``hermes``: ``<tool_call>{json}</tool_call>`` blocks (the last may be left open), text that may begin a marker
     held back until the next delta shows what it is; a block that does not parse stays text. ``llama3_json``: an
     answer that starts with ``{`` (or ``<|python_tag|>``) is calls, read once it has ended (stays text where it does
-    not parse); any other answer is text, sent as it comes. Without parallel calls, the first alone is kept."""
+    not parse); any other answer is text, sent as it comes. Without parallel calls, the first alone is kept.
+    Whitespace is sent once other text follows it: an answer with calls drops the whitespace around them (its
+    content is null where nothing else is left), one without keeps its text as it is."""
 
     def __init__(self, parser: str, parallel: bool = True):
         self.parser, self.parallel = parser, parallel
@@ -148,6 +150,8 @@ class AutoCalls:
         self.in_call = False        # hermes: inside a block
         self.calls_mode = None      # llama3_json: None while the answer's start is unknown, then True or False
         self.count = 0              # calls read so far
+        self.spaces = ""            # whitespace not sent yet: sent once other text follows it
+        self.scanned = 0            # hermes: where in an open block the search for its end goes on
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, list[tuple[str, str]]]:
         """(text, calls) this delta completes."""
@@ -155,7 +159,13 @@ class AutoCalls:
         content, calls = self._hermes(final) if self.parser == "hermes" else self._llama3(final)
         calls = calls if self.parallel else calls[: max(0, 1 - self.count)]
         self.count += len(calls)
-        return content, calls
+        text = self.spaces + content
+        if final:
+            self.spaces = ""
+            return (text.rstrip() if self.count else text), calls
+        sent = text.rstrip()
+        self.spaces = text[len(sent):]
+        return sent, calls
 
     def _hermes(self, final: bool) -> tuple[str, list[tuple[str, str]]]:
         content, calls = "", []
@@ -167,11 +177,12 @@ class AutoCalls:
                     content, self.buf = content + self.buf[:cut], self.buf[cut:]
                     return content, calls
                 content, self.buf, self.in_call = content + self.buf[:at], self.buf[at + len(CALL_OPEN):], True
-            end = self.buf.find(CALL_CLOSE)
+            end = self.buf.find(CALL_CLOSE, self.scanned)
             if end < 0 and not final:
+                self.scanned = max(0, len(self.buf) - len(CALL_CLOSE) + 1)
                 return content, calls
             block, rest = (self.buf, "") if end < 0 else (self.buf[:end], self.buf[end + len(CALL_CLOSE):])
-            self.buf, self.in_call = rest, False
+            self.buf, self.in_call, self.scanned = rest, False, 0
             call = _hermes_call(block.strip())
             if call is None:
                 content += CALL_OPEN + block + ("" if end < 0 else CALL_CLOSE)

@@ -199,7 +199,9 @@ def test_a_jobs_rows_keep_the_thinking_in_their_reasoning_column():
     def answer(parser, text, prompt=QWEN3_PROMPT, **params):
         stage = SimpleNamespace(cfg=SimpleNamespace(reasoning_parser=parser),
                                 engine=SimpleNamespace(tokenizer=Prompted(prompt)))
-        return GenerateStage.answer(stage, output(text), SamplingParams(**params))
+        got = GenerateStage.answer(stage, output(text), SimpleNamespace(params=SamplingParams(**params), tools=None))
+        assert (got["finish_reason"], got["tool_calls"]) == ("stop", None)
+        return {k: got[k] for k in ("output", "reasoning", "turn_outputs")}
     assert answer("qwen3", THOUGHT) == {"output": "\n\nLet me check.", "reasoning": "\nThe user wants Paris' "
                                         "weather.\n", "turn_outputs": ["\n\nLet me check."]}
     assert answer("deepseek_r1", "cut while thinking", R1_PROMPT) == {

@@ -8,9 +8,9 @@ import pytest
 from tiny import CHAT_TEMPLATE, tiny_engine
 
 from eagle_ray.engine.request import parse_messages
+from eagle_ray.engine.tools import CallReader, ToolPlan
 from eagle_ray.errors import InvalidRequestError
 from eagle_ray.serve.openai_api import ApiError, parse_body
-from eagle_ray.serve.tools import CallReader, ToolPlan
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -65,8 +65,8 @@ def test_auto_and_none_leave_the_answer_free():
 
 
 @pytest.mark.parametrize("body, parser, message, param", [
-    ({"tools": [WEATHER]}, None, "tool_choice auto \\(the default with tools\\) needs the deployment's "
-     "tool_call_parser", "tool_choice"),
+    ({"tools": [WEATHER]}, None, "tool_choice auto \\(the default with tools\\) needs a tool_call_parser in the "
+     "config", "tool_choice"),
     ({"tool_choice": "required"}, None, "tool_choice needs tools", "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "f"}}}, None,
      "tool_choice names 'f', which is not among the tools \\(get_weather\\)", "tool_choice"),
@@ -265,3 +265,59 @@ def test_tokenize_takes_vllms_body():
     with pytest.raises(ApiError, match="does not exist") as e:
         parse_tokens_body(b'{"model": "other", "tokens": [1]}', "detokenize", "m")
     assert e.value.status == 404
+
+
+# ---- the batch job -------------------------------------------------------------------------------------------------
+def test_a_jobs_chat_rows_take_tools_as_serve_does():
+    from eagle_ray.config import SamplingParams
+    from eagle_ray.engine.request import parse_row
+    row = {"messages": USER, "tools": [WEATHER, TIME], "tool_choice": "required", "parallel_tool_calls": False}
+    req = parse_row(row, SamplingParams())
+    assert req.prompt.tools == (WEATHER, TIME) and req.tools.choice == "required"
+    assert req.params.guided_json == chat({k: v for k, v in row.items() if k != "messages"}).params.guided_json
+    auto = parse_row({"messages": USER, "tools": [WEATHER]}, SamplingParams(), tool_parser="hermes")
+    assert auto.tools.choice == "auto" and auto.params.skip_special_tokens is False
+    for bad, message in [({"messages": USER, "tools": [WEATHER]}, "needs a tool_call_parser in the config"),
+                         ({"prompt": "w1", "tools": [WEATHER]}, "tools: a chat's template shows them"),
+                         ({"turns": ["w1"], "tools": [WEATHER]}, "tools: a conversation answered turn by turn"),
+                         ({"messages": USER, "tools": [WEATHER], "tool_choice": "required",
+                           "sampling_params": {"guided_regex": "a"}}, "leave out the row's guided fields"),
+                         ({"messages": USER, "tools": [WEATHER], "tool_choice": "none", "parallel_tool_calls": 1},
+                          "parallel_tool_calls must be true or false")]:
+        with pytest.raises(InvalidRequestError, match=message):
+            parse_row(bad, SamplingParams())
+
+
+def test_a_jobs_row_writes_its_calls_as_openais_list_and_its_text_as_output():
+    from types import SimpleNamespace
+
+    from eagle_ray.batch.stage import GenerateStage
+    from eagle_ray.config import SamplingParams
+    from eagle_ray.engine.engine import RequestOutput
+    from eagle_ray.engine.request import parse_row
+    stage = SimpleNamespace(cfg=SimpleNamespace(reasoning_parser=None))
+    req = parse_row({"messages": USER, "tools": [WEATHER, TIME]}, SamplingParams(), tool_parser="hermes")
+    out = RequestOutput("r", [1], [5], HERMES_ANSWER, "stop")
+    got = GenerateStage.answer(stage, out, req)
+    assert (got["output"], got["finish_reason"]) == ("Let me look.", "tool_calls")
+    calls = json.loads(got["tool_calls"])
+    assert [(c["type"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+        [("function", "get_weather", {"city": "Rome"}), ("function", "get_time", {})]
+    text = GenerateStage.answer(stage, RequestOutput("r", [1], [5], "Sunny.", "stop"), req)
+    assert (text["output"], text["tool_calls"], text["finish_reason"]) == ("Sunny.", None, "stop")
+
+
+def test_a_job_refuses_a_tools_row_its_template_cannot_show_and_records_its_parser(tiny_dir, tmp_path):
+    from test_batch_faults import stage_for
+    from test_job_output import FS, job, run_rows, write_rows
+
+    from eagle_ray.batch.job import check_output_identity
+    from eagle_ray.errors import ConfigError
+    (row,) = run_rows(stage_for(tiny_dir, tmp_path), [{"messages": USER, "tools": [WEATHER], "tool_choice": "none"}])
+    assert row["error_kind"] == "invalid_request" and "does not show tools" in row["error"]
+    out = tmp_path / "o"
+    out.mkdir()
+    check_output_identity(FS, str(out), job(out="o", tool_call_parser="hermes"))
+    write_rows(out, {"row-0": '{"prompt": "a"}'})
+    with pytest.raises(ConfigError, match="tool_call_parser: 'hermes' there, None now"):
+        check_output_identity(FS, str(out), job(out="o"))

@@ -110,7 +110,7 @@ def read_output(fs, root: str, columns: list[str] | None = None) -> pa.Table:
 
 JOB_FILE = "_job.json"
 STRICT_IDENTITY = ("target", "draft", "dtype", "speculative", "sampling", "split_special_tokens", "chat_template",
-                   "chat_template_kwargs", "reasoning_parser")
+                   "chat_template_kwargs", "reasoning_parser", "tool_call_parser")
 
 
 def output_identity(cfg: JobConfig) -> dict:
@@ -122,6 +122,7 @@ def output_identity(cfg: JobConfig) -> dict:
             "chat_template": None if m.chat_template is None else   # its digest: a template may be pages long
             "sha256:" + hashlib.sha256(m.chat_template.encode()).hexdigest()[:16],
             "chat_template_kwargs": m.chat_template_kwargs, "reasoning_parser": cfg.reasoning_parser,
+            "tool_call_parser": cfg.tool_call_parser,
             "max_model_len": cfg.engine.cache.max_model_len}
 
 
@@ -138,7 +139,8 @@ def check_output_identity(fs, root: str, cfg: JobConfig) -> dict | None:
         theirs = json.loads(fs.cat_file(path))
         theirs.setdefault("chat_template", None)   # older than these settings: written with the tokenizer's own
         theirs.setdefault("chat_template_kwargs", {})
-        theirs.setdefault("reasoning_parser", None)   # older than the setting: outputs whole
+        theirs.setdefault("reasoning_parser", None)   # older than the settings: outputs whole, no calls read
+        theirs.setdefault("tool_call_parser", None)
         try:   # sampling fields added since it was written take their defaults, which it ran with
             from eagle_ray.config import SamplingParams
             theirs["sampling"] = SamplingParams(**theirs["sampling"]).model_dump(mode="json")

@@ -393,6 +393,7 @@ EVAL_FIELDS = [
 OUTPUT_SCHEMA = pa.schema([
     ("id", pa.string()), ("row_index", pa.int64()), ("input", pa.string()),
     ("output", pa.string()), ("reasoning", pa.string()),   # an output's thinking apart, with a reasoning parser
+    ("tool_calls", pa.string()),                             # a chat row's tool calls (OpenAI's list, as JSON)
     ("turn_outputs", pa.list_(pa.string())), ("output_token_ids", pa.list_(pa.int64())),
     ("prompt_tokens", pa.int64()), ("output_tokens", pa.int64()), ("finish_reason", pa.string()),
     ("error", pa.string()), ("error_kind", pa.string()),

@@ -255,7 +255,7 @@ class GenerateStage:
             return [row]
         samples = None
         try:
-            req = parse_row(json.loads(item["payload"]), self.cfg.sampling)
+            req = parse_row(json.loads(item["payload"]), self.cfg.sampling, self.cfg.tool_call_parser)
             p = req.params
             row.update(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_new_tokens=p.max_new_tokens,
                        seed=p.seed, sampling_params=p.model_dump_json())
@@ -271,7 +271,8 @@ class GenerateStage:
             log.exception("row %s failed", item["id"])
             row.update(error=f"{type(e).__name__}: {e}", error_kind=INTERNAL_ERROR)
         if row["error"]:   # a multi-turn row keeps the turns answered before the one that failed
-            for key in ("output", "reasoning", "output_token_ids", "prompt_tokens", "output_tokens", "finish_reason"):
+            for key in ("output", "reasoning", "tool_calls", "output_token_ids", "prompt_tokens", "output_tokens",
+                        "finish_reason"):
                 row[key] = None
             row["turn_outputs"] = row["turn_outputs"] or None
         row["tree"] = json.dumps(self.engine.policy.summary())   # what each batch size runs as this row ends
@@ -280,16 +281,22 @@ class GenerateStage:
             return [row]
         return [row | sample | {"tree": row["tree"], "finished_at": row["finished_at"]} for sample in samples]
 
-    def answer(self, out, params) -> dict:
-        """An output's ``output`` (and ``turn_outputs``) and ``reasoning`` columns: with a reasoning parser, its
-        thinking apart (``engine/reasoning.py``: its mode read from the end of the prompt; no answer is "")."""
-        text = out.text
-        if self.cfg.reasoning_parser is None:
-            return {"output": text, "reasoning": None, "turn_outputs": [text]}
-        mode = mode_for(self.cfg.reasoning_parser, self.engine.tokenizer, out.prompt_token_ids,
-                        params.guided is not None)
-        thought, answer = split_reasoning(text, mode)
-        return {"output": answer or "", "reasoning": thought, "turn_outputs": [answer or ""]}
+    def answer(self, out, req: RowRequest) -> dict:
+        """An output's ``output`` (and ``turn_outputs``), ``reasoning``, ``tool_calls`` and ``finish_reason``
+        columns: with a reasoning parser, its thinking apart (``engine/reasoning.py``: its mode read from the end of
+        the prompt; no answer is ""); with tools, its calls read as Serve reads them (``engine/tools.py``), as
+        OpenAI's JSON list."""
+        thought, text = None, out.text
+        if self.cfg.reasoning_parser is not None:
+            mode = mode_for(self.cfg.reasoning_parser, self.engine.tokenizer, out.prompt_token_ids,
+                            req.params.guided is not None)
+            thought, text = split_reasoning(out.text, mode)
+        calls, reason = None, out.finish_reason
+        if req.tools is not None and req.tools.calls and text is not None:
+            message, reason = req.tools.message(text, reason)
+            text, calls = message["content"], message.get("tool_calls")
+        return {"output": text or "", "reasoning": thought, "turn_outputs": [text or ""], "finish_reason": reason,
+                "tool_calls": json.dumps(calls, ensure_ascii=False) if calls else None}
 
     async def outputs(self, seqs) -> list:
         """Every sequence's output; where one fails, the others are cancelled and its error raised."""
@@ -309,9 +316,9 @@ class GenerateStage:
         outs = await self.outputs(seqs)
         # the prompt's values, from the sample that ran all of it (the others copied its first tokens' K/V)
         prompt = max((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), key=len, default=None)
-        return [{**self.answer(o, req.params), "output_token_ids": o.token_ids,
+        return [{"output_token_ids": o.token_ids, **self.answer(o, req),
                  "prompt_tokens": len(o.prompt_token_ids), "output_tokens": len(o.token_ids),
-                 "finish_reason": o.finish_reason, "sample_index": o.sample_index,
+                 "sample_index": o.sample_index,
                  **logprob_columns(o.logprobs, prompt),
                  **{k: v for k, v in o.stats.to_dict().items() if k not in ("step_tokens", "tree_tokens")}}
                 for o in outs]
@@ -354,16 +361,16 @@ class GenerateStage:
                 row["turn_outputs"] = outputs   # what was answered stays
                 raise type(e)(f"turn {i + 1} of {len(turns)}: {e}" + (f" (turns 1-{i} were answered: turn_outputs)"
                                                                       if i else "")) from None
-            answer = self.answer(out, req.params)
+            answer = self.answer(out, req)
             if req.kind == "turns":   # the next turn sees the answer, not the thinking
                 messages.append({"role": "assistant", "content": answer["output"]})
             outputs.append(answer["output"])
             prompt_tokens += len(out.prompt_token_ids)
             output_tokens += len(out.token_ids)
             stats.merge(out.stats)
-            finish = out.finish_reason
-        row.update(output=outputs[-1], reasoning=answer["reasoning"], turn_outputs=outputs,
-                   output_token_ids=out.token_ids,
+            finish = answer["finish_reason"]
+        row.update(output=outputs[-1], reasoning=answer["reasoning"], tool_calls=answer["tool_calls"],
+                   turn_outputs=outputs, output_token_ids=out.token_ids,
                    prompt_tokens=prompt_tokens, sample_index=0, **logprob_columns(out.logprobs, out.prompt_logprobs),
                    output_tokens=output_tokens, finish_reason=finish, **stats.to_dict())
         row.pop("step_tokens", None)

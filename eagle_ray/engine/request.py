@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 
 from eagle_ray.config import SamplingParams
+from eagle_ray.engine.tools import ToolError, ToolPlan, tool_plan
 from eagle_ray.errors import ConfigError, InvalidRequestError
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -249,6 +250,7 @@ class RowRequest:
     params: SamplingParams
     asked_tokens: int | None = None   # the row's own max_new_tokens (None: the defaults' limit, cut at the context)
     continuations: list[str] | None = None   # scored after the prompt, nothing generated (engine/scoring.py)
+    tools: ToolPlan | None = None             # a chat's tools and how its answer is read (engine/tools.py)
 
 
 SAMPLING_KEYS = ("sampling_params", "sampling")
@@ -286,8 +288,9 @@ def parse_continuations(rec: dict, kind: str, params: SamplingParams) -> list[st
     return [check_text(c, f"{given[0]}[{i}]") for i, c in enumerate(value)]
 
 
-def parse_row(rec, defaults: SamplingParams) -> RowRequest:
-    """Validate one job row (an already decoded JSON object or Parquet record)."""
+def parse_row(rec, defaults: SamplingParams, tool_parser: str | None = None) -> RowRequest:
+    """Validate one job row (an already decoded JSON object or Parquet record); ``tool_parser``: how a chat's
+    answer is read for tool calls where the model chooses."""
     if not isinstance(rec, dict):
         raise InvalidRequestError(f"a row must be a JSON object, got {_describe(rec)}")
     kinds = [k for k in PROMPT_KINDS if rec.get(k) is not None]
@@ -313,14 +316,46 @@ def parse_row(rec, defaults: SamplingParams) -> RowRequest:
         if params.prompt_logprobs is not None:
             raise InvalidRequestError("sampling_params.prompt_logprobs: a conversation answered turn by turn has a "
                                       "prompt per turn; give the chat as messages")
+        if any(rec.get(k) is not None for k in TOOL_KEYS):
+            raise InvalidRequestError("tools: a conversation answered turn by turn calls none; give the chat as "
+                                      "messages")
         return RowRequest(kind, None, parse_turns(value), params, asked)
     if kind == "prompt":
         if not isinstance(value, str):
             raise InvalidRequestError(f"prompt must be a string, got {_describe(value)}")
         if not value.strip():
             raise InvalidRequestError("prompt is empty")
+        if any(rec.get(k) is not None for k in TOOL_KEYS):
+            raise InvalidRequestError("tools: a chat's template shows them; give the row as messages")
         return RowRequest(kind, Prompt("text", check_text(value, "prompt")), None, params, asked, continuations)
-    return RowRequest(kind, Prompt("messages", parse_messages(value)), None, params, asked)
+    plan, params = row_tools(rec, params, tool_parser)
+    return RowRequest(kind, Prompt("messages", parse_messages(value), tools=plan.tools if plan else None), None,
+                      params, asked, tools=plan)
+
+
+TOOL_KEYS = ("tools", "tool_choice")
+
+
+def row_tools(rec: dict, params: SamplingParams, parser: str | None) -> tuple[ToolPlan | None, SamplingParams]:
+    """A chat row's ``tools``, ``tool_choice`` and ``parallel_tool_calls``, read as Serve reads them, and its
+    sampling with a forced call's schema (and, where hermes reads the answer, special tokens' text kept)."""
+    parallel = rec.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise InvalidRequestError(f"parallel_tool_calls must be true or false, got {_describe(parallel)}")
+    try:
+        plan = tool_plan(rec.get("tools"), rec.get("tool_choice"), parallel is not False, parser)
+    except ToolError as e:
+        raise InvalidRequestError(str(e)) from None
+    if plan is None:
+        return None, params
+    update = {"skip_special_tokens": False} if plan.keeps_special_text else {}
+    schema = plan.guided_json()
+    if schema is not None:
+        if params.guided or params.min_tokens or params.allowed_token_ids:
+            raise InvalidRequestError("tool_choice forces a tool call, whose arguments are structured output "
+                                      "already: leave out the row's guided fields, min_tokens and allowed_token_ids")
+        update["guided_json"] = schema
+    return plan, params.model_copy(update=update) if update else params
 
 
 def _describe(value) -> str:

@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from eagle_ray.engine.reasoning import ReasoningStream
+from eagle_ray.engine.tools import CallReader
 from eagle_ray.errors import EagleError, EngineDeadError, PromptTooLongError
 from eagle_ray.serve.choices import ChoiceShape, Chunks, Interleaved, StreamState, merged_stats, prepare, usage
 from eagle_ray.serve.config import ServeConfig
@@ -28,7 +29,6 @@ from eagle_ray.serve.metrics import ReplicaMetrics, ServeMetrics
 from eagle_ray.serve.openai_api import (ApiError, ParsedRequest, authorized, eagle_stats, error_body, finish_reason,
                                         new_id, now, parse_body)
 from eagle_ray.serve.tokens import DetokenizeRequest, TokenizeRequest, parse_tokens_body
-from eagle_ray.serve.tools import CallReader
 from eagle_ray.serve.tokens import answer as token_answer
 from eagle_ray.train.online import adapt
 
@@ -206,7 +206,7 @@ class EagleServer:
                 reason = finish_reason(d.output.finish_reason) if d.finished else None
                 if st.split is not None:   # thinking and answer apart
                     thought, text = st.split.feed(text, final=d.finished)
-                if st.reader is not None:   # the answer read for tool calls (serve/tools.py)
+                if st.reader is not None:   # the answer read for tool calls (engine/tools.py)
                     whole = shape.answer(d.output.text, prompts[index // n])[1] if d.finished else None
                     text, calls, reason = st.reader.part(text or "", whole, st.first, reason, d.finished)
                 thought = thought if shape.include_reasoning else None

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from eagle_ray.engine.reasoning import ReasoningStream, mode_for, split_reasoning
 from eagle_ray.engine.sequence import Sequence
+from eagle_ray.engine.tools import CallReader, ToolPlan
 from eagle_ray.serve.logprobs import TokenText, chat_logprobs, completion_logprobs, echoed, merge_completion
-from eagle_ray.serve.tools import CallReader, ToolPlan
 from eagle_ray.speculative.logprobs import TokenLogprobs
 from eagle_ray.stats import RequestStats
 

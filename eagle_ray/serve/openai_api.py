@@ -9,7 +9,7 @@ would change what is generated or returned (``n`` above the server's cap, ``echo
 ``suffix``, the legacy ``functions``, vLLM's ``bad_words``, beam search and ``prompt_logprobs``, and its
 chat-template fields ``chat_template`` and ``documents``) are refused, unless they hold the value that changes
 nothing; vLLM's ``chat_template_kwargs``, ``add_generation_prompt`` and ``continue_final_message``, and ``tools``
-with ``tool_choice`` (``serve/tools.py``), are taken on chat. Types are strict where lax parsing would change the
+with ``tool_choice`` (``engine/tools.py``), are taken on chat. Types are strict where lax parsing would change the
 request: ``"stream": "yes"`` or ``"max_tokens": true`` are refused, not read as true and 1.
 """
 from __future__ import annotations
@@ -27,8 +27,8 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valid
 from eagle_ray.config import JSON_OBJECT, SamplingParams, checked_schema, engine_arguments_in
 from eagle_ray.engine.request import (MAX_NESTING, Prompt, nesting_depth, parse_messages, parse_prompt,
                                      sampling_params, storable)
+from eagle_ray.engine.tools import ToolError, ToolPlan, tool_plan
 from eagle_ray.errors import InvalidRequestError
-from eagle_ray.serve.tools import ToolError, ToolPlan, tool_plan
 from eagle_ray.speculative.logprobs import MAX_TOP
 from eagle_ray.stats import RequestStats
 
@@ -160,7 +160,7 @@ class _Request(BaseModel):
     def sampling(self, default_max_tokens: int, tool_schema: dict | None = None) -> SamplingParams:
         """The request's sampling, validated by the engine's parser (a bad seed or top_k is a 400 naming it). A
         request that echoes its prompt and generates nothing (``max_tokens: 0``) runs its prompt alone.
-        ``tool_schema``: the JSON schema a forced tool call holds its answer to (``serve/tools.py``)."""
+        ``tool_schema``: the JSON schema a forced tool call holds its answer to (``engine/tools.py``)."""
         limit = self.limit()
         guided = guided_fields(self)
         if tool_schema is not None:
@@ -305,7 +305,7 @@ class ChatRequest(_Request):
     include_reasoning: StrictBool = Field(True, description="vLLM's: false leaves a reasoning model's thinking out")
     reasoning_effort: Literal["low", "medium", "high"] | None = Field(
         None, description="handed to the chat template as a variable, as vLLM hands it (templates that read it)")
-    tools: list | None = Field(None, description="function tools the template shows the model (serve/tools.py)")
+    tools: list | None = Field(None, description="function tools the template shows the model (engine/tools.py)")
     tool_choice: str | dict | None = None
     parallel_tool_calls: StrictBool = True
 

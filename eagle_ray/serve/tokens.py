@@ -9,9 +9,9 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, field_validator
 
 from eagle_ray.engine.request import Prompt, parse_messages, parse_prompt
+from eagle_ray.engine.tools import ToolError, tool_plan
 from eagle_ray.errors import InvalidRequestError
 from eagle_ray.serve.openai_api import ApiError, read_body, template_variables
-from eagle_ray.serve.tools import ToolError, tool_plan
 
 
 class TokenizeRequest(BaseModel):

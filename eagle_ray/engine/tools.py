@@ -289,7 +289,7 @@ def tool_plan(tools, tool_choice, parallel: bool, parser: str | None) -> ToolPla
         raise ToolError(f"tool_choice must be none, auto, required or a named function, got {choice!r}",
                         "tool_choice")
     if choice == "auto" and parser is None:
-        raise ToolError("tool_choice auto (the default with tools) needs the deployment's tool_call_parser ("
+        raise ToolError("tool_choice auto (the default with tools) needs a tool_call_parser in the config ("
                         + " or ".join(PARSERS) + "); send tool_choice required or a named function, or none",
                         "tool_choice")
     return ToolPlan(checked, choice, None, parser, parallel)

@@ -277,11 +277,23 @@ def test_a_jobs_chat_rows_take_tools_as_serve_does():
     assert req.params.guided_json == chat({k: v for k, v in row.items() if k != "messages"}).params.guided_json
     auto = parse_row({"messages": USER, "tools": [WEATHER]}, SamplingParams(), tool_parser="hermes")
     assert auto.tools.choice == "auto" and auto.params.skip_special_tokens is False
+    # a Parquet column of two tools: Arrow gives the one without parameters a null there (null means absent)
+    arrow = [WEATHER, {"type": "function", "function": {"name": "get_time", "description": None, "parameters": None}}]
+    assert parse_row({"messages": USER, "tools": arrow, "tool_choice": "none"}, SamplingParams()).prompt.tools == \
+        (WEATHER, TIME)
+    # the job's own default guided field or min_tokens gives way to a forced call's schema
+    for default in (SamplingParams(guided_regex="a+"), SamplingParams(min_tokens=3, max_new_tokens=8)):
+        forced = parse_row({"messages": USER, "tools": [WEATHER, TIME], "tool_choice": "required",
+                            "parallel_tool_calls": False}, default)
+        assert forced.params.guided == ("guided_json", req.params.guided_json) and forced.params.min_tokens == 0
     for bad, message in [({"messages": USER, "tools": [WEATHER]}, "needs a tool_call_parser in the config"),
                          ({"prompt": "w1", "tools": [WEATHER]}, "tools: a chat's template shows them"),
                          ({"turns": ["w1"], "tools": [WEATHER]}, "tools: a conversation answered turn by turn"),
                          ({"messages": USER, "tools": [WEATHER], "tool_choice": "required",
-                           "sampling_params": {"guided_regex": "a"}}, "leave out the row's guided fields"),
+                           "sampling_params": {"guided_regex": "a"}}, "leave out the row's guided_regex"),
+                         ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f",
+                                                                                        "description": "\ud800"}}],
+                           "tool_choice": "none"}, "tools are not valid Unicode"),
                          ({"messages": USER, "tools": [WEATHER], "tool_choice": "none", "parallel_tool_calls": 1},
                           "parallel_tool_calls must be true or false")]:
         with pytest.raises(InvalidRequestError, match=message):
@@ -321,3 +333,22 @@ def test_a_job_refuses_a_tools_row_its_template_cannot_show_and_records_its_pars
     write_rows(out, {"row-0": '{"prompt": "a"}'})
     with pytest.raises(ConfigError, match="tool_call_parser: 'hermes' there, None now"):
         check_output_identity(FS, str(out), job(out="o"))
+
+
+def test_a_resume_of_an_output_written_before_tools_were_read_runs_its_tools_rows_again(tmp_path):
+    """An older job passed a row's tools by: its answers were made without them, so they run again."""
+    from test_job_output import FS, job, write_rows
+
+    from eagle_ray.batch.job import JobSummary, check_output_identity, input_table, resume_output
+    from eagle_ray.batch.rows import read_input
+    rows = {"plain": json.dumps({"id": "plain", "messages": USER}),
+            "tools": json.dumps({"id": "tools", "messages": USER, "tools": [WEATHER], "tool_choice": "none"})}
+    write_rows(tmp_path, rows)
+    (tmp_path / "in.jsonl").write_text("\n".join(rows.values()) + "\n")
+    now = input_table(read_input(str(tmp_path / "in.jsonl"), FS))
+    old = {"target": None, "draft": None, "dtype": "auto", "speculative": True}   # before the tool settings
+    (tmp_path / "_job.json").write_text(json.dumps(old))
+    recorded = check_output_identity(FS, str(tmp_path), job(out=str(tmp_path)))
+    assert recorded["tools_unread"] is True
+    resumed = resume_output(FS, str(tmp_path), now, JobSummary(), tools_unread=recorded["tools_unread"])
+    assert resumed.changed == 1 and resumed.done.to_pylist() == ["plain"]

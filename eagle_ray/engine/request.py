@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from eagle_ray.config import SamplingParams
+from eagle_ray.config import GUIDED_FIELDS, SamplingParams
 from eagle_ray.engine.tools import ToolError, ToolPlan, tool_plan
 from eagle_ray.errors import ConfigError, InvalidRequestError
 
@@ -328,7 +328,7 @@ def parse_row(rec, defaults: SamplingParams, tool_parser: str | None = None) -> 
         if any(rec.get(k) is not None for k in TOOL_KEYS):
             raise InvalidRequestError("tools: a chat's template shows them; give the row as messages")
         return RowRequest(kind, Prompt("text", check_text(value, "prompt")), None, params, asked, continuations)
-    plan, params = row_tools(rec, params, tool_parser)
+    plan, params = row_tools(rec, params, overrides, tool_parser)
     return RowRequest(kind, Prompt("messages", parse_messages(value), tools=plan.tools if plan else None), None,
                       params, asked, tools=plan)
 
@@ -336,14 +336,31 @@ def parse_row(rec, defaults: SamplingParams, tool_parser: str | None = None) -> 
 TOOL_KEYS = ("tools", "tool_choice")
 
 
-def row_tools(rec: dict, params: SamplingParams, parser: str | None) -> tuple[ToolPlan | None, SamplingParams]:
+FORCED_CALL_CONFLICTS = (*GUIDED_FIELDS, "min_tokens", "allowed_token_ids")   # what a forced call's schema replaces
+
+
+def without_nulls(value):
+    """``value`` with null object members dropped at every depth: a null means absent, and Arrow fills the keys one
+    struct of a column lacks with nulls (two tools with different parameters, in Parquet or a Ray dataset)."""
+    if isinstance(value, dict):
+        return {k: without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [without_nulls(v) for v in value]
+    return value
+
+
+def row_tools(rec: dict, params: SamplingParams, overrides, parser: str | None
+              ) -> tuple[ToolPlan | None, SamplingParams]:
     """A chat row's ``tools``, ``tool_choice`` and ``parallel_tool_calls``, read as Serve reads them, and its
-    sampling with a forced call's schema (and, where hermes reads the answer, special tokens' text kept)."""
+    sampling with a forced call's schema (and, where hermes reads the answer, special tokens' text kept). A forced
+    call's schema replaces the job's own guided field, ``min_tokens`` or ``allowed_token_ids``; the row's own are
+    refused."""
     parallel = rec.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise InvalidRequestError(f"parallel_tool_calls must be true or false, got {_describe(parallel)}")
     try:
-        plan = tool_plan(rec.get("tools"), rec.get("tool_choice"), parallel is not False, parser)
+        plan = tool_plan(without_nulls(rec.get("tools")), without_nulls(rec.get("tool_choice")),
+                         parallel is not False, parser)
     except ToolError as e:
         raise InvalidRequestError(str(e)) from None
     if plan is None:
@@ -351,10 +368,12 @@ def row_tools(rec: dict, params: SamplingParams, parser: str | None) -> tuple[To
     update = {"skip_special_tokens": False} if plan.keeps_special_text else {}
     schema = plan.guided_json()
     if schema is not None:
-        if params.guided or params.min_tokens or params.allowed_token_ids:
-            raise InvalidRequestError("tool_choice forces a tool call, whose arguments are structured output "
-                                      "already: leave out the row's guided fields, min_tokens and allowed_token_ids")
-        update["guided_json"] = schema
+        own = [k for k in FORCED_CALL_CONFLICTS if isinstance(overrides, dict) and overrides.get(k) not in (None, 0)]
+        if own:
+            raise InvalidRequestError(f"tool_choice forces a tool call, whose arguments are structured output "
+                                      f"already: leave out the row's {', '.join(own)}")
+        update |= {k: None for k in GUIDED_FIELDS} | {"guided_json": schema, "min_tokens": 0,
+                                                      "allowed_token_ids": None}
     return plan, params.model_copy(update=update) if update else params
 
 

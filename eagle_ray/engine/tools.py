@@ -269,6 +269,10 @@ def tool_plan(tools, tool_choice, parallel: bool, parser: str | None) -> ToolPla
         raise ToolError("tool_choice needs tools", "tool_choice")
     if not isinstance(tools, list):
         raise ToolError("tools must be a list of {\"type\": \"function\", \"function\": {...}}", "tools")
+    try:
+        json.dumps(tools, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ToolError("tools are not valid Unicode (they hold a lone surrogate)", "tools") from None
     checked = tuple(_tool(t, f"tools[{i}]") for i, t in enumerate(tools))
     names = [t["function"]["name"] for t in checked]
     twice = sorted({n for n in names if names.count(n) > 1})

@@ -73,7 +73,13 @@ valid_row = st.one_of(st.fixed_dictionaries({"id": words, "prompt": words.filter
                       st.fixed_dictionaries({"turns": st.lists(words.filter(str.strip), min_size=1, max_size=2),
                                              "sampling_params": st.fixed_dictionaries({"max_tokens": st.integers(1, 4)})}))
 ROW_FIELDS = {"id": st.one_of(st.integers(), words), "prompt": words, "messages": st.lists(message, max_size=3),
-              "turns": st.lists(maybe(words), max_size=3), "sampling_params": sampling, "sampling": sampling}
+              "turns": st.lists(maybe(words), max_size=3), "sampling_params": sampling, "sampling": sampling,
+              "tools": st.lists(st.sampled_from([{"type": "function", "function": {"name": "w5"}}, {"type": "x"}, "w1",
+                                                 {"type": "function", "function": {"name": "w6", "parameters": None}}]),
+                                max_size=2),
+              "tool_choice": st.sampled_from(["none", "auto", "required", 3, {"type": "function",
+                                                                              "function": {"name": "w5"}}]),
+              "parallel_tool_calls": st.one_of(st.booleans(), words)}
 
 
 @st.composite

@@ -197,3 +197,28 @@ def test_the_openai_client_calls_tools(embedded_server):
         auto.finish_reason == "length"
     with pytest.raises(openai.BadRequestError, match="not among the tools"):
         client.chat.completions.create(**common, tool_choice={"type": "function", "function": {"name": "f"}})
+
+
+def test_a_jobs_chat_rows_call_tools_as_serve_does(tmp_path):
+    """The job's rows with tools, on the embedded model with a template that shows them: a named call and a
+    required one land in ``tool_calls`` (OpenAI's list, each call's arguments valid under its tool's schema)."""
+    from test_job_output import run_rows
+
+    from eagle_ray.batch.config import JobConfig
+    from eagle_ray.batch.stage import GenerateStage
+    template = str(Path(__file__).resolve().parent / "templates" / "smollm2_tools.jinja")
+    cfg = JobConfig(engine={"dtype": "float32", "max_batch_size": 2, "max_model_len": 1024, "tree": {},
+                            "chat_template": template},
+                    sampling={"max_new_tokens": 64}, tool_call_parser="hermes",
+                    input={"uri": str(tmp_path / "in.jsonl")}, output={"uri": str(tmp_path / "out")})
+    ask = chat("What is the weather in Paris right now?")
+    named, required = run_rows(GenerateStage(cfg.model_dump_json()), [
+        {"messages": ask, "tools": [WEATHER, CLOCK], "tool_choice": {"type": "function",
+                                                                     "function": {"name": "get_weather"}}},
+        {"messages": ask, "tools": [WEATHER, CLOCK], "tool_choice": "required", "parallel_tool_calls": False}])
+    for row, reason in ((named, "stop"), (required, "tool_calls")):
+        assert row["error"] is None and row["finish_reason"] == reason and row["output"] == ""
+        (call,) = json.loads(row["tool_calls"])
+        tool = {"get_weather": WEATHER, "get_time": CLOCK}[call["function"]["name"]]
+        jsonschema.validate(json.loads(call["function"]["arguments"]), tool["function"]["parameters"])
+    assert json.loads(named["tool_calls"])[0]["function"]["name"] == "get_weather"

@@ -116,6 +116,9 @@ class SamplingParams(StrictModel):
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
         None, min_length=1, description="the output's tokens are chosen among these ids only")
+    bad_words: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        None, description="words the output may not hold, as vLLM bars them: each word's tokens (with and without a "
+        "leading space), its last token barred where the output so far ends with the others")
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=2**31 - 1, description="keep only the prompt's "
                                                "last this many tokens (after templating); -1: as many as fit")
     # penalties, logit bias and structured output, as vLLM reads them (speculative/penalties.py, grammar.py)

@@ -172,7 +172,7 @@ REQUEST_FIELDS = {
     "add_generation_prompt": st.booleans(), "continue_final_message": st.booleans(),
     "min_p": st.floats(-1, 2), "min_tokens": st.integers(-1, 20), "allowed_token_ids": st.lists(st.integers(-2, 99)),
     "include_stop_str_in_output": st.booleans(), "skip_special_tokens": st.booleans(),
-    "truncate_prompt_tokens": st.integers(-2, 5000),
+    "truncate_prompt_tokens": st.integers(-2, 5000), "bad_words": st.lists(words, max_size=3),
     "tools": st.lists(st.sampled_from([{"type": "function", "function": {"name": "w5", "parameters": {
         "type": "object", "properties": {"a": {"type": "integer"}}}}}, {"type": "function"}, "w1",
         {"type": "function", "function": {"name": "w6", "parameters": {"type": 3}}}]), max_size=2),

@@ -360,7 +360,7 @@ def test_the_serve_parser_refuses_vllm_fields_it_would_ignore_and_reads_types_st
 
     def parse(body, kind="completion"):
         return parse_body(json.dumps({"model": "m", "prompt": "w1", **body}).encode(), kind, "m", 100, 16)
-    for field, value in [("bad_words", ["w1"]), ("prompt_logprobs", 1),
+    for field, value in [("length_penalty", 2.0), ("prompt_logprobs", 1),
                          ("function_call", "required"), ("logits_processors", ["x"]),
                          ("use_beam_search", True), ("best_of", True),
                          ("chat_template", "{{ x }}")]:
@@ -410,7 +410,7 @@ def test_the_serve_parser_takes_vllms_further_sampling_fields_strictly():
     def parse(body, kind="completion"):
         return parse_body(json.dumps({"model": "m", "prompt": "w1", **body}).encode(), kind, "m", 100, 16)
     fields = {"min_p": 0.05, "min_tokens": 3, "allowed_token_ids": [4, 5, 6], "include_stop_str_in_output": True,
-              "skip_special_tokens": False, "truncate_prompt_tokens": 12}
+              "skip_special_tokens": False, "truncate_prompt_tokens": 12, "bad_words": ["w1 w2", "w3"]}
     params = parse(fields).params
     assert {k: getattr(params, k) for k in fields} == fields
     chat = parse_body(json.dumps({"model": "m", "messages": [{"role": "user", "content": "w1"}], **fields}).encode(),

@@ -7,6 +7,7 @@ out), token for token; min-p's sampled output has the distribution transformers'
 fields are exact strings on the tiny word-level tokenizer.
 """
 import collections
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -76,13 +77,14 @@ def test_min_tokens_bars_stop_tokens_at_every_node_and_stays_lossless(tiny_dir, 
 def test_min_tokens_bars_each_node_by_its_depth():
     """The ids barred are the sequence's (``min_barred``: its stop ids and EOS, as the engine makes them)."""
     class Seq:
-        def __init__(self, output_ids, barred, **kw):
+        def __init__(self, output_ids, barred, bad_words=(), **kw):
             self.params, self.output_ids, self.min_barred = SamplingParams(**kw), output_ids, frozenset(barred)
+            self.bad_words = bad_words
     seqs = [Seq([4, 4], {1, 6}, min_tokens=4), Seq([], set(), min_tokens=4), Seq([5], {1}, allowed_token_ids=[2, 3])]
     batch = TokenMaskBatch.of(seqs, 8, "cpu")
     assert batch.rows.tolist() == [0, 2]           # the second has no stop id to bar: no mask
-    depth = torch.tensor([[0, 1, 2, 1]] * 3)
-    out = apply_token_masks(torch.zeros(3, 4, 8), batch, depth)
+    tree = SimpleNamespace(depth=torch.tensor([[0, 1, 2, 1]] * 3))
+    out = apply_token_masks(torch.zeros(3, 4, 8), batch, tree)
     barred = out == float("-inf")
     # two output tokens of four: nodes at depth 0 and 1 choose the third and fourth, depth 2 the fifth
     assert barred[0, :, 1].tolist() == barred[0, :, 6].tolist() == [True, True, False, True]
@@ -153,8 +155,9 @@ def test_allowed_token_ids_restrict_every_choice_and_stay_lossless(tiny_dir, tin
 
 
 def test_a_masked_step_still_reads_once_and_copies_once(tiny_dir, tiny_head):
-    engine = tiny_engine(tiny_dir, tiny_head, TREE, max_batch_size=3)
-    for i, k in enumerate([dict(allowed_token_ids=[7, 8, 9, 10]), dict(min_tokens=30, stop_token_ids=[4]), {}]):
+    engine = tiny_engine(tiny_dir, tiny_head, TREE, max_batch_size=4)
+    for i, k in enumerate([dict(allowed_token_ids=[7, 8, 9, 10]), dict(min_tokens=30, stop_token_ids=[4]), {},
+                           dict(bad_words=["w7 w8", "w9"])]):
         engine.add_request([5 + i, 9, 10, 11], SamplingParams(max_new_tokens=40, **k))
     assert decode_step_costs(engine) == (1, 1, 0)
 
@@ -334,3 +337,57 @@ def test_a_jobs_rows_carry_their_prompts_log_probabilities_as_the_target_gives_t
         inherited = {k: v for k, v in row.items() if k != "sampling_params"}   # the job's default: not theirs
         assert parse_row(inherited, SamplingParams(prompt_logprobs=1)).params.prompt_logprobs is None
     assert parse_row({"prompt": "w1"}, SamplingParams(prompt_logprobs=1)).params.prompt_logprobs == 1
+
+
+# ---- bad_words ----------------------------------------------------------------------------------------------------
+def bad_words_reference(hf, prompt: list[int], n: int, words: list[list[int]]) -> list[int]:
+    """A full forward per token and vLLM's rule written out: a word's last token is barred where the output so far
+    ends with its other tokens (a one-token word, always)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = hf(torch.tensor([ids])).logits[0, -1].clone()
+            out = ids[len(prompt):]
+            for w in words:
+                if len(w) == 1 or (len(out) >= len(w) - 1 and out[len(out) - len(w) + 1:] == w[:-1]):
+                    logits[w[-1]] = float("-inf")
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt):]
+
+
+def test_a_bad_words_last_token_is_barred_at_each_node_whose_path_ends_with_the_rest(tiny_dir, tiny_hf, tiny_head):
+    """Two-token words taken from the free outputs (so they would occur), and a one-token word: greedy speculation
+    equals greedy plain decoding and the reference; no output holds a word; trees are still accepted."""
+    engine = tiny_engine(tiny_dir, tiny_head, TREE, max_batch_size=4)
+    ps = prompts(4, seed=6)
+    free = engine.generate(ps, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    pairs = [o.token_ids[i:i + 2] for o in free for i in (2, 7)]
+    text = [engine.tokenizer.decode(p) for p in pairs] + [engine.tokenizer.decode(free[0].token_ids[:1])]
+    words = engine.codec.bad_word_ids(text)
+    assert sorted(map(len, words))[0] == 1 and max(map(len, words)) == 2
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True, bad_words=text)
+    spec = engine.generate(ps, params)
+    plain = engine.generate(ps, params, speculative=False)
+    for s, p, f, prompt in zip(spec, plain, free, ps):
+        assert s.token_ids == p.token_ids == bad_words_reference(tiny_hf, prompt, 24, words)
+        assert not any(s.token_ids[i:i + len(w)] == w for w in words for i in range(len(s.token_ids)))
+    assert any(s.token_ids != f.token_ids for s, f in zip(spec, free))
+    assert sum(sum(o.stats.accepted_per_depth) for o in spec) > 0
+
+
+def test_a_nodes_path_reads_its_own_tokens_then_the_output_before_the_root():
+    """Root 0 -> 1 -> 3, root -> 2; the output before the root is [7, 8] (8 latest)."""
+    from eagle_ray.speculative.token_masks import path_tokens
+    tokens = torch.tensor([[10, 11, 12, 13]])
+    parents = torch.tensor([[0, 0, 0, 1]])
+    depth = torch.tensor([[0, 1, 1, 2]])
+    got = path_tokens(tokens, parents, depth, torch.tensor([[8, 7, -1]]))
+    assert got[0].tolist() == [[10, 8, 7], [11, 10, 8], [12, 10, 8], [13, 11, 10]]
+
+
+def test_bad_words_are_refused_where_they_cannot_be_read():
+    with pytest.raises(ConfigError, match="bad_words.0: String should have at least 1 character"):
+        SamplingParams(bad_words=[""])
+    from eagle_ray.engine.request import sampling_params
+    with pytest.raises(InvalidRequestError, match="bad_words: a list of strings is required"):
+        sampling_params({"bad_words": "w1"})

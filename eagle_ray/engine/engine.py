@@ -181,7 +181,8 @@ class EagleEngine:
                         stops=StopStrings(params.stop) if params.stop else None, guide=guide, min_barred=barred,
                         logprobs=TokenLogprobs() if params.logprobs is not None else None,
                         prompt_logprobs=TokenLogprobs() if params.prompt_logprobs is not None else None,
-                        prompt_logprobs_k=params.prompt_logprobs or 0)
+                        prompt_logprobs_k=params.prompt_logprobs or 0,
+                        bad_words=tuple(map(tuple, self.codec.bad_word_ids(params.bad_words or []))))
 
     def make_samples(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                      speculative: bool = True) -> list[Sequence]:

@@ -480,7 +480,7 @@ class ModelRunner:
         logits = mask_logits(logits, seqs)
         masks = TokenMaskBatch.of(seqs, self.target.vocab_size, self.device)
         if masks is not None:
-            logits = apply_token_masks(logits, masks, tree.depth if tree is not None else None)
+            logits = apply_token_masks(logits, masks, tree)
         penalties = PenaltyBatch.of(seqs, self.target.vocab_size, self.device)
         if penalties is not None:
             logits = apply_penalties(logits, penalties, *((tree.tokens, tree.ancestors) if tree is not None else ()))

@@ -199,6 +199,8 @@ _SAMPLING_TYPES = {"max_new_tokens": _INTEGER, "max_tokens": _INTEGER, "max_comp
                    "skip_special_tokens": (lambda v: isinstance(v, bool), "true or false"),
                    "allowed_token_ids": (lambda v: isinstance(v, list) and all(_integer(t) for t in v),
                                          "a list of integers"),
+                   "bad_words": (lambda v: isinstance(v, list) and all(isinstance(w, str) for w in v),
+                                 "a list of strings"),
                    "guided_json": (lambda v: isinstance(v, (dict, str)), "a JSON schema (an object or JSON text)"),
                    "guided_regex": (lambda v: isinstance(v, str), "a string"),
                    "guided_grammar": (lambda v: isinstance(v, str), "a string"),

@@ -95,6 +95,7 @@ class Sequence:
     fork_ready: bool = True                     # False while it waits for a member of its group to hold them
     stop_floor: int | None = None               # characters of text no stop string may end in (``min_tokens``'s)
     min_barred: frozenset[int] = frozenset()    # ids ``min_tokens`` bars: its stop ids and EOS, ignored or not
+    bad_words: tuple[tuple[int, ...], ...] = ()  # its bad words' token ids (speculative/token_masks.py)
 
     @property
     def finished(self) -> bool:

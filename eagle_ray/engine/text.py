@@ -133,6 +133,21 @@ class TextCodec:
             raise InvalidRequestError("messages: this model's chat template does not show earlier tool calls to the "
                                       "model; give the engine a template that does (model.chat_template)")
 
+    def bad_word_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word's token ids as vLLM reads them: the word, and the word after a space where that starts
+        with another token (a word in the middle of the text); ids past the model's vocabulary are refused."""
+        out: list[list[int]] = []
+        for word in words:
+            plain = list(self.tokenizer(word.lstrip(), add_special_tokens=False)["input_ids"])
+            spaced = list(self.tokenizer(" " + word.lstrip(), add_special_tokens=False)["input_ids"])
+            out += [plain] + ([spaced] if spaced and spaced[0] != plain[0] and len(spaced) == len(plain) else [])
+        out = [ids for ids in out if ids]
+        bad = [t for ids in out for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"bad_words: a word encodes to token id {bad[0]}, outside the model's "
+                                      f"vocabulary [0, {self.vocab_size})")
+        return out
+
     @functools.cached_property
     def _special_tokens(self) -> list[str]:
         """The texts of the tokenizer's special tokens (fixed once it is loaded)."""

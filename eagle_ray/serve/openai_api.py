@@ -6,7 +6,7 @@ runs on the event loop and is fuzzed directly by the tests. Prompt and sampling 
 request parser, the same one the batch job uses. Unknown fields are ignored (clients send many), and so is an
 explicit ``null`` (OpenAI's fields are nullable: clients send unset options as ``null``); unsupported ones that
 would change what is generated or returned (``n`` above the server's cap, ``echo`` on chat, ``best_of``,
-``suffix``, the legacy ``functions``, vLLM's ``bad_words``, beam search and ``prompt_logprobs``, and its
+``suffix``, the legacy ``functions``, vLLM's beam search, ``length_penalty`` and ``prompt_logprobs``, and its
 chat-template fields ``chat_template`` and ``documents``) are refused, unless they hold the value that changes
 nothing; vLLM's ``chat_template_kwargs``, ``add_generation_prompt`` and ``continue_final_message``, and ``tools``
 with ``tool_choice`` (``engine/tools.py``), are taken on chat. Types are strict where lax parsing would change the
@@ -51,7 +51,7 @@ UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""),
                "functions": (None, []), "function_call": (None, "none", "auto"),
                "audio": (None,), "web_search_options": (None,),
                "length_penalty": (None, 1.0), "use_beam_search": (None, False), "prompt_logprobs": (None,),
-               "bad_words": (None, []), "logits_processors": (None, []),
+               "logits_processors": (None, []),
                "chat_template": (None,), "documents": (None, [])}
 # chat fields that mean nothing to a completion's prompt (it is not templated), with the values that change nothing
 CHAT_ONLY = {"chat_template_kwargs": (None, {}), "add_generation_prompt": (None, True),
@@ -102,6 +102,7 @@ class _Request(BaseModel):
     min_p: float = 0.0
     min_tokens: StrictInt = 0
     allowed_token_ids: list[StrictInt] | None = None
+    bad_words: list[str] | None = None
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
     truncate_prompt_tokens: StrictInt | None = None
@@ -176,7 +177,7 @@ class _Request(BaseModel):
                                "frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty,
                                "repetition_penalty": self.repetition_penalty, "logit_bias": self.logit_bias,
                                "min_p": self.min_p, "min_tokens": self.min_tokens,
-                               "allowed_token_ids": self.allowed_token_ids,
+                               "allowed_token_ids": self.allowed_token_ids, "bad_words": self.bad_words or None,
                                "include_stop_str_in_output": self.include_stop_str_in_output,
                                "skip_special_tokens": self.skip_special_tokens,
                                "truncate_prompt_tokens": self.truncate_prompt_tokens,

@@ -385,9 +385,32 @@ def test_a_nodes_path_reads_its_own_tokens_then_the_output_before_the_root():
     assert got[0].tolist() == [[10, 8, 7], [11, 10, 8], [12, 10, 8], [13, 11, 10]]
 
 
-def test_bad_words_are_refused_where_they_cannot_be_read():
+def test_words_sharing_a_last_token_each_bar_it_where_their_own_prefix_matches():
+    """A word and its spaced form often end in the same token: a word whose prefix does not match must not undo the
+    bar of one whose does, whatever their order."""
+    class Seq:
+        params, min_barred = SamplingParams(), frozenset()
+
+        def __init__(self, words):
+            self.output_ids, self.bad_words = [9, 3], words
+    for words in (((3, 5), (4, 5)), ((4, 5), (3, 5))):
+        batch = TokenMaskBatch.of([Seq(words)], 8, "cpu")
+        tree = SimpleNamespace(tokens=torch.tensor([[3]]), parents=torch.tensor([[0]]), depth=torch.tensor([[0]]))
+        out = apply_token_masks(torch.zeros(1, 1, 8), batch, tree)
+        assert (out[0, 0] == float("-inf")).tolist() == [t == 5 for t in range(8)], words
+
+
+def test_bad_words_are_refused_where_they_cannot_be_read(tiny_dir, tiny_head):
     with pytest.raises(ConfigError, match="bad_words.0: String should have at least 1 character"):
         SamplingParams(bad_words=[""])
     from eagle_ray.engine.request import sampling_params
     with pytest.raises(InvalidRequestError, match="bad_words: a list of strings is required"):
         sampling_params({"bad_words": "w1"})
+    engine = tiny_engine(tiny_dir, tiny_head, TREE)
+    for params, message in [(dict(bad_words=["  "]), "a word of whitespace alone bars nothing"),
+                            (dict(bad_words=["w1"] * 129), "at most 128 words"),
+                            (dict(bad_words=[" ".join(["w1"] * 33)]), "is 33 tokens, more than the 32"),
+                            (dict(bad_words=["w5", "w6"], allowed_token_ids=[w[0] for w in engine.codec.bad_word_ids(
+                                ["w5", "w6"])]), "every allowed token is a bad word")]:
+        with pytest.raises(InvalidRequestError, match=message):
+            engine.generate([[5, 6]], SamplingParams(**params))

@@ -173,6 +173,9 @@ class EagleEngine:
         if barred and params.allowed_token_ids and set(params.allowed_token_ids) <= barred:
             raise InvalidRequestError("allowed_token_ids: every allowed token is EOS or a stop token, which "
                                       f"min_tokens ({params.min_tokens}) bars: nothing could be chosen")
+        bad_words = tuple(map(tuple, self.codec.bad_word_ids(params.bad_words or [])))
+        if params.allowed_token_ids and set(params.allowed_token_ids) <= {w[0] for w in bad_words if len(w) == 1}:
+            raise InvalidRequestError("allowed_token_ids: every allowed token is a bad word: nothing could be chosen")
         ids = self.codec.encode(prompt, self.prompt_room(), keep_last=params.truncate_prompt_tokens)
         guide = self.grammars.guide(params)   # compiled here, on the caller's thread (cached per grammar)
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
@@ -182,7 +185,7 @@ class EagleEngine:
                         logprobs=TokenLogprobs() if params.logprobs is not None else None,
                         prompt_logprobs=TokenLogprobs() if params.prompt_logprobs is not None else None,
                         prompt_logprobs_k=params.prompt_logprobs or 0,
-                        bad_words=tuple(map(tuple, self.codec.bad_word_ids(params.bad_words or []))))
+                        bad_words=bad_words)
 
     def make_samples(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                      speculative: bool = True) -> list[Sequence]:

@@ -136,9 +136,16 @@ class TextCodec:
     def bad_word_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word's token ids as vLLM reads them: the word, and the word after a space where that starts
         with another token (a word in the middle of the text); ids past the model's vocabulary are refused."""
+        if len(words) > MAX_BAD_WORDS:
+            raise InvalidRequestError(f"bad_words: at most {MAX_BAD_WORDS} words, got {len(words)}")
         out: list[list[int]] = []
         for word in words:
+            if not word.strip():
+                raise InvalidRequestError("bad_words: a word of whitespace alone bars nothing; leave it out")
             plain = list(self.tokenizer(word.lstrip(), add_special_tokens=False)["input_ids"])
+            if len(plain) > MAX_BAD_WORD_TOKENS:
+                raise InvalidRequestError(f"bad_words: {word[:40]!r} is {len(plain)} tokens, more than the "
+                                          f"{MAX_BAD_WORD_TOKENS} a word may be")
             spaced = list(self.tokenizer(" " + word.lstrip(), add_special_tokens=False)["input_ids"])
             out += [plain] + ([spaced] if spaced and spaced[0] != plain[0] and len(spaced) == len(plain) else [])
         out = [ids for ids in out if ids]
@@ -194,6 +201,8 @@ def _split_at_marks(text: str):
         yield text[: m.start()], text[m.end():]
         text = text[m.end():]
 
+
+MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS = 128, 32   # what one request's bad words may hold: each step matches them all
 
 # prompt tokens an output's first window is decoded after (vLLM primes its detokenizer with 5 likewise)
 PRIMER_TOKENS = 5

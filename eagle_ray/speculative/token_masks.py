@@ -101,7 +101,8 @@ def bad_word_bins(batch: TokenMaskBatch, tree, T: int, V: int) -> torch.Tensor:
         path = path_tokens(tree.tokens[rows], tree.parents[rows], tree.depth[rows], batch.history)
     hit = ((prefix.unsqueeze(1) == -2) | (prefix.unsqueeze(1) == path.unsqueeze(2))).all(-1)   # [R, T, W]
     bins = torch.zeros(R, T, V + 1, dtype=torch.bool, device=prefix.device)
-    return bins.scatter_(2, last.unsqueeze(1).expand(R, T, W), hit)[:, :, :V]
+    # words may share a last token (a word and its spaced form often do): a word that does not hit writes nowhere
+    return bins.scatter_(2, torch.where(hit, last.unsqueeze(1), V), True)[:, :, :V]
 
 
 def _bins(ids: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 
 from eagle_ray.config import GUIDED_FIELDS, SamplingParams
-from eagle_ray.engine.tools import ToolError, ToolPlan, tool_plan
+from eagle_ray.engine.tools import ToolError, ToolPlan, forced_call_refusal, tool_plan
 from eagle_ray.errors import ConfigError, InvalidRequestError
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -372,8 +372,7 @@ def row_tools(rec: dict, params: SamplingParams, overrides, parser: str | None
     if schema is not None:
         own = [k for k in FORCED_CALL_CONFLICTS if isinstance(overrides, dict) and overrides.get(k) not in (None, 0)]
         if own:
-            raise InvalidRequestError(f"tool_choice forces a tool call, whose arguments are structured output "
-                                      f"already: leave out the row's {', '.join(own)}")
+            raise InvalidRequestError(forced_call_refusal("the row's " + ", ".join(own)))
         update |= {k: None for k in GUIDED_FIELDS} | {"guided_json": schema, "min_tokens": 0,
                                                       "allowed_token_ids": None}
     return plan, params.model_copy(update=update) if update else params

@@ -97,6 +97,11 @@ class ToolPlan:
         return message, "tool_calls" if reason == "stop" and self.choice != "named" else reason
 
 
+def forced_call_refusal(given: str) -> str:
+    """Why a forced call (a named function, ``required``) refuses a request's own constraints on its answer."""
+    return f"tool_choice forces a tool call, whose arguments are structured output already: leave out {given}"
+
+
 def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 

@@ -27,7 +27,7 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valid
 from eagle_ray.config import JSON_OBJECT, SamplingParams, checked_schema, engine_arguments_in
 from eagle_ray.engine.request import (MAX_NESTING, Prompt, nesting_depth, parse_messages, parse_prompt,
                                      sampling_params, storable)
-from eagle_ray.engine.tools import ToolError, ToolPlan, tool_plan
+from eagle_ray.engine.tools import ToolError, ToolPlan, forced_call_refusal, tool_plan
 from eagle_ray.errors import InvalidRequestError
 from eagle_ray.speculative.logprobs import MAX_TOP
 from eagle_ray.stats import RequestStats
@@ -167,8 +167,7 @@ class _Request(BaseModel):
         if tool_schema is not None:
             taken = sorted(guided) + [f for f in ("min_tokens", "allowed_token_ids") if getattr(self, f)]
             if taken:
-                raise ApiError(400, "tool_choice forces a tool call, whose arguments are structured output already: "
-                               "leave out " + ", ".join(taken), param="tool_choice")
+                raise ApiError(400, forced_call_refusal(", ".join(taken)), param="tool_choice")
             guided = {"guided_json": tool_schema}
         return sampling_params({"temperature": self.temperature, "top_p": self.top_p, "top_k": max(self.top_k, 0),
                                 "max_new_tokens": default_max_tokens if limit is None else max(limit, 1),
@@ -291,29 +290,51 @@ class CompletionRequest(_Request):
         return [parse_prompt(v, "prompt")]
 
 
-class ChatRequest(_Request):
-    messages: list = Field(..., min_length=1)
-    max_completion_tokens: StrictInt | None = Field(None, ge=1)
-    logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP)
-    echo: StrictBool = False
+class ChatFields(BaseModel):
+    """How a chat is templated, as vLLM's chat completions and ``/tokenize`` take it."""
+    model_config = ConfigDict(extra="ignore")
     chat_template_kwargs: dict | None = Field(None, description="vLLM's: variables the chat template sees, over "
                                               "the deployment's (engine.model.chat_template_kwargs)")
     add_generation_prompt: StrictBool = Field(True, description="vLLM's: end the chat with the assistant's turn "
                                               "opened")
     continue_final_message: StrictBool = Field(False, description="vLLM's: leave the final message open, for the "
                                                "model to continue (an answer's prefill)")
-    include_reasoning: StrictBool = Field(True, description="vLLM's: false leaves a reasoning model's thinking out")
-    reasoning_effort: Literal["low", "medium", "high"] | None = Field(
-        None, description="handed to the chat template as a variable, as vLLM hands it (templates that read it)")
     tools: list | None = Field(None, description="function tools the template shows the model (engine/tools.py)")
-    tool_choice: str | dict | None = None
-    parallel_tool_calls: StrictBool = True
 
     @field_validator("chat_template_kwargs")
     @classmethod
     def _template_variables_only(cls, v):
         return template_variables(v)
+
+    def check_ending(self) -> None:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ApiError(400, "continue_final_message: add_generation_prompt must be false to continue the final "
+                           "message instead of opening the assistant's turn", param="continue_final_message")
+
+    def chat_prompt(self, messages, variables: dict | None, tools: tuple | None) -> Prompt:
+        return Prompt("messages", parse_messages(messages, "messages"), variables, self.add_generation_prompt,
+                      self.continue_final_message, tools)
+
+
+def checked_tools(tools, tool_choice, parallel: bool, parser: str | None) -> ToolPlan | None:
+    """:func:`tool_plan`, its refusal a 400 naming the field."""
+    try:
+        return tool_plan(tools, tool_choice, parallel, parser)
+    except ToolError as e:
+        raise ApiError(400, str(e), param=e.param) from None
+
+
+class ChatRequest(_Request, ChatFields):
+    messages: list = Field(..., min_length=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP)
+    echo: StrictBool = False
+    include_reasoning: StrictBool = Field(True, description="vLLM's: false leaves a reasoning model's thinking out")
+    reasoning_effort: Literal["low", "medium", "high"] | None = Field(
+        None, description="handed to the chat template as a variable, as vLLM hands it (templates that read it)")
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: StrictBool = True
 
     @field_validator("max_tokens")
     @classmethod
@@ -338,9 +359,7 @@ class ChatRequest(_Request):
 
     @model_validator(mode="after")
     def _one_ending(self):
-        if self.continue_final_message and self.add_generation_prompt:
-            raise ApiError(400, "continue_final_message: add_generation_prompt must be false to continue the final "
-                           "message instead of opening the assistant's turn", param="continue_final_message")
+        self.check_ending()
         return self
 
     def top(self) -> int | None:
@@ -354,17 +373,13 @@ class ChatRequest(_Request):
         return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
 
     def tool_plan(self, parser: str | None) -> ToolPlan | None:
-        try:
-            return tool_plan(self.tools, self.tool_choice, self.parallel_tool_calls, parser)
-        except ToolError as e:
-            raise ApiError(400, str(e), param=e.param) from None
+        return checked_tools(self.tools, self.tool_choice, self.parallel_tool_calls, parser)
 
     def to_prompts(self, tools: tuple | None = None) -> list[Prompt]:
         variables = self.chat_template_kwargs
         if self.reasoning_effort is not None:
             variables = {**(variables or {}), "reasoning_effort": self.reasoning_effort}
-        return [Prompt("messages", parse_messages(self.messages, "messages"), variables,
-                       self.add_generation_prompt, self.continue_final_message, tools)]
+        return [self.chat_prompt(self.messages, variables, tools)]
 
 
 @dataclass

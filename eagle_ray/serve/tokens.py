@@ -8,23 +8,17 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, field_validator
 
-from eagle_ray.engine.request import Prompt, parse_messages, parse_prompt
-from eagle_ray.engine.tools import ToolError, tool_plan
+from eagle_ray.engine.request import Prompt, parse_prompt
 from eagle_ray.errors import InvalidRequestError
-from eagle_ray.serve.openai_api import ApiError, read_body, template_variables
+from eagle_ray.serve.openai_api import ApiError, ChatFields, checked_tools, read_body
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(ChatFields):
     """vLLM's body: ``prompt`` (text or ids) or ``messages`` (with its chat fields), and the model."""
-    model_config = ConfigDict(extra="ignore")
     model: str | None = None   # optional, as vLLM's
     prompt: str | list[StrictInt] | None = None
     messages: list | None = None
     add_special_tokens: StrictBool | None = None
-    add_generation_prompt: StrictBool = True
-    continue_final_message: StrictBool = False
-    chat_template_kwargs: dict | None = None
-    tools: list | None = None
     return_token_strs: StrictBool = False
     chat_template: object = None
 
@@ -34,11 +28,6 @@ class TokenizeRequest(BaseModel):
         if v is not None:   # refused, as on chat completions
             raise ValueError("the deployment sets the chat template (engine.model.chat_template)")
         return v
-
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _template_variables_only(cls, v):
-        return template_variables(v)
 
     def to_prompt(self) -> Prompt | None:
         """The prompt as the engine takes it (None: an empty one, which holds no tokens)."""
@@ -52,15 +41,9 @@ class TokenizeRequest(BaseModel):
         if self.add_special_tokens:   # a chat template writes them itself
             raise ApiError(400, "add_special_tokens: true is not supported with messages (the chat template "
                            "writes them)", param="add_special_tokens")
-        if self.continue_final_message and self.add_generation_prompt:
-            raise ApiError(400, "continue_final_message needs add_generation_prompt: false",
-                           param="continue_final_message")
-        try:
-            plan = tool_plan(self.tools, "none", True, None)
-        except ToolError as e:
-            raise ApiError(400, str(e), param=e.param) from None
-        return Prompt("messages", parse_messages(self.messages, "messages"), self.chat_template_kwargs,
-                      self.add_generation_prompt, self.continue_final_message, plan.tools if plan else None)
+        self.check_ending()
+        plan = checked_tools(self.tools, "none", True, None)
+        return self.chat_prompt(self.messages, self.chat_template_kwargs, plan.tools if plan else None)
 
 
 class DetokenizeRequest(BaseModel):

@@ -264,6 +264,10 @@ def test_stop_ids_and_an_allowed_list_that_leaves_nothing_are_refused(tiny_dir, 
         SamplingParams(stop_token_ids=[-5])
     with pytest.raises(InvalidRequestError, match="every allowed token is EOS or a stop token, which min_tokens"):
         engine.generate([[5, 6]], SamplingParams(allowed_token_ids=[EOS, 9], stop_token_ids=[9], min_tokens=2))
+    word = engine.codec.bad_word_ids(["w5"])[0][0]   # a list that only the bars and the words together cover
+    with pytest.raises(InvalidRequestError, match="every allowed token is EOS or a stop token, which min_tokens "
+                                                  r"\(2\) bars or a bad word: nothing could be chosen"):
+        engine.generate([[5, 6]], SamplingParams(allowed_token_ids=[EOS, word], min_tokens=2, bad_words=["w5"]))
 
 
 def test_a_stop_string_ending_in_a_character_the_min_tokens_bound_splits_counts():

@@ -170,12 +170,8 @@ class EagleEngine:
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
         # what min_tokens bars: the stop ids and EOS, ignored or not (as vLLM bars it)
         barred = frozenset(stop | set(self.eos_ids)) if params.min_tokens else frozenset()
-        if barred and params.allowed_token_ids and set(params.allowed_token_ids) <= barred:
-            raise InvalidRequestError("allowed_token_ids: every allowed token is EOS or a stop token, which "
-                                      f"min_tokens ({params.min_tokens}) bars: nothing could be chosen")
         bad_words = tuple(map(tuple, self.codec.bad_word_ids(params.bad_words or [])))
-        if params.allowed_token_ids and set(params.allowed_token_ids) <= {w[0] for w in bad_words if len(w) == 1}:
-            raise InvalidRequestError("allowed_token_ids: every allowed token is a bad word: nothing could be chosen")
+        self._check_some_allowed(params, barred, {w[0] for w in bad_words if len(w) == 1})
         ids = self.codec.encode(prompt, self.prompt_room(), keep_last=params.truncate_prompt_tokens)
         guide = self.grammars.guide(params)   # compiled here, on the caller's thread (cached per grammar)
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
@@ -186,6 +182,18 @@ class EagleEngine:
                         prompt_logprobs=TokenLogprobs() if params.prompt_logprobs is not None else None,
                         prompt_logprobs_k=params.prompt_logprobs or 0,
                         bad_words=bad_words)
+
+    @staticmethod
+    def _check_some_allowed(params: SamplingParams, barred: frozenset, bad: set) -> None:
+        """An allowed list that ``min_tokens``' bars and one-token bad words cover between them leaves the first
+        step nothing to choose: refused, naming what bars each token."""
+        allowed = set(params.allowed_token_ids or ())
+        if not allowed or not allowed <= barred | bad:
+            return
+        why = [w for w, ids in ((f"EOS or a stop token, which min_tokens ({params.min_tokens}) bars", barred),
+                                ("a bad word", bad)) if allowed & ids]
+        raise InvalidRequestError(f"allowed_token_ids: every allowed token is {' or '.join(why)}: nothing could "
+                                  "be chosen")
 
     def make_samples(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                      speculative: bool = True) -> list[Sequence]:

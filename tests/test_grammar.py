@@ -62,6 +62,108 @@ def test_greedy_constrained_speculation_equals_constrained_plain_decoding(tiny_d
         assert sum(sum(o.stats.accepted_per_depth) for o in spec) > 0
 
 
+OPEN, CLOSE = 32, 36   # w25 and w29 renamed <think> and </think>: tokens the tiny target's greedy outputs hold,
+                      # w25 first for some prompts, w29 some tokens in
+
+
+@pytest.fixture(scope="module")
+def thinking_dir(tiny_dir, tmp_path_factory):
+    """The tiny target with a vocabulary whose thinking markers are one token each (as Qwen3's and DeepSeek-R1's)."""
+    import shutil
+
+    from tiny import make_tokenizer
+    path = tmp_path_factory.mktemp("tiny-thinking")
+    shutil.copytree(tiny_dir, path, dirs_exist_ok=True)
+    make_tokenizer(64, {OPEN: "<think>", CLOSE: "</think>"}).save_pretrained(path)
+    return path
+
+
+def gated_reference(hf, engine, prompt: list[int], n: int, mode: str, **guided) -> list[int]:
+    """A full forward per token; free while thinking (``until_close``: from the start; ``if_opened``: where the
+    first token is <think>), masked by a fresh matcher once </think> has closed it (or from the first token not
+    opening one), argmax."""
+    import xgrammar as xgr
+    guide = engine.grammars.guide(SamplingParams(**guided))
+    thinking, undecided = mode == "until_close", mode == "if_opened"
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = hf(torch.tensor([ids])).logits[0, -1]
+            if not thinking:
+                mask = torch.zeros(1, 2, dtype=torch.int32)
+                guide.matcher.fill_next_token_bitmask(mask, 0)
+                mask[0, OPEN // 32] |= (1 << (OPEN % 32)) if undecided else 0
+                xgr.apply_token_bitmask_inplace(logits[None], mask)
+            tok = int(logits.argmax())
+            out.append(tok)
+            ids.append(tok)
+            if tok in engine.eos_ids:
+                break
+            if thinking:
+                thinking = tok != CLOSE
+            elif undecided and tok == OPEN:
+                thinking = True
+            elif not guide.accept(tok) or guide.finished():
+                break
+            undecided = False
+    return out
+
+
+@pytest.mark.parametrize("parser, mode", [("deepseek_r1", "until_close"), ("qwen3", "if_opened")])
+def test_a_reasoning_models_answer_alone_is_held_to_the_grammar(thinking_dir, tiny_hf, tiny_head, parser, mode):
+    """vLLM's rule: structured output waits for the thinking to close. Greedy gated speculation equals gated plain
+    decoding and the reference; the thinking holds tokens the grammar forbids, the answer none."""
+    from eagle_ray.engine.reasoning import mode_for
+    engine = tiny_engine(thinking_dir, tiny_head, TREE, max_batch_size=3)
+    engine.reasoning_parser = parser
+    guided = dict(guided_regex="(w[0-9]|w1[0-9]){1,12}")   # w0 .. w19: ids 7 .. 26
+    ps = [[t for t in p if t not in (OPEN, CLOSE)] or [5] for p in prompts(8)]   # no marker in a prompt
+    assert {mode_for(parser, engine.tokenizer, p, constrained=True) for p in ps} == {mode}
+    params = SamplingParams(max_new_tokens=40, **guided)
+    spec = engine.generate(ps, params)
+    plain = engine.generate(ps, params, speculative=False)
+    closed = 0
+    for s, p, prompt in zip(spec, plain, ps):
+        assert s.token_ids == p.token_ids == gated_reference(tiny_hf, engine, prompt, 40, mode, **guided)
+        assert s.finish_reason == p.finish_reason
+        ids = s.token_ids
+        answer = (ids[ids.index(CLOSE) + 1:] if CLOSE in ids else
+                  ids if mode == "if_opened" and ids[0] != OPEN else [])   # an unclosed thinking: no answer
+        assert all(7 <= t <= 26 for t in answer if t not in engine.eos_ids), ids
+        closed += CLOSE in ids
+    assert closed >= 2, [s.token_ids for s in spec]
+    assert any(not 7 <= t <= 26 for s in spec if CLOSE in s.token_ids
+               for t in s.token_ids[:s.token_ids.index(CLOSE)]), "the thinking was held to the grammar"
+    assert sum(sum(o.stats.accepted_per_depth) for o in spec) > 0
+    if mode == "if_opened":
+        assert {s.token_ids[0] == OPEN for s in spec} == {True, False}   # some think, some answer at once
+    twice = engine.generate(ps[:4], params.model_copy(update={"n": 2}))   # each sample's guide gated from the start
+    assert [o.token_ids for o in twice] == [s.token_ids for s in spec[:4] for _ in range(2)]
+
+
+def test_a_jobs_structured_rows_think_before_their_answer(thinking_dir, tmp_path):
+    """The job hands its reasoning parser to the engine: a guided row's thinking lands in ``reasoning`` and the
+    answer alone, held to the grammar, in ``output``."""
+    from test_job_output import run_rows
+
+    from eagle_ray.batch.config import JobConfig
+    from eagle_ray.batch.stage import GenerateStage
+    cfg = JobConfig(engine={"target": str(thinking_dir), "draft": "random", "dtype": "float32", "max_batch_size": 8,
+                            "max_model_len": 128, "tree": {"total_tokens": 6, "depth": 2, "top_k": 2}},
+                    sampling={"max_new_tokens": 40, "guided_regex": "(w[0-9]|w1[0-9]){1,12}"},
+                    reasoning_parser="deepseek_r1",
+                    input={"uri": str(tmp_path / "in.jsonl")}, output={"uri": str(tmp_path / "out")})
+    ps = [[t for t in p if t not in (OPEN, CLOSE)] or [5] for p in prompts(8)]
+    stage = GenerateStage(cfg.model_dump_json())
+    rows = run_rows(stage, [{"prompt": stage.engine.tokenizer.decode(p)} for p in ps])   # words: the same ids
+    answered = [r for r in rows if CLOSE in r["output_token_ids"]]
+    assert len(answered) >= 2 and all(r["error"] is None for r in rows)
+    for r in answered:
+        ids = r["output_token_ids"]
+        assert all(7 <= t <= 26 for t in ids[ids.index(CLOSE) + 1:] if t != 1), ids
+        assert r["reasoning"] and r["output"] and "</think>" not in r["output"] + r["reasoning"]
+
+
 def test_a_finished_choice_ends_the_sequence_without_an_end_token(tiny_dir):
     engine = tiny_engine(tiny_dir, None, TREE)
     out = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=30, guided_choice=["w5w6w7w8w9", "w3"]))[0]

@@ -89,18 +89,26 @@ def auto_tools():
 
 
 class Prompted:
-    """A tokenizer whose decoding of any prompt is ``text`` (the end of a templated prompt)."""
+    """A tokenizer whose decoding of any prompt is ``text`` (the end of a templated prompt), and whose thinking
+    markers are one token each (``markers``) or spelled a character a token."""
+    MARKERS = {900: "<think>", 901: "</think>"}
 
-    def __init__(self, text: str):
-        self.text = text
+    def __init__(self, text: str, markers: bool = False):
+        self.text, self.markers = text, markers
+
+    def encode(self, text, add_special_tokens=True):
+        ids = {v: k for k, v in self.MARKERS.items()}
+        return [ids[text]] if self.markers and text in ids else [ord(c) for c in text]
 
     def decode(self, ids, skip_special_tokens=True):
-        return self.text
+        ids = list(ids)
+        return self.MARKERS[ids[0]] if len(ids) == 1 and ids[0] in self.MARKERS else self.text
 
 
-def shape_for(prompt: str = QWEN3_PROMPT, tools=None, parser="qwen3", constrained=False, include=True):
-    return ChoiceShape("chat", False, None, SimpleNamespace(tokenizer=Prompted(prompt)), tools, True, parser,
-                       constrained, include)
+def shape_for(prompt: str = QWEN3_PROMPT, tools=None, parser="qwen3", constrained=False, include=True,
+              markers=False):
+    return ChoiceShape("chat", False, None, SimpleNamespace(tokenizer=Prompted(prompt, markers)), tools, True,
+                       parser, constrained, include)
 
 
 def output(text: str) -> RequestOutput:
@@ -127,6 +135,10 @@ def test_a_whole_chat_answer_carries_the_thinking_and_calls_from_the_answer_alon
     schema = shape_for(constrained=True).choice(0, PromptChoices(seqs, ""), output('{"a": 1}'), "stop")
     assert schema["message"] == {"role": "assistant", "content": '{"a": 1}', "reasoning_content": None,
                                  "reasoning": None}   # the same keys under structured output
+    # where the markers are tokens, structured output waits for the thinking (speculative/grammar.py): it splits
+    gated = shape_for(R1_PROMPT, constrained=True, markers=True).choice(
+        0, PromptChoices(seqs, ""), output('Hmm.</think>{"a": 1}'), "stop")
+    assert (gated["message"]["reasoning"], gated["message"]["content"]) == ("Hmm.", '{"a": 1}')
 
 
 class ReplayQueue:

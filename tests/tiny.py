@@ -16,9 +16,12 @@ CHAT_TEMPLATE = ("{% for m in messages %}<s> {{ m['role'] }} : {{ m['content'] }
                  "{% if add_generation_prompt %}<s> assistant : {% endif %}")
 
 
-def make_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+def make_tokenizer(vocab_size: int, names: dict[int, str] | None = None) -> PreTrainedTokenizerFast:
+    """``names``: words of other spellings at some ids (``<think>`` where ``w25`` was)."""
     special = ["<unk>", "</s>", "<s>"]
     words = special + ["user", "assistant", "system", ":"] + [f"w{i}" for i in range(vocab_size - 7)]
+    for i, name in (names or {}).items():
+        words[i] = name
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     from tokenizers import decoders

@@ -146,6 +146,7 @@ class GenerateStage:
             check_save_dir(heads, self.cfg.s3.storage_options())
         self.engine = EagleEngine.from_config(engine_cfg, self.cfg.s3.storage_options())
         self.engine.codec.split_special_tokens = self.cfg.split_special_tokens
+        self.engine.reasoning_parser = self.cfg.reasoning_parser   # structured output waits for the answer
         self.stall = StallBound(self.cfg.actors.stall_floor_s, self.cfg.actors.stall_factor)
         self.queue = RequestQueue(self.engine, self.stall)
         self.isolating = asyncio.Lock()

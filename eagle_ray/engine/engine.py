@@ -20,6 +20,7 @@ from eagle_ray.config import EngineConfig, SamplingParams
 from eagle_ray.engine import builder
 from eagle_ray.engine.budgets import prompt_room
 from eagle_ray.engine.model_runner import StepOutput
+from eagle_ray.engine.reasoning import marker_ids, mode_for
 from eagle_ray.engine.samples import copy_prefix, samples_of
 from eagle_ray.engine.scheduler import StepPlan
 from eagle_ray.engine.scoring import Score, score_of, scoring_sequences
@@ -68,6 +69,9 @@ class EagleEngine:
         # no more than the step's own tokens) by (drafted, sequences): what the tuner's cost table predicts, as run
         self.steady_steps: dict[tuple[bool, int], list] = collections.defaultdict(lambda: [0.0, 0, 0, 0.0])
         self.adapter = None   # online adaptation, where attached (train/online.py adapt): add, after_step, state
+        # a reasoning model's parser (engine/reasoning.py; Serve and the job set theirs): structured output then
+        # holds a request's answer only, once its thinking has closed
+        self.reasoning_parser: str | None = None
 
     @property
     def config(self) -> EngineConfig:
@@ -174,6 +178,9 @@ class EagleEngine:
         self._check_some_allowed(params, barred, {w[0] for w in bad_words if len(w) == 1})
         ids = self.codec.encode(prompt, self.prompt_room(), keep_last=params.truncate_prompt_tokens)
         guide = self.grammars.guide(params)   # compiled here, on the caller's thread (cached per grammar)
+        markers = marker_ids(self.tokenizer) if guide is not None and self.reasoning_parser else None
+        if markers is not None:   # the grammar waits for the answer, as vLLM's waits for its reasoning parser
+            guide.gate(mode_for(self.reasoning_parser, self.tokenizer, ids), markers)
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
         return Sequence(request_id or str(next(self._ids)), ids, params, frozenset(stop), seed,
                         detok=Detokenizer(self.tokenizer, ids, params.skip_special_tokens), speculative=speculative,

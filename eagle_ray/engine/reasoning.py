@@ -14,9 +14,12 @@ prompt (:func:`thinking_mode`):
 An output cut (``max_tokens``) before it closes its thinking is all thinking. As vLLM's parsers, the markers are
 dropped and the text around them kept as it is. Streamed, each delta goes to one side or the other, a marker split
 across deltas held back until it is whole. Structured output and forced tool calls constrain the answer from its
-first token, so their outputs are all answer.
+first token, so their outputs are all answer, unless each marker is one token of the model's vocabulary (Qwen3's,
+DeepSeek-R1's): then the grammar waits for the thinking to close (``speculative/grammar.py``, ``Guide.gate``).
 """
 from __future__ import annotations
+
+import functools
 
 PARSERS = ("deepseek_r1", "qwen3")
 OPEN, CLOSE = "<think>", "</think>"
@@ -88,9 +91,19 @@ class ReasoningStream:
 
 
 def mode_for(parser: str, tokenizer, prompt_ids: list[int], constrained: bool = False) -> str:
-    """:func:`thinking_mode` of a request from its prompt's token ids (the last few hold any marker it ends with)."""
+    """:func:`thinking_mode` of a request from its prompt's token ids (the last few hold any marker it ends with);
+    a constrained request thinks first where the markers are one token each (:func:`marker_ids`)."""
     return thinking_mode(parser, tokenizer.decode(list(prompt_ids[-TAIL_TOKENS:]), skip_special_tokens=False),
-                         constrained)
+                         constrained and marker_ids(tokenizer) is None)
+
+
+@functools.lru_cache(maxsize=8)
+def marker_ids(tokenizer) -> tuple[int, int] | None:
+    """The ids of ``<think>`` and ``</think>`` where each is one token of ``tokenizer``, as a grammar must see
+    where the thinking closes; None where either is spelled in pieces."""
+    ids = [tokenizer.encode(marker, add_special_tokens=False) for marker in (OPEN, CLOSE)]
+    whole = all(len(i) == 1 and tokenizer.decode(i) == marker for i, marker in zip(ids, (OPEN, CLOSE)))
+    return (ids[0][0], ids[1][0]) if whole else None   # (an unknown word is one token too: its text tells)
 
 
 TAIL_TOKENS = 16   # prompt tokens read for a marker: a template ends with at most a marker and a few newlines

@@ -83,6 +83,7 @@ class EagleServer:
         self.engine = EagleEngine.from_config(engine_cfg, self.cfg.s3.storage_options())
         adapt(self.engine)   # online adaptation, where the config turns it on
         self.engine.codec.split_special_tokens = self.cfg.split_special_tokens
+        self.engine.reasoning_parser = self.cfg.reasoning_parser   # structured output waits for the answer
         self.metrics = ServeMetrics(self.cfg.model_name)   # every request that ends counts, cancelled ones too
         self.queue = RequestQueue(self.engine, StallBound(self.cfg.stall_floor_s, self.cfg.stall_factor),
                                   on_finish=self.metrics.record)

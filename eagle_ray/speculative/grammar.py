@@ -14,6 +14,12 @@ are masked with that node's mask (:func:`mask_logits`), the bonus token's includ
 constrained target's own choice: greedy output equals constrained plain decoding token for token, sampled output has
 the constrained distribution. The end-of-sequence token is allowed only where the grammar accepts termination, and
 a sequence whose grammar can take nothing more ends there (``Guide.finished``).
+
+A reasoning model's output is held to its grammar only once it has thought, as vLLM's structured output waits for
+the reasoning parser's end (:meth:`Guide.gate`): where ``<think>`` and ``</think>`` are one token each, nodes on a
+path still thinking are left free, the node closing the thinking starts a grammar walk of its own subtree, and where
+the output may or may not open a thinking (Qwen3's mode read from its prompt) the first token is the grammar's
+or ``<think>``.
 """
 from __future__ import annotations
 
@@ -122,6 +128,11 @@ class GrammarCache:
         return Guide(self.compile(*guided), self.vocab_size, self.stop_ids)
 
 
+THINKING, UNDECIDED, ANSWER = 0, 1, 2   # where a gated output is: thinking, not yet begun (it may open a thinking
+                                        # or start its answer), or in its answer (held to the grammar)
+PHASES = {"until_close": THINKING, "if_opened": UNDECIDED, "answer": ANSWER}
+
+
 class Guide:
     """One sequence's grammar matcher, at the state its output has reached, and this step's node masks."""
 
@@ -132,30 +143,85 @@ class Guide:
         self.stop_ids = np.asarray(sorted(stop_ids), dtype=np.int64)
         self.masks: np.ndarray | None = None   # [W, words]: the masks of this step's tree row, in its node order
         self.pruned = 0                        # draft nodes dropped because the grammar forbids them
+        self.markers: tuple[int, int] | None = None   # (<think>, </think>) ids of a gated guide
+        self.phase = self.start = ANSWER
+
+    def gate(self, mode: str, markers: tuple[int, int]) -> None:
+        """Hold the grammar back while the output thinks (``mode``: ``engine/reasoning.py``'s, from the prompt)."""
+        self.markers, self.phase = markers, PHASES[mode]
+        self.start = self.phase
 
     def fresh(self) -> "Guide":
         """A matcher of the same grammar at the start (another sample of the request)."""
-        return Guide(self.compiled, self.vocab_size, self.stop_ids)
+        guide = Guide(self.compiled, self.vocab_size, self.stop_ids)
+        guide.markers, guide.phase, guide.start = self.markers, self.start, self.start
+        return guide
 
     def state_mask(self) -> np.ndarray:
-        """``[1, words]``: what the grammar allows next."""
+        """``[1, words]``: what the grammar allows next (anything while thinking; ``<think>`` too before a
+        thinking may open)."""
+        if self.phase == THINKING:
+            return np.full((1, self.words), -1, dtype=np.int32)
         out = torch.zeros(1, self.words, dtype=torch.int32)
         self.matcher.fill_next_token_bitmask(out, 0)
-        return out.numpy()
+        out = out.numpy()
+        if self.phase == UNDECIDED:
+            self._allow_open(out[0])
+        return out
+
+    def _allow_open(self, row: np.ndarray) -> None:
+        opener = self.markers[0]
+        row[opener >> 5] |= np.int32(1) << np.int32(opener & 31)
+
+    def walks(self, tokens: np.ndarray, parents: np.ndarray, valid: np.ndarray) -> np.ndarray:
+        """``[W]``: the node whose grammar walk each node of a tree row is in (-1: thinking, or not a node). An
+        ungated guide walks the whole tree from its root; a gated one from each node closing the thinking, and
+        from the root where the output has not begun (its ``<think>`` children think)."""
+        walk = np.full(len(tokens), -1, dtype=np.int64)
+        if self.phase == ANSWER:
+            walk[valid] = 0
+            walk[0] = 0
+            return walk
+        phase = np.full(len(tokens), THINKING, dtype=np.int64)
+        phase[0] = self.phase
+        walk[0] = 0 if self.phase == UNDECIDED else -1
+        opener, closer = self.markers
+        for i in np.flatnonzero(valid[1:]) + 1:   # parents precede children
+            p = parents[i]
+            if phase[p] == THINKING:
+                if tokens[i] == closer:
+                    phase[i], walk[i] = ANSWER, i
+            elif phase[p] == ANSWER or tokens[i] != opener:
+                phase[i], walk[i] = ANSWER, walk[p]
+        return walk
+
+    def walk_masks(self, tokens: np.ndarray, parents: np.ndarray) -> np.ndarray:
+        """``[N, words]``: the grammar's masks after each node of a subtree (node 0 its root, the matcher's state;
+        parents precede children), walked from the matcher's state; nodes it refuses, and theirs, all zero."""
+        N = len(tokens)
+        first_child = np.full(N, -1, dtype=np.int64)
+        next_sibling = np.full(N, -1, dtype=np.int64)
+        for i in range(N - 1, 0, -1):   # host bookkeeping of a few dozen nodes: links for the C++ walk
+            next_sibling[i], first_child[parents[i]] = first_child[parents[i]], i
+        masks = torch.zeros(N, self.words, dtype=torch.int32)
+        self.matcher.traverse_draft_tree(torch.from_numpy(first_child), torch.from_numpy(next_sibling),
+                                         torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64)), masks)
+        return masks.numpy()
 
     def tree_masks(self, tokens: np.ndarray, parents: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(keep ``[W]``, masks ``[W, words]``) of one tree row: a node is kept when the grammar allows its whole
-        path; its mask is what the grammar allows after it. The matcher ends where it started."""
+        path; its mask is what the grammar allows after it (all ones on a path still thinking). The matcher ends
+        where it started."""
         W = len(tokens)
-        first_child = np.full(W, -1, dtype=np.int64)
-        next_sibling = np.full(W, -1, dtype=np.int64)
-        for i in range(W - 1, 0, -1):   # host bookkeeping of a few dozen nodes: links for the C++ walk
-            if valid[i]:
-                next_sibling[i], first_child[parents[i]] = first_child[parents[i]], i
-        masks = torch.zeros(W, self.words, dtype=torch.int32)
-        self.matcher.traverse_draft_tree(torch.from_numpy(first_child), torch.from_numpy(next_sibling),
-                                         torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64)), masks)
-        masks = masks.numpy()
+        walk = self.walks(tokens, parents, valid)
+        masks = np.full((W, self.words), -1, dtype=np.int32)
+        for root in np.unique(walk[walk >= 0]):
+            nodes = np.flatnonzero(walk == root)   # in tree order: the root first
+            local = np.zeros(W, dtype=np.int64)
+            local[nodes] = np.arange(len(nodes))
+            masks[nodes] = self.walk_masks(tokens[nodes], local[parents[nodes]])
+        if self.phase == UNDECIDED:
+            self._allow_open(masks[0])
         ok = valid & allowed_bits(masks[parents], tokens)
         keep = ok.copy()
         keep[0] = True
@@ -170,11 +236,23 @@ class Guide:
 
     def accept(self, token: int) -> bool:
         """Take an emitted token; False where the grammar refuses it: a dead end, where a vocabulary has no token
-        to continue what it allowed (then every logit was masked), and the sequence ends before it."""
+        to continue what it allowed (then every logit was masked), and the sequence ends before it. A gated
+        guide's thinking passes untouched; the token closing it starts the grammar after it."""
+        if self.phase == THINKING:
+            if token == self.markers[1]:
+                self.phase = ANSWER
+            return True
+        if self.phase == UNDECIDED:
+            if token == self.markers[0]:
+                self.phase = THINKING
+                return True
+            self.phase = ANSWER
         return self.matcher.accept_token(token)
 
     def finished(self) -> bool:
         """The grammar took a stop token, or it is complete and allows nothing more but one."""
+        if self.phase != ANSWER:
+            return False
         if self.matcher.is_terminated():
             return True
         if not self.matcher.is_completed():

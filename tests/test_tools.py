@@ -137,6 +137,11 @@ def test_auto_takes_the_first_call_alone_without_parallel_calls_and_hermes_keeps
     # <tool_call> is a special token of some tokenizers: a hermes answer keeps special tokens' text
     assert chat({"tools": [WEATHER]}, parser="hermes").params.skip_special_tokens is False
     assert chat({"tools": [WEATHER]}, parser="llama3_json").params.skip_special_tokens is True
+    assert chat({"tools": [WEATHER]}, parser="mistral").params.skip_special_tokens is False   # [TOOL_CALLS] too
+    assert chat({"tools": [WEATHER]}, parser="pythonic").params.skip_special_tokens is True
+    first, _ = ToolPlan((WEATHER, TIME), "auto", None, "mistral", parallel=False).message(
+        '[TOOL_CALLS]get_time{}[TOOL_CALLS]get_weather{"city": "A"}', "stop")
+    assert calls_of(first) == [("get_time", {})]
     assert chat({"tools": [WEATHER], "tool_choice": "required"}, parser="hermes").params.skip_special_tokens
 
 
@@ -154,6 +159,22 @@ def test_auto_takes_the_first_call_alone_without_parallel_calls_and_hermes_keeps
     ("llama3_json", "The weather is fine.", "The weather is fine.", []),
     ("llama3_json", '{"name": "get_weather", "parameters": {"city"', '{"name": "get_weather", "parameters": {"city"',
      []),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Lyon"}}, {"name": "get_time", '
+     '"arguments": {}}]', None, [("get_weather", {"city": "Lyon"}), ("get_time", {})]),   # 7B v0.3
+    ("mistral", 'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Nice"}[TOOL_CALLS]get_time{}', "Sure.",
+     [("get_weather", {"city": "Nice"}), ("get_time", {})]),   # Small 3.2's, and without [ARGS]
+    ("mistral", "No call needed.", "No call needed.", []),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"ci', '[TOOL_CALLS][{"name": "get_weather", '
+     '"arguments": {"ci', []),   # cut: text as written
+    ("mistral", '[TOOL_CALLS]get_weather{"city": "A"} and more', '[TOOL_CALLS]get_weather{"city": "A"} and more', []),
+    ("pythonic", '[get_weather(city="Oslo", days=[1, 2], metric=true), get_time()]', None,
+     [("get_weather", {"city": "Oslo", "days": [1, 2], "metric": True}), ("get_time", {})]),
+    ("pythonic", '<|python_start|>[get_weather(city="Bergen")]<|python_end|>', None,
+     [("get_weather", {"city": "Bergen"})]),   # Llama 4's markers
+    ("pythonic", "[1, 2] are numbers.", "[1, 2] are numbers.", []),
+    ("pythonic", '[get_weather("Oslo")]', '[get_weather("Oslo")]', []),        # a positional argument: text
+    ("pythonic", '[get_weather(city=open("/etc/passwd"))]', '[get_weather(city=open("/etc/passwd"))]', []),  # never run
+    ("pythonic", "It is sunny.", "It is sunny.", []),
 ])
 def test_auto_answers_are_read_by_the_parser(parser, text, content, calls):
     message, reason = plan("auto", parser=parser).message(text, "stop")
@@ -233,7 +254,11 @@ HERMES_ANSWER = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments"
                                           ("hermes", " \n"), ("llama3_json", " "),
                                           ("hermes", "<tool_call>{bad}</tool_call> then text"),
                                           ("llama3_json", '<|python_tag|>{"name": "get_time", "parameters": {}}'),
-                                          ("llama3_json", "Plain text {with braces}.")])
+                                          ("llama3_json", "Plain text {with braces}."),
+                                          ("mistral", 'Sure. [TOOL_CALLS]get_weather[ARGS]{"city": "Nice"}'),
+                                          ("mistral", "Just [TOOL text."),
+                                          ("pythonic", '[get_weather(city="Oslo"), get_time()]'),
+                                          ("pythonic", "Plain [text].")])
 def test_an_auto_answer_streams_its_text_as_it_comes_and_reads_as_it_does_whole(parser, text):
     """However the deltas fall, the text and calls sent add up to the whole answer's message; hermes text goes out
     before the answer ends, a marker split across deltas held back."""

@@ -10,8 +10,11 @@ is read:
   ``parallel_tool_calls: false``), each constrained to its tool's schema, as vLLM constrains it;
 - ``auto``: the model decides; its output is read by the deployment's ``tool_call_parser``, the format its chat
   template teaches: ``hermes`` (``<tool_call>{"name": ..., "arguments": ...}</tool_call>``: Qwen2.5, Qwen3, Hermes)
-  or ``llama3_json`` (``{"name": ..., "parameters": ...}``, ``;``-separated: Llama 3.1-3.3); the first call alone
-  with ``parallel_tool_calls: false``. Without a parser ``auto`` is refused, as vLLM refuses it without
+  , ``llama3_json`` (``{"name": ..., "parameters": ...}``, ``;``-separated: Llama 3.1-3.3), ``mistral``
+  (``[TOOL_CALLS]`` then a JSON list of ``{"name", "arguments"}``, or ``name{arguments}`` after each marker, with or
+  without ``[ARGS]``: Mistral 7B v0.3, Nemo, Small) or ``pythonic`` (a Python list of calls with keyword arguments,
+  ``[get_weather(city="Oslo")]``, in ``<|python_start|>`` / ``<|python_end|>`` or not: Llama 3.2, Llama 4); the
+  first call alone with ``parallel_tool_calls: false``. Without a parser ``auto`` is refused, as vLLM refuses it without
   ``--tool-call-parser``;
 - ``none``: the tools are shown, the answer is text.
 
@@ -20,6 +23,7 @@ own under the schema.
 """
 from __future__ import annotations
 
+import ast
 import json
 import re
 import uuid
@@ -28,8 +32,10 @@ from dataclasses import dataclass
 from eagle_ray.config import checked_schema
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-PARSERS = ("hermes", "llama3_json")
+PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
 CALL_OPEN, CALL_CLOSE, PYTHON_TAG = "<tool_call>", "</tool_call>", "<|python_tag|>"
+MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 
 
 class ToolError(ValueError):
@@ -72,9 +78,10 @@ class ToolPlan:
 
     @property
     def keeps_special_text(self) -> bool:
-        """Whether answers keep special tokens' text: hermes' ``<tool_call>`` is a special token of some
-        tokenizers, which decoding would drop with the call's markers (vLLM's hermes parser keeps them too)."""
-        return self.choice == "auto" and self.parser == "hermes"
+        """Whether answers keep special tokens' text: hermes' ``<tool_call>`` and mistral's ``[TOOL_CALLS]`` are
+        special tokens of some tokenizers, which decoding would drop with the calls' markers (vLLM's parsers keep
+        them too); llama3_json and pythonic answers read the same without theirs."""
+        return self.choice == "auto" and self.parser in ("hermes", "mistral")
 
     def message(self, text: str, reason: str | None) -> tuple[dict, str | None]:
         """The assistant message an answer makes, and its finish reason: ``tool_calls`` where the model chose to
@@ -143,9 +150,11 @@ class AutoCalls:
     whole; read whole, the answer is this stream fed in one delta, so both read alike.
 
     ``hermes``: ``<tool_call>{json}</tool_call>`` blocks (the last may be left open), text that may begin a marker
-    held back until the next delta shows what it is; a block that does not parse stays text. ``llama3_json``: an
-    answer that starts with ``{`` (or ``<|python_tag|>``) is calls, read once it has ended (stays text where it does
-    not parse); any other answer is text, sent as it comes. Without parallel calls, the first alone is kept.
+    held back until the next delta shows what it is; a block that does not parse stays text. ``mistral``: the text
+    before ``[TOOL_CALLS]`` as it comes, the calls after it read once the answer has ended (text where they do not
+    parse). ``llama3_json`` and ``pythonic``: an answer that starts as calls do (``{`` or ``<|python_tag|>``; ``[``
+    or ``<|python_start|>``) is calls, read once it has ended (text where it does not parse); any other answer is
+    text, sent as it comes. Without parallel calls, the first alone is kept.
     Whitespace is sent once other text follows it: an answer with calls drops the whitespace around them (its
     content is null where nothing else is left), one without keeps its text as it is."""
 
@@ -161,7 +170,10 @@ class AutoCalls:
     def feed(self, delta: str, final: bool = False) -> tuple[str, list[tuple[str, str]]]:
         """(text, calls) this delta completes."""
         self.buf += delta
-        content, calls = self._hermes(final) if self.parser == "hermes" else self._llama3(final)
+        if self.parser in ("hermes", "mistral"):
+            content, calls = self._hermes(final) if self.parser == "hermes" else self._mistral(final)
+        else:
+            content, calls = self._whole(final)
         calls = calls if self.parallel else calls[: max(0, 1 - self.count)]
         self.count += len(calls)
         text = self.spaces + content
@@ -196,18 +208,34 @@ class AutoCalls:
             if end < 0:
                 return content, calls
 
-    def _llama3(self, final: bool) -> tuple[str, list[tuple[str, str]]]:
+    def _mistral(self, final: bool) -> tuple[str, list[tuple[str, str]]]:
+        if not self.in_call:
+            at = self.buf.find(MISTRAL_CALLS)
+            if at < 0:
+                cut = len(self.buf) - (0 if final else _held(self.buf, MISTRAL_CALLS))
+                content, self.buf = self.buf[:cut], self.buf[cut:]
+                return content, []
+            content, self.buf, self.in_call = self.buf[:at], self.buf[at:], True
+        else:
+            content = ""
+        if not final:
+            return content, []
+        calls = _mistral_calls(self.buf)
+        return (content, calls) if calls else (content + self.buf, [])
+
+    def _whole(self, final: bool) -> tuple[str, list[tuple[str, str]]]:
+        starts, read = WHOLE_ANSWERS[self.parser]
         if self.calls_mode is None:
             head = self.buf.lstrip()
-            if (not head or PYTHON_TAG.startswith(head)) and not final:
+            if (not head or any(s.startswith(head) and s != head for s in starts)) and not final:
                 return "", []   # not yet known
-            self.calls_mode = head.startswith("{") or head.startswith(PYTHON_TAG)
+            self.calls_mode = head.startswith(starts)
         if not self.calls_mode:
             content, self.buf = self.buf, ""
             return content, []
         if not final:
             return "", []
-        content, calls = _llama3_calls(self.buf)
+        content, calls = read(self.buf)
         return content or "", calls
 
 
@@ -262,6 +290,64 @@ def _llama3_calls(text: str) -> tuple[str | None, list[tuple[str, str]]]:
     return (None, calls) if calls and all(calls) else (text, [])
 
 
+def _mistral_calls(text: str) -> list[tuple[str, str]]:
+    """The calls after ``[TOOL_CALLS]``: a JSON list (or object) of ``{"name", "arguments"}``, or ``name`` and its
+    JSON arguments (``[ARGS]`` between them or not) after each marker; none where any part does not parse."""
+    calls, decoder = [], json.JSONDecoder()
+    for part in text.split(MISTRAL_CALLS)[1:]:
+        part = part.strip()
+        try:
+            if part.startswith(("[", "{")):
+                obj, end = decoder.raw_decode(part)
+                found = [_call(o, "arguments") for o in (obj if isinstance(obj, list) else [obj])]
+            else:
+                name, _, rest = part.partition("{")
+                name = name.strip().removesuffix(MISTRAL_ARGS).strip()
+                obj, end = decoder.raw_decode("{" + rest)
+                end += len(part) - len(rest) - 1
+                found = [(name, _arguments(obj))] if TOOL_NAME.fullmatch(name) and isinstance(obj, dict) else [None]
+        except ValueError:
+            return []
+        if not found or not all(found) or part[end:].strip():
+            return []
+        calls += found
+    return calls
+
+
+class _JsonNames(ast.NodeTransformer):
+    """``true``, ``false`` and ``null`` (a model writing JSON inside Python) as Python's constants."""
+    NAMES = {"true": True, "false": False, "null": None}
+
+    def visit_Name(self, node):
+        return ast.Constant(self.NAMES[node.id]) if node.id in self.NAMES else node
+
+
+def _pythonic_calls(text: str) -> tuple[str | None, list[tuple[str, str]]]:
+    """An answer that is a Python list of calls with keyword arguments of literal values (in Llama 4's
+    ``<|python_start|>`` / ``<|python_end|>`` or not), parsed, never run; anything else is text."""
+    body = text.strip().removeprefix(PYTHON_START).removesuffix(PYTHON_END).strip()
+    try:
+        tree = _JsonNames().visit(ast.parse(body, mode="eval")).body
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return text, []
+        calls = []
+        for call in tree.elts:
+            if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name) or call.args or \
+                    any(k.arg is None for k in call.keywords):
+                return text, []
+            args = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+            calls.append((call.func.id, json.dumps(args, ensure_ascii=False)))
+    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+        return text, []
+    return None, calls
+
+
+WHOLE_ANSWERS = {   # parsers whose calls are the whole answer: how such an answer starts, and its reader
+    "llama3_json": (("{", PYTHON_TAG), _llama3_calls),
+    "pythonic": (("[", PYTHON_START), _pythonic_calls),
+}
+
+
 def tool_plan(tools, tool_choice, parallel: bool, parser: str | None) -> ToolPlan | None:
     """A chat request's ``tools`` and ``tool_choice`` checked (``ToolError`` names the field), or None where it
     has no tools and no choice that needs them."""
@@ -299,7 +385,7 @@ def tool_plan(tools, tool_choice, parallel: bool, parser: str | None) -> ToolPla
                         "tool_choice")
     if choice == "auto" and parser is None:
         raise ToolError("tool_choice auto (the default with tools) needs a tool_call_parser in the config ("
-                        + " or ".join(PARSERS) + "); send tool_choice required or a named function, or none",
+                        + ", ".join(PARSERS) + "); send tool_choice required or a named function, or none",
                         "tool_choice")
     return ToolPlan(checked, choice, None, parser, parallel)
 

@@ -178,7 +178,7 @@ REQUEST_FIELDS = {
         {"type": "function", "function": {"name": "w6", "parameters": {"type": 3}}}]), max_size=2),
     "tool_choice": st.sampled_from(["none", "auto", "required", 5, {"type": "x"},
                                     {"type": "function", "function": {"name": "w5"}}]),
-    "parallel_tool_calls": st.booleans(),
+    "parallel_tool_calls": st.booleans(), "prompt_logprobs": st.integers(-2, 25),
     "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "json_schema"},
                                         {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 3}}},
                                         {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}])}

@@ -110,6 +110,51 @@ def test_prompt_logprobs_equal_one_forward(engine, tiny_hf):
     want = rows.gather(-1, torch.tensor(prompt[1:]).view(-1, 1))[:, 0]
     torch.testing.assert_close(torch.tensor(out.prompt_logprobs.values), want, atol=1e-5, rtol=0)
     assert [[t for t, _ in top] for top in out.prompt_logprobs.top] == rows.topk(3).indices.tolist()
+    assert out.prompt_logprobs.ranks == (rows >= want[:, None]).sum(-1).tolist()   # vLLM's rank: 1 + those above
+
+
+def test_vllms_prompt_logprobs_are_answered_as_vllm_shapes_them(engine, tiny_hf):
+    """A completions choice carries ``prompt_logprobs`` (a chat response beside its choices): null for the first
+    token, then the token and its k most probable alternatives by id, each with its logprob, rank and text; k is
+    the request's own even where echo's logprobs ask for more. Streamed, it is refused, as vLLM refuses it."""
+    import json
+
+    from eagle_ray.serve.choices import ChoiceShape, prepare
+    from eagle_ray.serve.logprobs import TokenText
+    from eagle_ray.serve.openai_api import ApiError, parse_body
+    prompt_ids = [5, 9, 10, 11, 40]
+    for kind, body in [("completion", {"prompt": prompt_ids, "prompt_logprobs": 2, "echo": True, "logprobs": 4}),
+                       ("chat", {"messages": [{"role": "user", "content": "w1 w2"}], "prompt_logprobs": 2})]:
+        parsed = parse_body(json.dumps({"model": "m", "max_tokens": 3, **body}).encode(), kind, "m", 100, 16)
+        prompt, = prepare(engine, parsed, "r", True)
+        for seq in prompt.seqs:
+            engine.add_request(seq)
+        while engine.has_unfinished():
+            engine.step()
+        shape = ChoiceShape(kind, kind == "completion", parsed.body.top(), TokenText(engine.tokenizer),
+                            prompt_k=parsed.body.prompt_logprobs)
+        got = shape.prompt_logprobs(prompt)
+        if kind == "completion":
+            assert shape.choice(0, prompt, engine.output(prompt.seqs[0]), "length")["prompt_logprobs"] == got
+        ids = prompt.prompt_ids
+        rows = log_softmax_rows(tiny_hf, ids)[:-1]
+        assert got[0] is None and len(got) == len(ids)
+        for p, (token, entry) in enumerate(zip(ids[1:], got[1:])):
+            top = rows[p].topk(2)
+            want = {token: (float(rows[p, token]), int((rows[p] >= rows[p, token]).sum()))}
+            for place, (i, v) in enumerate(zip(top.indices.tolist(), top.values.tolist()), 1):
+                want.setdefault(i, (v, place))
+            assert list(entry) == [str(t) for t in want]
+            for t, (v, rank) in want.items():
+                assert entry[str(t)]["logprob"] == pytest.approx(v, abs=1e-5)
+                assert (entry[str(t)]["rank"], entry[str(t)]["decoded_token"]) == (rank, engine.tokenizer.decode([t]))
+    for bad, message in [({"prompt_logprobs": 2, "stream": True}, "not available when stream is true"),
+                         ({"prompt_logprobs": 21}, "less than or equal to 20"),
+                         ({"prompt_logprobs": -1}, "greater than or equal to 0"),
+                         ({"prompt_logprobs": True}, "a number is required")]:
+        with pytest.raises(ApiError, match=message) as e:
+            parse_body(json.dumps({"model": "m", "prompt": "w1", **bad}).encode(), "completion", "m", 100, 16)
+        assert e.value.param == "prompt_logprobs"
 
 
 def test_scoring_equals_transformers_and_runs_the_context_once(engine, tiny_hf):

@@ -360,7 +360,7 @@ def test_the_serve_parser_refuses_vllm_fields_it_would_ignore_and_reads_types_st
 
     def parse(body, kind="completion"):
         return parse_body(json.dumps({"model": "m", "prompt": "w1", **body}).encode(), kind, "m", 100, 16)
-    for field, value in [("length_penalty", 2.0), ("prompt_logprobs", 1),
+    for field, value in [("length_penalty", 2.0),
                          ("function_call", "required"), ("logits_processors", ["x"]),
                          ("use_beam_search", True), ("best_of", True),
                          ("chat_template", "{{ x }}")]:

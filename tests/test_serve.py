@@ -154,6 +154,13 @@ def test_vllms_further_sampling_fields_equal_the_offline_engine(server, client):
     r = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=12, temperature=0, extra_body=fields)
     want = offline.generate([chat], SamplingParams(max_new_tokens=12, **fields))[0]
     assert r.choices[0].message.content == want.text and r.usage.prompt_tokens == 3
+    # vLLM's prompt_logprobs: on each completions choice, beside a chat's choices (tests/test_logprobs.py: values)
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=2, extra_body={"prompt_logprobs": 1})
+    listed = r.model_dump()["choices"][0]["prompt_logprobs"]
+    assert listed[0] is None and len(listed) == r.usage.prompt_tokens and all(1 <= len(e) <= 2 for e in listed[1:])
+    r = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=2, extra_body={"prompt_logprobs": 0})
+    listed = r.model_dump()["prompt_logprobs"]
+    assert listed[0] is None and len(listed) == r.usage.prompt_tokens and all(len(e) == 1 for e in listed[1:])
 
 
 def test_tokenize_and_detokenize_as_vllm_answers_them(server, client):

@@ -52,14 +52,15 @@ class PromptRows:
         for i in range(0, len(self.rows), SLICE_ROWS):
             part = slice(i, i + SLICE_ROWS)
             logits = target.logits(hidden[rows[part], cols[part]].unsqueeze(0))[0]
-            out.append(packed(logits, tokens[part], self.k))
+            out.append(packed(logits, tokens[part], self.k, ranked=True))   # ranks: vLLM's prompt_logprobs
         return torch.cat(out)
 
     def attach(self, values: list[int]) -> None:
         """Hand each sequence its rows' host values (``values``: the flat read of :meth:`packed`)."""
-        w, at = width(self.k), 0
+        w, at = width(self.k, ranked=True), 0
         for seq, n in self.spans:
-            seq.prompt_logprobs.extend(unpack([values[at: at + n * w]], self.k)[0], k=seq.prompt_logprobs_k)
+            seq.prompt_logprobs.extend(unpack([values[at: at + n * w]], self.k, ranked=True)[0],
+                                       k=seq.prompt_logprobs_k)
             at += n * w
 
 

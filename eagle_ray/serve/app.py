@@ -141,7 +141,7 @@ class EagleServer:
             return _err(400, str(e), param=req.body.limit_field(), code="context_length_exceeded")
         shape = ChoiceShape(kind, req.body.echo_prompt, req.body.top(), self.token_text, req.tools,
                             req.params.skip_special_tokens, req.reasoning, req.params.guided is not None,
-                            getattr(req.body, "include_reasoning", True))
+                            getattr(req.body, "include_reasoning", True), req.body.prompt_logprobs)
         if req.stream:
             return StreamingResponse(self._sse(req.body, prompts, shape, rid), media_type="text/event-stream")
         seqs = [s for p in prompts for s in p.seqs]
@@ -157,9 +157,11 @@ class EagleServer:
             return _err(500, f"{type(e).__name__}: {e}", "server_error")
         n = len(prompts[0].seqs)
         choices = [shape.choice(i, prompts[i // n], out, finish_reason(out.finish_reason)) for i, out in enumerate(outs)]
-        return JSONResponse({"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
-                             "created": now(), "model": self.cfg.model_name, "choices": choices,
-                             "usage": usage(prompts, outs), "eagle": eagle_stats(merged_stats(outs))})
+        body = {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion", "created": now(),
+                "model": self.cfg.model_name, "choices": choices}
+        if kind == "chat" and shape.prompt_k is not None:   # vLLM's place for a chat's: beside its choices
+            body["prompt_logprobs"] = shape.prompt_logprobs(prompts[0])
+        return JSONResponse(body | {"usage": usage(prompts, outs), "eagle": eagle_stats(merged_stats(outs))})
 
     async def _sse(self, req, prompts, shape: ChoiceShape, rid: str):
         kind = shape.kind

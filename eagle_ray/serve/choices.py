@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from eagle_ray.engine.reasoning import ReasoningStream, mode_for, split_reasoning
 from eagle_ray.engine.sequence import Sequence
 from eagle_ray.engine.tools import CallReader, ToolPlan
-from eagle_ray.serve.logprobs import TokenText, chat_logprobs, completion_logprobs, echoed, merge_completion
+from eagle_ray.serve.logprobs import (TokenText, chat_logprobs, completion_logprobs, echoed, merge_completion,
+                                     prompt_logprob_entries)
 from eagle_ray.speculative.logprobs import TokenLogprobs
 from eagle_ray.stats import RequestStats
 
@@ -49,8 +50,9 @@ def prepare(engine, parsed, request_id: str, speculative: bool) -> list[PromptCh
             text = prompt.value if whole else engine.tokenizer.decode(seqs[0].prompt_ids)
             for s in seqs:
                 s.prompt_only = parsed.prompt_only
-                if k is not None:
-                    s.prompt_logprobs, s.prompt_logprobs_k = TokenLogprobs(), k
+                if k is not None:   # with prompt_logprobs too: the more alternatives of the two
+                    s.prompt_logprobs = s.prompt_logprobs or TokenLogprobs()
+                    s.prompt_logprobs_k = max(k, s.prompt_logprobs_k)
         out.append(PromptChoices(seqs, text))
     return out
 
@@ -67,6 +69,7 @@ class ChoiceShape:
     reasoning: str | None = None    # the reasoning parser that splits a chat's thinking from its answer
     constrained: bool = False       # structured output holds the answer from its first token: nothing to split
     include_reasoning: bool = True  # vLLM's include_reasoning: false leaves the thinking out
+    prompt_k: int | None = None     # vLLM's prompt_logprobs: alternatives per prompt token (None: not asked)
 
     def thinking(self, prompt: PromptChoices) -> str:
         """This prompt's thinking mode (``engine/reasoning.py``: read from the end of its templated prompt)."""
@@ -89,6 +92,13 @@ class ChoiceShape:
     @property
     def reads_calls(self) -> bool:
         return self.tools is not None and self.tools.calls
+
+    def prompt_logprobs(self, prompt: PromptChoices) -> list | None:
+        """vLLM's ``prompt_logprobs`` of a prompt (a completions choice's; a chat response's, beside its choices)."""
+        if self.prompt_k is None:
+            return None
+        return prompt_logprob_entries(echoed(prompt.prompt_logprobs(), prompt.prompt_ids, 1), prompt.prompt_ids,
+                                      self.prompt_k, self.text)
 
     def echo_part(self, prompt: PromptChoices) -> tuple[str, dict | None]:
         """The echoed prompt's text and completions logprobs."""
@@ -121,7 +131,8 @@ class ChoiceShape:
         own = self.output_logprobs(out.logprobs, out.token_ids, len(text), prompt.prompt_ids)
         if self.k is not None:
             lp = merge_completion(lp, own or completion_logprobs(TokenLogprobs(), [], 0, self.text))
-        return {"index": index, "text": text + out.text, "finish_reason": reason, "logprobs": lp}
+        choice = {"index": index, "text": text + out.text, "finish_reason": reason, "logprobs": lp}
+        return choice if self.prompt_k is None else choice | {"prompt_logprobs": self.prompt_logprobs(prompt)}
 
 
 @dataclass

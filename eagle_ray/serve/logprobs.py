@@ -83,6 +83,24 @@ def completion_logprobs(lp: TokenLogprobs, token_ids: list[int], k: int, text: T
     return out
 
 
+def prompt_logprob_entries(lp: TokenLogprobs, prompt_ids: list[int], k: int, text: TokenText) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs`` (``lp`` from the prompt's first token, :func:`echoed`): per prompt token, the
+    token and its ``k`` most probable alternatives by id, each ``{logprob, rank, decoded_token}`` (an alternative's
+    rank its place, the token's its rank in the vocabulary); null for the first token, which has none."""
+    def entry(t: int, v: float, rank: int | None) -> dict:
+        return {"logprob": _finite(v), "rank": rank, "decoded_token": text.text(t)}
+    out = []
+    for t, v, top, rank in zip(prompt_ids, lp.values, lp.top, lp.ranks):
+        if v is None:
+            out.append(None)
+            continue
+        at = {str(t): entry(t, v, rank)}
+        for place, (i, x) in enumerate((top or [])[:k], 1):
+            at.setdefault(str(i), entry(i, x, place))
+        out.append(at)
+    return out
+
+
 def merge_completion(a: dict | None, b: dict) -> dict:
     """Two completions ``logprobs`` objects as one (an echoed prompt's, then the output's)."""
     return b if a is None else {key: a[key] + b[key] for key in a}

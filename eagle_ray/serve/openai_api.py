@@ -6,8 +6,8 @@ runs on the event loop and is fuzzed directly by the tests. Prompt and sampling 
 request parser, the same one the batch job uses. Unknown fields are ignored (clients send many), and so is an
 explicit ``null`` (OpenAI's fields are nullable: clients send unset options as ``null``); unsupported ones that
 would change what is generated or returned (``n`` above the server's cap, ``echo`` on chat, ``best_of``,
-``suffix``, the legacy ``functions``, vLLM's beam search, ``length_penalty`` and ``prompt_logprobs``, and its
-chat-template fields ``chat_template`` and ``documents``) are refused, unless they hold the value that changes
+``suffix``, the legacy ``functions``, vLLM's beam search and ``length_penalty``, ``prompt_logprobs`` on a stream,
+and its chat-template fields ``chat_template`` and ``documents``) are refused, unless they hold the value that changes
 nothing; vLLM's ``chat_template_kwargs``, ``add_generation_prompt`` and ``continue_final_message``, and ``tools``
 with ``tool_choice`` (``engine/tools.py``), are taken on chat. Types are strict where lax parsing would change the
 request: ``"stream": "yes"`` or ``"max_tokens": true`` are refused, not read as true and 1.
@@ -50,7 +50,7 @@ class ApiError(Exception):
 UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""),
                "functions": (None, []), "function_call": (None, "none", "auto"),
                "audio": (None,), "web_search_options": (None,),
-               "length_penalty": (None, 1.0), "use_beam_search": (None, False), "prompt_logprobs": (None,),
+               "length_penalty": (None, 1.0), "use_beam_search": (None, False),
                "logits_processors": (None, []),
                "chat_template": (None,), "documents": (None, [])}
 # chat fields that mean nothing to a completion's prompt (it is not templated), with the values that change nothing
@@ -60,7 +60,7 @@ CHAT_ONLY = {"chat_template_kwargs": (None, {}), "add_generation_prompt": (None,
              "reasoning_effort": (None,)}
 NUMBERS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n", "seed",
            "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
-           "truncate_prompt_tokens", "top_logprobs")   # a JSON true or false is not one of these
+           "truncate_prompt_tokens", "top_logprobs", "prompt_logprobs")   # a JSON true or false is not one of these
 MAX_PROMPTS = 64    # prompts one completions request may batch
 
 
@@ -106,6 +106,7 @@ class _Request(BaseModel):
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
     truncate_prompt_tokens: StrictInt | None = None
+    prompt_logprobs: StrictInt | None = None   # vLLM's: the prompt's own, with k alternatives (not streamed)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     # penalties, logit bias and structured output: checked by the engine's parser (eagle_ray/config.py)
@@ -130,6 +131,8 @@ class _Request(BaseModel):
         for key in NUMBERS:
             if isinstance(data.get(key), bool):
                 raise ApiError(400, f"{key}: a number is required, not {str(data[key]).lower()}", param=key)
+        if data.get("prompt_logprobs") is not None and data.get("stream"):   # as vLLM refuses it
+            raise ApiError(400, "prompt_logprobs is not available when stream is true", param="prompt_logprobs")
         if data.get("stream_options") and not data.get("stream"):   # as OpenAI: options of a stream need one
             raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
         required = {k for k, f in cls.model_fields.items() if f.is_required()}
@@ -180,7 +183,7 @@ class _Request(BaseModel):
                                "include_stop_str_in_output": self.include_stop_str_in_output,
                                "skip_special_tokens": self.skip_special_tokens,
                                "truncate_prompt_tokens": self.truncate_prompt_tokens,
-                               **guided}, field=None)
+                               "prompt_logprobs": self.prompt_logprobs, **guided}, field=None)
 
 
 STRUCTURED_OUTPUTS = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice",

@@ -208,6 +208,9 @@ def test_the_template_shows_the_tools_and_earlier_calls_or_the_request_is_refuse
     engine.tokenizer.chat_template = TOOLS_TEMPLATE
     seq = engine.make_sequence(req.prompt, req.params)
     assert engine.tokenizer.decode(seq.prompt_ids) == "<s> system : w5 </s> <s> user : w1 </s> <s> assistant :"
+    assert seq.prompt_ids == engine.tokenizer.apply_chat_template(   # the check's rendering, tokenised as its own
+        USER, tools=[{"type": "function", "function": {"name": "w5"}}], add_generation_prompt=True,
+        return_dict=True)["input_ids"]
     assert engine.make_sequence(chat({}).prompt, req.params).prompt_ids == engine.codec.encode(USER)
     call = {"id": "c1", "type": "function", "function": {"name": "w5", "arguments": "{}"}}
     earlier = chat({"messages": USER + [{"role": "assistant", "tool_calls": [call]},

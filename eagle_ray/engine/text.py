@@ -107,10 +107,13 @@ class TextCodec:
                                           "render as control tokens; remove that text")
             if p.tools:
                 options["tools"] = [dict(t) for t in p.tools]
+            shown = None
             if p.tools or any("tool_calls" in m for m in p.value):
-                self._check_shows_tools(p.value, options)
+                shown = self._check_shows_tools(p.value, options)
             if self.split_special_tokens and self._forges_special_tokens(p.value):
                 return self._chat_with_plain_content(p.value, options)
+            if shown is not None:   # the check's text, tokenised as apply_chat_template tokenises its own
+                return list(self.tokenizer(shown, add_special_tokens=False)["input_ids"])
             return list(self.tokenizer.apply_chat_template(p.value, tokenize=True, return_dict=True,
                                                            **options)["input_ids"])
         except InvalidRequestError:
@@ -119,9 +122,9 @@ class TextCodec:
             raise InvalidRequestError(f"cannot tokenize the prompt: {type(e).__name__}: {e}") from None
 
 
-    def _check_shows_tools(self, messages, options: dict) -> None:
+    def _check_shows_tools(self, messages, options: dict) -> str:
         """A template that ignores ``tools``, or earlier calls, would leave the model unaware of them: refused, not
-        passed over."""
+        passed over. Returns the prompt's text, rendered with both."""
         def text(msgs, opts) -> str:
             return self.tokenizer.apply_chat_template(msgs, tokenize=False, **opts)
         shown = text(messages, options)
@@ -132,6 +135,7 @@ class TextCodec:
                 [{k: v for k, v in m.items() if k != "tool_calls"} for m in messages], options):
             raise InvalidRequestError("messages: this model's chat template does not show earlier tool calls to the "
                                       "model; give the engine a template that does (model.chat_template)")
+        return shown
 
     def bad_word_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word's token ids as vLLM reads them: the word, and the word after a space where that starts

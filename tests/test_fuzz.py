@@ -233,3 +233,54 @@ def test_fuzzed_requests_end_as_success_or_an_openai_shaped_4xx(stage, cases, fu
     assert sum(outcomes.values()) >= cases
     assert outcomes["2xx"] > cases // 20 and outcomes["400"] > cases // 20
     assert outcomes["404"] > 0   # an unknown model in an otherwise valid body
+
+
+item = st.one_of(message, st.fixed_dictionaries({"type": st.sampled_from(["message", "function_call",
+                                                                          "function_call_output", "reasoning", "x"])},
+                                                optional={"role": maybe(st.sampled_from(["user", "developer"])),
+                                                          "content": maybe(st.lists(st.fixed_dictionaries(
+                                                              {"type": maybe(st.sampled_from(["input_text",
+                                                                                              "input_image"])),
+                                                               "text": maybe(words)}), max_size=2)),
+                                                          "call_id": maybe(words), "name": maybe(words),
+                                                          "arguments": maybe(words), "output": maybe(words)}))
+RESPONSES_FIELDS = {
+    "model": st.sampled_from(["m", "other"]), "input": st.one_of(words, st.lists(item, max_size=4)),
+    "instructions": maybe(words), "max_output_tokens": st.integers(-1, 5000), "temperature": st.floats(-1, 3),
+    "stream": st.booleans(), "store": st.booleans(), "previous_response_id": words,
+    "tools": st.lists(st.sampled_from([{"type": "function", "name": "w5", "parameters": {"type": "object"}},
+                                       {"type": "web_search"}, {"type": "function"}]), max_size=2),
+    "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function", "name": "w5"}, {"type": "x"}]),
+    "text": st.sampled_from([{"format": {"type": "text"}}, {"format": {"type": "json_object"}}, {"format": None},
+                             {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}},
+                             {"format": {"type": "json_schema"}}, {"verbosity": "low"}, "x"]),
+    "reasoning": st.sampled_from([{"effort": "low"}, {"effort": 3}, "high", None])}
+
+
+@pytest.mark.parametrize("cases, fuzz_seed", TIERS)
+def test_fuzzed_responses_bodies_end_as_success_or_an_openai_shaped_4xx(stage, cases, fuzz_seed):
+    from eagle_ray.serve.responses import parse_request
+    engine = stage.engine
+    outcomes = collections.Counter()
+
+    def parse_chat(raw):
+        return parse_body(raw, "chat", "m", max_tokens_cap=1000, default_max_tokens=16, tool_parser="hermes")
+
+    @fuzz(cases)
+    @seed(fuzz_seed)
+    @given(st.one_of(mutated({"model": "m", "input": "w1 w2"}, RESPONSES_FIELDS), any_json))
+    def one(body):
+        try:
+            req = parse_request(json.dumps(body, allow_nan=True).encode("utf-8", "surrogatepass"), parse_chat)
+            engine.make_sequence(req.prompt, req.params, "r", True)
+            outcomes["2xx"] += 1
+        except ApiError as e:
+            assert 400 <= e.status < 500 and set(e.body()["error"]) == {"message", "type", "param", "code"}
+            json.dumps(e.body(), ensure_ascii=False).encode("utf-8")
+            outcomes[str(e.status)] += 1
+        except EagleError:
+            outcomes["400 (engine)"] += 1
+
+    one()
+    print("\nfuzzed responses bodies:", dict(outcomes))
+    assert outcomes["2xx"] > cases // 20 and outcomes["400"] > cases // 20

@@ -119,6 +119,28 @@ def test_streaming_chat_and_completion(server, client):
     assert 0 < made[1] < 24
 
 
+def test_the_responses_api_answers_as_chat_does(server, client):
+    """OpenAI's Responses API through the official client: the same greedy text as the offline engine's chat,
+    streamed as events that add up to it, cut as incomplete at max_output_tokens, and a bad field a 400 naming it."""
+    import openai
+    offline = server[1]
+    msgs = [{"role": "system", "content": "w5"}, {"role": "user", "content": PROMPTS[1]}]
+    want = offline.generate([msgs], SamplingParams(max_new_tokens=12, ignore_eos=True))[0]
+    common = dict(model=MODEL, instructions="w5", input=PROMPTS[1], max_output_tokens=12, temperature=0,
+                  extra_body={"ignore_eos": True})
+    r = client.responses.create(**common)
+    assert r.id.startswith("resp_") and r.output_text == want.text and r.status == "incomplete"
+    assert r.incomplete_details.reason == "max_output_tokens" and r.usage.output_tokens == 12
+    assert r.usage.input_tokens == len(offline.encode(msgs)) and r.output[0].type == "message"
+    events = list(client.responses.create(**common, stream=True))
+    assert events[0].type == "response.created" and events[-1].type == "response.incomplete"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == want.text
+    assert events[-1].response.output_text == want.text and events[-1].response.usage.output_tokens == 12
+    with pytest.raises(openai.BadRequestError, match="max_output_tokens=500 is above") as e:
+        client.responses.create(**common | {"max_output_tokens": 500})
+    assert e.value.body["param"] == "max_output_tokens"
+
+
 def test_stop_sequences(server, client):
     full = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=30, temperature=0,
                                      extra_body={"ignore_eos": True}).choices[0].text

@@ -199,6 +199,31 @@ def test_the_openai_client_calls_tools(embedded_server):
         client.chat.completions.create(**common, tool_choice={"type": "function", "function": {"name": "f"}})
 
 
+def test_the_responses_api_calls_a_tool_and_reads_its_output(embedded_server):
+    """The Responses API's flat function tools: a forced call is a ``function_call`` item whose arguments hold to
+    the schema; sent back with its ``function_call_output``, the answer is a message; text.format holds JSON."""
+    import openai
+    client = openai.OpenAI(base_url=embedded_server + "/v1", api_key="unused", max_retries=0, timeout=300)
+    flat = {"type": "function", **WEATHER["function"]}
+    ask = "What is the weather in Paris right now?"
+    r = client.responses.create(model="smol", input=ask, tools=[flat], temperature=0, max_output_tokens=64,
+                                tool_choice={"type": "function", "name": "get_weather"})
+    (call,) = r.output
+    assert call.type == "function_call" and call.name == "get_weather" and r.status == "completed"
+    jsonschema.validate(json.loads(call.arguments), WEATHER["function"]["parameters"])
+    answer = client.responses.create(model="smol", tools=[flat], temperature=0, max_output_tokens=48,
+                                     tool_choice="none", input=[
+                                         {"role": "user", "content": ask}, call.model_dump(exclude_none=True),
+                                         {"type": "function_call_output", "call_id": call.call_id,
+                                          "output": '{"temperature": 21, "sky": "clear"}'}])
+    assert [i.type for i in answer.output] == ["message"] and answer.output_text
+    assert answer.usage.input_tokens > r.usage.input_tokens + 20   # the call and its output were shown
+    schema = SCHEMAS["enums"][0]
+    typed = client.responses.create(model="smol", input=PROMPTS["enums"][0], temperature=0, max_output_tokens=160,
+                                    text={"format": {"type": "json_schema", "name": "review", "schema": schema}})
+    jsonschema.validate(json.loads(typed.output_text), schema)
+
+
 def test_a_jobs_chat_rows_call_tools_as_serve_does(tmp_path):
     """The job's rows with tools, on the embedded model with a template that shows them: a named call and a
     required one land in ``tool_calls`` (OpenAI's list, each call's arguments valid under its tool's schema)."""

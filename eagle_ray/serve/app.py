@@ -6,6 +6,7 @@ what is in flight.
 """
 
 import asyncio
+import functools
 import json
 import os
 import time
@@ -22,6 +23,7 @@ from eagle_ray.engine.reasoning import ReasoningStream
 from eagle_ray.engine.tools import CallReader
 from eagle_ray.errors import EagleError, EngineDeadError, PromptTooLongError
 from eagle_ray.serve.choices import ChoiceShape, Chunks, Interleaved, StreamState, merged_stats, prepare, usage
+from eagle_ray.serve import responses
 from eagle_ray.serve.config import ServeConfig
 from eagle_ray.serve.logprobs import TokenText
 from eagle_ray.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -120,30 +122,43 @@ class EagleServer:
         # parsed in a worker thread: a body of megabytes takes a second, which must not stall running streams
         if kind in ("tokenize", "detokenize"):
             return await asyncio.to_thread(parse_tokens_body, bytes(raw), kind, self.cfg.model_name)
-        return await asyncio.to_thread(parse_body, bytes(raw), kind, self.cfg.model_name, self.cfg.max_tokens_cap,
-                                       self.cfg.default_max_tokens, self.cfg.max_n, self.cfg.tool_call_parser,
-                                       self.cfg.reasoning_parser)
+        parse = functools.partial(parse_body, model_name=self.cfg.model_name, max_tokens_cap=self.cfg.max_tokens_cap,
+                                  default_max_tokens=self.cfg.default_max_tokens, max_n=self.cfg.max_n,
+                                  tool_parser=self.cfg.tool_call_parser, reasoning_parser=self.cfg.reasoning_parser)
+        if kind == "responses":   # read as the chat it amounts to
+            return await asyncio.to_thread(responses.parse_request, bytes(raw), functools.partial(parse, kind="chat"))
+        return await asyncio.to_thread(parse, bytes(raw), kind)
+
+    def _count_tokens(self, text: str) -> int:
+        return len(self.engine.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     async def _handle(self, request: Request, kind: str):
         try:
             req = await self._read(request, kind)
         except ApiError as e:
             return JSONResponse(e.body(), status_code=e.status)
-        rid = new_id("chatcmpl" if kind == "chat" else "cmpl")
+        answers = req.responses   # a Responses request, answered as a chat
+        kind = "chat" if answers is not None else kind
+        rid = responses.new_response_id() if answers is not None else new_id("chatcmpl" if kind == "chat" else "cmpl")
         try:  # tokenised in a worker thread; a too-long prompt is a 400 before any 200 goes out
             prompts = await asyncio.to_thread(prepare, self.engine, req, rid, self.cfg.speculative)
         except EagleError as e:
             return _engine_error(e)
+        limit_name = req.body.limit_field() if answers is None else "max_output_tokens"
         try:
             for p in prompts:
-                self.engine.check_room(len(p.prompt_ids), req.body.limit(), req.body.limit_field())
+                self.engine.check_room(len(p.prompt_ids), req.body.limit(), limit_name)
         except PromptTooLongError as e:
-            return _err(400, str(e), param=req.body.limit_field(), code="context_length_exceeded")
+            return _err(400, str(e), param=limit_name, code="context_length_exceeded")
         shape = ChoiceShape(kind, req.body.echo_prompt, req.body.top(), self.token_text, req.tools,
                             req.params.skip_special_tokens, req.reasoning, req.params.guided is not None,
                             getattr(req.body, "include_reasoning", True), req.body.prompt_logprobs)
+        base = responses.response_base(answers, rid, now(), self.cfg.model_name) if answers is not None else None
         if req.stream:
-            return StreamingResponse(self._sse(req.body, prompts, shape, rid), media_type="text/event-stream")
+            sse = self._sse(req.body, prompts, shape, rid)
+            if base is not None:
+                sse = responses.ResponseEvents(base, self._count_tokens).translate(sse)
+            return StreamingResponse(sse, media_type="text/event-stream")
         seqs = [s for p in prompts for s in p.seqs]
         try:
             outs = await asyncio.gather(*(self.queue.agenerate(s) for s in seqs))
@@ -156,12 +171,14 @@ class EagleServer:
                 raise
             return _err(500, f"{type(e).__name__}: {e}", "server_error")
         n = len(prompts[0].seqs)
-        choices = [shape.choice(i, prompts[i // n], out, finish_reason(out.finish_reason)) for i, out in enumerate(outs)]
+        choices = [shape.choice(i, prompts[i // n], out, finish_reason(out.finish_reason))
+                   for i, out in enumerate(outs)]
         body = {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion", "created": now(),
                 "model": self.cfg.model_name, "choices": choices}
         if kind == "chat" and shape.prompt_k is not None:   # vLLM's place for a chat's: beside its choices
             body["prompt_logprobs"] = shape.prompt_logprobs(prompts[0])
-        return JSONResponse(body | {"usage": usage(prompts, outs), "eagle": eagle_stats(merged_stats(outs))})
+        body |= {"usage": usage(prompts, outs), "eagle": eagle_stats(merged_stats(outs))}
+        return JSONResponse(body if base is None else responses.response_body(body, base, self._count_tokens))
 
     async def _sse(self, req, prompts, shape: ChoiceShape, rid: str):
         kind = shape.kind
@@ -300,6 +317,11 @@ class EagleServer:
     @api.post("/v1/chat/completions")
     async def chat(self, request: Request):
         return await self._handle(request, "chat")
+
+    @api.post("/v1/responses")
+    async def create_response(self, request: Request):
+        """OpenAI's Responses API, answered by the chat path (serve/responses.py)."""
+        return await self._handle(request, "responses")
 
     def __del__(self):
         totals = getattr(self, "totals", None)

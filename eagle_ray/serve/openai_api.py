@@ -73,7 +73,7 @@ def template_variables(v: dict | None) -> dict | None:
     return v or None
 
 
-def _same(value, harmless) -> bool:
+def changes_nothing(value, harmless) -> bool:
     """``value`` is ``harmless``: equal, and a bool only where a bool is meant (``true == 1`` in Python)."""
     return value == harmless and isinstance(value, bool) == isinstance(harmless, bool)
 
@@ -126,7 +126,7 @@ class _Request(BaseModel):
         if not isinstance(data, dict):
             return data
         for key, harmless in UNSUPPORTED.items():
-            if key in data and not any(_same(data[key], h) for h in harmless):
+            if key in data and not any(changes_nothing(data[key], h) for h in harmless):
                 raise ApiError(400, f"{key} is not supported by this server", param=key)
         for key in NUMBERS:
             if isinstance(data.get(key), bool):
@@ -260,7 +260,7 @@ class CompletionRequest(_Request):
             raise ApiError(400, "top_logprobs is a chat field: on completions, logprobs is the number of "
                            "alternatives per token", param="top_logprobs")
         for key, harmless in CHAT_ONLY.items():
-            if isinstance(data, dict) and key in data and not any(_same(data[key], h) for h in harmless):
+            if isinstance(data, dict) and key in data and not any(changes_nothing(data[key], h) for h in harmless):
                 raise ApiError(400, f"{key} is a chat field: a completion's prompt is not templated", param=key)
         if isinstance(data, dict) and data.get("logprobs") is False:
             data = {k: v for k, v in data.items() if k != "logprobs"}
@@ -392,6 +392,7 @@ class ParsedRequest:
     params: SamplingParams
     tools: ToolPlan | None = None   # a chat's tools and how its answers are read
     reasoning: str | None = None    # the parser that splits a chat's thinking from its answer (engine/reasoning.py)
+    responses: dict | None = None   # a Responses request as sent, answered as this chat (serve/responses.py)
 
     @property
     def prompt(self) -> Prompt:
@@ -435,8 +436,8 @@ def parse_body(raw: bytes, kind: str, model_name: str, max_tokens_cap: int, defa
         raise ApiError(400, str(e), param=str(e).split(":", 1)[0].split(" ", 1)[0] or None) from None
 
 
-def read_body(raw: bytes, model: type[BaseModel]):
-    """``raw`` as a ``model`` (a JSON object nested at most ``MAX_NESTING`` deep); raises :class:`ApiError`."""
+def load_object(raw: bytes) -> dict:
+    """``raw`` as a JSON object nested at most ``MAX_NESTING`` deep; raises :class:`ApiError`."""
     try:
         data = json.loads(raw)
     except ValueError as e:   # JSONDecodeError, UnicodeDecodeError, an integer of more digits than Python converts
@@ -447,6 +448,12 @@ def read_body(raw: bytes, model: type[BaseModel]):
         raise ApiError(400, "request body must be a JSON object")
     if nesting_depth(data) > MAX_NESTING:
         raise ApiError(400, f"request body is nested deeper than {MAX_NESTING} levels")
+    return data
+
+
+def read_body(raw: bytes, model: type[BaseModel]):
+    """``raw`` as a ``model`` (a JSON object nested at most ``MAX_NESTING`` deep); raises :class:`ApiError`."""
+    data = load_object(raw)
     try:
         return model(**data)
     except ValidationError as e:

@@ -1,0 +1,159 @@
+"""OpenAI's Responses API over the chat path: a Responses body read as the chat request it amounts to, errors
+naming the Responses fields, a chat answer as output items, and a chat stream (the Serve app's own ``_sse`` over a
+queue that replays deltas) as the Responses events, whose deltas add up to the completed response. The app over
+HTTP with the ``openai`` client: tests/test_serve.py."""
+import asyncio
+import json
+
+import pytest
+from test_reasoning import THOUGHT, ReplayQueue, output, shape_for
+
+from eagle_ray.engine.queue import StreamDelta
+from eagle_ray.serve.choices import PromptChoices
+from eagle_ray.serve.openai_api import ApiError, parse_body
+from eagle_ray.serve.responses import ResponseEvents, chat_body, parse_request, response_base, response_body
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "the weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+
+
+def parsed(body: dict, parser: str | None = "hermes"):
+    def parse_chat(raw):
+        return parse_body(raw, "chat", "m", 100, 16, tool_parser=parser, reasoning_parser="qwen3")
+    return parse_request(json.dumps({"model": "m", **body}).encode(), parse_chat)
+
+
+def test_a_responses_body_is_the_chat_it_amounts_to():
+    body = {"instructions": "Be brief.", "max_output_tokens": 20, "temperature": 0.5, "tools": [WEATHER],
+            "tool_choice": {"type": "function", "name": "get_weather"}, "reasoning": {"effort": "low"},
+            "text": {"format": {"type": "text"}}, "store": True, "metadata": {"run": "a"},
+            "input": [{"role": "user", "content": [{"type": "input_text", "text": "Paris?"}]},
+                      {"type": "reasoning", "id": "rs_1", "summary": []},
+                      {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Ok."}]},
+                      {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "P"}'},
+                      {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": "{}"},
+                      {"type": "function_call_output", "call_id": "c1", "output": "sunny"}]}
+    chat, origin = chat_body(body)
+    assert chat["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Paris?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Ok."}], "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "P"}'}},
+            {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    assert origin == ["instructions", "input[0]", "input[2]", "input[5]"]
+    assert chat["tools"] == [{"type": "function", "function": {k: WEATHER[k] for k in ("name", "description",
+                                                                                         "parameters")}}]
+    assert (chat["tool_choice"], chat["max_completion_tokens"], chat["temperature"], chat["reasoning_effort"]) == (
+        {"type": "function", "function": {"name": "get_weather"}}, 20, 0.5, "low")
+    assert "response_format" not in chat
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt, _ = chat_body({"input": "x", "text": {"format": {"type": "json_schema", "name": "s", "schema": schema}},
+                        "stream": True})
+    assert fmt["response_format"] == {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    assert fmt["messages"] == [{"role": "user", "content": "x"}] and fmt["stream_options"] == {"include_usage": True}
+    req = parsed({"input": "w1", "max_output_tokens": 7})
+    assert (req.params.max_new_tokens, req.responses["max_output_tokens"]) == (7, 7)
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id", "keeps no responses"),
+    ({"background": True}, "background", "keeps no responses"),
+    ({"include": ["reasoning.encrypted_content"]}, "include", "not supported"),
+    ({"truncation": "auto"}, "truncation", "not supported"),
+    ({"input": []}, "input", "a non-empty list of items"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]",
+     "only text parts"),
+    ({"input": [{"type": "web_search_call"}]}, "input[0].type", "'web_search_call' is not supported"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type", "not OpenAI's hosted 'web_search'"),
+    ({"tools": [{"type": "function", "name": "bad name"}]}, "tools[0].name", "must be 1-64 letters"),
+    ({"text": {"format": {"type": "json_schema", "name": "s"}}}, "text.format", "text.format.schema is required"),
+    ({"text": {"format": {"type": "yaml"}}}, "text.format.type", "text, json_object or json_schema"),
+    ({"text": {"verbosity": "low"}}, "text.verbosity", "not supported"),
+    ({"max_output_tokens": 500}, "max_output_tokens", "max_output_tokens=500 is above this server's cap"),
+    ({"input": [{"role": "user", "content": "a"}, {"role": "wizard", "content": "b"}]}, "input[1].role",
+     "input[1].role must be one of"),
+    ({"instructions": "hi", "input": [{"role": "wizard", "content": "b"}]}, "input[0].role", "input[0].role"),
+    ({"model": "other"}, "model", "does not exist"),
+])
+def test_a_bad_responses_body_is_a_400_naming_the_responses_field(body, param, message):
+    with pytest.raises(ApiError) as e:
+        parsed({"input": "w1", **body})
+    assert e.value.param == param and message in e.value.message, (e.value.param, e.value.message)
+    assert e.value.status == (404 if param == "model" else 400)
+
+
+def base(body: dict | None = None) -> dict:
+    return response_base({"model": "m", "input": "x", **(body or {})}, "resp_1", 1700000000, "m")
+
+
+def words(text: str) -> int:
+    return len(text.split())
+
+
+def test_a_chat_answer_is_output_items():
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "P"}'}}
+    chat = {"choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
+        "role": "assistant", "content": "Checking.", "reasoning": "one two three", "tool_calls": [call]}}],
+            "usage": {"prompt_tokens": 9, "completion_tokens": 12}, "eagle": {"cached_prompt_tokens": 4, "tau": 2.0}}
+    got = response_body(chat, base({"instructions": "Be brief."}), words)
+    assert (got["id"], got["object"], got["status"], got["instructions"], got["store"]) == (
+        "resp_1", "response", "completed", "Be brief.", False)
+    assert [i["type"] for i in got["output"]] == ["reasoning", "message", "function_call"]
+    assert got["output"][0]["content"] == [{"type": "reasoning_text", "text": "one two three"}]
+    assert got["output"][1]["content"][0] | {} == {"type": "output_text", "text": "Checking.", "annotations": [],
+                                                   "logprobs": []}
+    assert {k: got["output"][2][k] for k in ("call_id", "name", "arguments", "status")} == {
+        "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "P"}', "status": "completed"}
+    assert got["usage"] == {"input_tokens": 9, "input_tokens_details": {"cached_tokens": 4}, "output_tokens": 12,
+                            "output_tokens_details": {"reasoning_tokens": 3}, "total_tokens": 21}
+    cut = response_body({"choices": [{"finish_reason": "length", "message": {"role": "assistant", "content": "a"}}],
+                         "usage": {"prompt_tokens": 1, "completion_tokens": 2}}, base(), words)
+    assert (cut["status"], cut["incomplete_details"]) == ("incomplete", {"reason": "max_output_tokens"})
+
+
+def events(pieces: list[str], tools=None) -> list[dict]:
+    """The Responses events of a chat stream of ``pieces`` (the app's ``_sse``, replayed), parsed."""
+    from types import SimpleNamespace
+
+    from eagle_ray.serve.app import EagleServer
+    text = "".join(pieces)
+    deltas = [StreamDelta("r", p, i + 1) for i, p in enumerate(pieces[:-1])]
+    deltas.append(StreamDelta("r", pieces[-1], len(pieces), True, output(text)))
+    server = SimpleNamespace(cfg=SimpleNamespace(model_name="m"), queue=ReplayQueue(deltas))
+    body = SimpleNamespace(stream_options=SimpleNamespace(include_usage=True, continuous_usage_stats=False))
+    seqs = [SimpleNamespace(prompt_ids=[1, 2], logprobs=None, output_ids=[], stops=None)]
+    sse = EagleServer.func_or_class._sse(server, body, [PromptChoices(seqs, "")], shape_for(tools=tools), "r")
+
+    async def collect():
+        return [line async for line in ResponseEvents(base(), words).translate(sse)]
+    out = []
+    for line in asyncio.run(collect()):
+        head, data = line.split("\n", 1)
+        payload = json.loads(data.removeprefix("data: "))
+        assert head == f"event: {payload['type']}" and line.endswith("\n\n")
+        out.append(payload)
+    assert [e["sequence_number"] for e in out] == list(range(len(out)))
+    return out
+
+
+def test_a_chat_stream_is_the_responses_events_and_adds_up_to_the_completed_response():
+    from test_tools import plan
+    got = events([THOUGHT[:10], THOUGHT[10:30], THOUGHT[30:], " Sunny", " today.",
+                  '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'],
+                 tools=plan("auto", parser="hermes"))
+    kinds = [e["type"] for e in got]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    done = got[-1]["response"]
+    assert [i["type"] for i in done["output"]] == ["reasoning", "message", "function_call"]
+    thought = "".join(e["delta"] for e in got if e["type"] == "response.reasoning_text.delta")
+    answer = "".join(e["delta"] for e in got if e["type"] == "response.output_text.delta")
+    assert thought == done["output"][0]["content"][0]["text"] == "\nThe user wants Paris' weather.\n"
+    assert answer == done["output"][1]["content"][0]["text"] == "\n\nLet me check. Sunny today."
+    added = [e["item"]["type"] for e in got if e["type"] == "response.output_item.added"]
+    closed = [e["item"]["type"] for e in got if e["type"] == "response.output_item.done"]
+    assert added == closed == ["reasoning", "message", "function_call"]
+    args = [e for e in got if e["type"] == "response.function_call_arguments.done"]
+    assert [(a["name"], json.loads(a["arguments"])) for a in args] == [("get_weather", {"city": "Paris"})]
+    assert done["status"] == "completed" and done["usage"]["output_tokens_details"]["reasoning_tokens"] == 5
+    assert all(i["status"] == "completed" for i in done["output"])

@@ -143,7 +143,7 @@ def test_vllms_prompt_logprobs_are_answered_as_vllm_shapes_them(engine, tiny_hf)
             top = rows[p].topk(2)
             want = {token: (float(rows[p, token]), int((rows[p] >= rows[p, token]).sum()))}
             for place, (i, v) in enumerate(zip(top.indices.tolist(), top.values.tolist()), 1):
-                want.setdefault(i, (v, place))
+                want[i] = (v, place)   # the token among them: its place (vLLM's)
             assert list(entry) == [str(t) for t in want]
             for t, (v, rank) in want.items():
                 assert entry[str(t)]["logprob"] == pytest.approx(v, abs=1e-5)

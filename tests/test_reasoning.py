@@ -152,15 +152,17 @@ class ReplayQueue:
             yield d
 
 
-def sse_chunks(pieces: list[str], tools=None, stream_options=None) -> list[dict]:
+def sse_chunks(pieces: list[str], tools=None, stream_options=None, reason: str = "stop", **shape) -> list[dict]:
     from eagle_ray.serve.app import EagleServer
     text = "".join(pieces)
     deltas = [StreamDelta("r", p, i + 1) for i, p in enumerate(pieces[:-1])]
-    deltas.append(StreamDelta("r", pieces[-1], len(pieces), True, output(text)))
+    deltas.append(StreamDelta("r", pieces[-1], len(pieces), True,
+                              RequestOutput("r", [1, 2], list(range(len(text))), text, reason)))
     server = SimpleNamespace(cfg=SimpleNamespace(model_name="m"), queue=ReplayQueue(deltas))
     body = SimpleNamespace(stream_options=stream_options)
     seqs = [SimpleNamespace(prompt_ids=[1, 2], logprobs=None, output_ids=[], stops=None)]
-    sse = EagleServer.func_or_class._sse(server, body, [PromptChoices(seqs, "")], shape_for(tools=tools), "rid")
+    sse = EagleServer.func_or_class._sse(server, body, [PromptChoices(seqs, "")], shape_for(tools=tools, **shape),
+                                         "rid")
 
     async def collect():
         return [line async for line in sse]
@@ -191,6 +193,32 @@ def test_a_streamed_answer_read_for_calls_sends_its_thinking_and_text_as_they_co
     (call,) = [c for d in deltas for c in d.get("tool_calls", [])]
     assert (call["index"], call["function"]["name"]) == (0, "get_weather") and "tool_calls" in deltas[-1]
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize("parser, prompt, mode", [
+    ("qwen3", QWEN3_PROMPT, "if_opened"), ("qwen3", R1_PROMPT, "until_close"), ("qwen3", OFF_PROMPT, "answer"),
+    ("deepseek_r1", QWEN3_PROMPT, "until_close"), ("deepseek_r1", OFF_PROMPT, "answer")])
+def test_a_constrained_request_thinks_first_where_the_markers_are_tokens(parser, prompt, mode):
+    """As vLLM reads the prompt: a thinking it closed (turned off) leaves the output all answer, held to the
+    grammar from its first token; otherwise the grammar waits. Spelled in pieces, the markers wait for nothing."""
+    from eagle_ray.engine.reasoning import mode_for
+    assert mode_for(parser, Prompted(prompt, markers=True), [1, 2], constrained=True) == mode
+    assert mode_for(parser, Prompted(prompt), [1, 2], constrained=True) == "answer"
+
+
+def test_a_streamed_forced_call_opens_once_the_thinking_has_closed():
+    """Where structured output waits for the thinking (one-token markers), a named call's stream sends the
+    thinking first and opens the call with the answer; cut while thinking, it has no call, as read whole."""
+    from test_tools import plan
+    named = dict(tools=plan("named", "get_weather"), prompt=R1_PROMPT, constrained=True, markers=True)
+    chunks = sse_chunks(["Hmm, Paris", ".</think>", '{"city": ', '"Paris"}'], **named)
+    calls = [c["choices"][0]["delta"]["tool_calls"] for c in chunks if c["choices"][0]["delta"].get("tool_calls")]
+    thought = "".join(c["choices"][0]["delta"].get("reasoning") or "" for c in chunks)
+    assert thought == "Hmm, Paris." and calls[0][0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert "".join(c[0]["function"]["arguments"] for c in calls) == '{"city": "Paris"}'
+    cut = sse_chunks(["Hmm, let me", " think more"], reason="length", **named)
+    assert not any(c["choices"][0]["delta"].get("tool_calls") for c in cut)
+    assert cut[-1]["choices"][0]["finish_reason"] == "length"
 
 
 def test_continuous_usage_counts_the_chunks_own_choice():

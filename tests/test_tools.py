@@ -175,6 +175,12 @@ def test_auto_takes_the_first_call_alone_without_parallel_calls_and_hermes_keeps
     ("pythonic", '[get_weather("Oslo")]', '[get_weather("Oslo")]', []),        # a positional argument: text
     ("pythonic", '[get_weather(city=open("/etc/passwd"))]', '[get_weather(city=open("/etc/passwd"))]', []),  # never run
     ("pythonic", "It is sunny.", "It is sunny.", []),
+    ("pythonic", "[get_weather(city='A', city='B')]", "[get_weather(city='A', city='B')]", []),   # repeated
+    ("pythonic", "[get_weather(temp=1e999)]", "[get_weather(temp=1e999)]", []),   # Infinity is not JSON
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"t": NaN}}]',
+     '[TOOL_CALLS][{"name": "get_weather", "arguments": {"t": NaN}}]', []),
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"t": Infinity}}</tool_call>',
+     '<tool_call>{"name": "get_weather", "arguments": {"t": Infinity}}</tool_call>', []),
 ])
 def test_auto_answers_are_read_by_the_parser(parser, text, content, calls):
     message, reason = plan("auto", parser=parser).message(text, "stop")

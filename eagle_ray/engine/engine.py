@@ -180,7 +180,7 @@ class EagleEngine:
         guide = self.grammars.guide(params)   # compiled here, on the caller's thread (cached per grammar)
         markers = marker_ids(self.tokenizer) if guide is not None and self.reasoning_parser else None
         if markers is not None:   # the grammar waits for the answer, as vLLM's waits for its reasoning parser
-            guide.gate(mode_for(self.reasoning_parser, self.tokenizer, ids), markers)
+            guide.gate(mode_for(self.reasoning_parser, self.tokenizer, ids, constrained=True), markers)
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
         return Sequence(request_id or str(next(self._ids)), ids, params, frozenset(stop), seed,
                         detok=Detokenizer(self.tokenizer, ids, params.skip_special_tokens), speculative=speculative,

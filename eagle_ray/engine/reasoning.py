@@ -91,10 +91,14 @@ class ReasoningStream:
 
 
 def mode_for(parser: str, tokenizer, prompt_ids: list[int], constrained: bool = False) -> str:
-    """:func:`thinking_mode` of a request from its prompt's token ids (the last few hold any marker it ends with);
-    a constrained request thinks first where the markers are one token each (:func:`marker_ids`)."""
-    return thinking_mode(parser, tokenizer.decode(list(prompt_ids[-TAIL_TOKENS:]), skip_special_tokens=False),
-                         constrained and marker_ids(tokenizer) is None)
+    """:func:`thinking_mode` of a request from its prompt's token ids (the last few hold any marker it ends with).
+    A constrained request thinks first where the markers are one token each (:func:`marker_ids`), unless its
+    prompt closed the thinking (thinking turned off): then, as vLLM reads the prompt, it is all answer."""
+    tail = tokenizer.decode(list(prompt_ids[-TAIL_TOKENS:]), skip_special_tokens=False)
+    gated = constrained and marker_ids(tokenizer) is not None
+    if gated and tail.rfind(CLOSE) > tail.rfind(OPEN):
+        return "answer"
+    return thinking_mode(parser, tail, constrained and not gated)
 
 
 @functools.lru_cache(maxsize=8)

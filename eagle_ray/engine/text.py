@@ -112,7 +112,9 @@ class TextCodec:
                 shown = self._check_shows_tools(p.value, options)
             if self.split_special_tokens and self._forges_special_tokens(p.value):
                 return self._chat_with_plain_content(p.value, options)
-            if shown is not None:   # the check's text, tokenised as apply_chat_template tokenises its own
+            if shown is not None and self._tokenizes_rendered_text:
+                # the check's text, tokenised as apply_chat_template tokenises its own (a tokenizers backend;
+                # mistral-common's tokenises its messages itself)
                 return list(self.tokenizer(shown, add_special_tokens=False)["input_ids"])
             return list(self.tokenizer.apply_chat_template(p.value, tokenize=True, return_dict=True,
                                                            **options)["input_ids"])
@@ -121,6 +123,11 @@ class TextCodec:
         except Exception as e:  # noqa: BLE001
             raise InvalidRequestError(f"cannot tokenize the prompt: {type(e).__name__}: {e}") from None
 
+
+    @functools.cached_property
+    def _tokenizes_rendered_text(self) -> bool:
+        from transformers import PreTrainedTokenizerFast
+        return isinstance(self.tokenizer, PreTrainedTokenizerFast)
 
     def _check_shows_tools(self, messages, options: dict) -> str:
         """A template that ignores ``tools``, or earlier calls, would leave the model unaware of them: refused, not

@@ -109,12 +109,19 @@ def forced_call_refusal(given: str) -> str:
     return f"tool_choice forces a tool call, whose arguments are structured output already: leave out {given}"
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+JSON = json.JSONDecoder(parse_constant=_no_constant)   # NaN and Infinity are not JSON: an answer holding them is text
+
+
 def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def _arguments(value) -> str:
-    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, allow_nan=False)
 
 
 def _call(obj, key: str) -> tuple[str, str] | None:
@@ -126,7 +133,7 @@ def _call(obj, key: str) -> tuple[str, str] | None:
 def _listed_calls(text: str) -> list[tuple[str, str]]:
     """``required``'s answer: a JSON array of ``{"name", "parameters"}`` (none where it does not parse: a cut)."""
     try:
-        listed = json.loads(text)
+        listed = JSON.decode(text)
     except ValueError:
         return []
     calls = [_call(c, "parameters") for c in listed] if isinstance(listed, list) else []
@@ -135,7 +142,7 @@ def _listed_calls(text: str) -> list[tuple[str, str]]:
 
 def _hermes_call(block: str) -> tuple[str, str] | None:
     try:
-        return _call(json.loads(block), "arguments")
+        return _call(JSON.decode(block), "arguments")
     except ValueError:
         return None
 
@@ -241,22 +248,27 @@ class AutoCalls:
 
 class CallReader:
     """One streamed choice's answer read for calls (``plan.choice`` not ``none``): a named call's arguments go out
-    as they come (the first delta opens the call: id, type, name), as OpenAI streams them; an ``auto`` answer's text
-    as it comes and each call once it is whole (:class:`AutoCalls`); a ``required`` answer, a JSON array, whole once
-    it has ended."""
+    as they come (the first delta of the answer opens the call: id, type, name; a thinking before it opens
+    nothing, so an output cut while thinking has no call, as read whole), as OpenAI streams them; an ``auto``
+    answer's text as it comes and each call once it is whole (:class:`AutoCalls`); a ``required`` answer, a JSON
+    array, whole once it has ended."""
 
     def __init__(self, plan: ToolPlan):
         self.plan = plan
         self.auto = AutoCalls(plan.parser, plan.parallel) if plan.choice == "auto" else None
         self.sent = 0   # calls sent
 
-    def part(self, delta: str, whole: str | None, first: bool, reason: str | None, finished: bool
+    def part(self, delta: str, whole: str | None, answering: bool, reason: str | None, finished: bool
              ) -> tuple[str | None, list[dict] | None, str | None]:
-        """(content, calls, finish reason) of one delta of the answer (``whole``: the whole answer once it has
-        ended; None: it has none, cut while thinking)."""
+        """(content, calls, finish reason) of one delta of the answer (``answering``: the answer has begun, no
+        thinking is left before it; ``whole``: the whole answer once it has ended; None: it has none, cut while
+        thinking)."""
         plan = self.plan
         if plan.choice == "named":
-            if first:
+            if not self.sent:
+                if not answering:
+                    return None, None, reason
+                self.sent = 1
                 return None, [{"id": _call_id(), "type": "function",
                                "function": {"name": plan.name, "arguments": delta}}], reason
             return None, [{"function": {"arguments": delta}}] if delta else None, reason
@@ -279,7 +291,7 @@ def _llama3_calls(text: str) -> tuple[str | None, list[tuple[str, str]]]:
     body = text.strip().removeprefix("<|python_tag|>").strip()
     if not body.startswith("{"):
         return text, []
-    decoder, calls, i = json.JSONDecoder(), [], 0
+    decoder, calls, i = JSON, [], 0
     try:
         while i < len(body):
             obj, i = decoder.raw_decode(body, i)
@@ -293,7 +305,7 @@ def _llama3_calls(text: str) -> tuple[str | None, list[tuple[str, str]]]:
 def _mistral_calls(text: str) -> list[tuple[str, str]]:
     """The calls after ``[TOOL_CALLS]``: a JSON list (or object) of ``{"name", "arguments"}``, or ``name`` and its
     JSON arguments (``[ARGS]`` between them or not) after each marker; none where any part does not parse."""
-    calls, decoder = [], json.JSONDecoder()
+    calls, decoder = [], JSON
     for part in text.split(MISTRAL_CALLS)[1:]:
         part = part.strip()
         try:
@@ -332,11 +344,13 @@ def _pythonic_calls(text: str) -> tuple[str | None, list[tuple[str, str]]]:
             return text, []
         calls = []
         for call in tree.elts:
-            if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name) or call.args or \
-                    any(k.arg is None for k in call.keywords):
+            if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name) or call.args:
                 return text, []
+            names = [k.arg for k in call.keywords]
+            if None in names or len(set(names)) < len(names):
+                return text, []   # positional, ** or repeated arguments: not a call of keyword arguments
             args = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
-            calls.append((call.func.id, json.dumps(args, ensure_ascii=False)))
+            calls.append((call.func.id, json.dumps(args, ensure_ascii=False, allow_nan=False)))
     except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
         return text, []
     return None, calls

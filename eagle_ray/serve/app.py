@@ -228,7 +228,8 @@ class EagleServer:
                     thought, text = st.split.feed(text, final=d.finished)
                 if st.reader is not None:   # the answer read for tool calls (engine/tools.py)
                     whole = shape.answer(d.output.text, prompts[index // n])[1] if d.finished else None
-                    text, calls, reason = st.reader.part(text or "", whole, st.first, reason, d.finished)
+                    answering = st.split is None or not st.split.thinking
+                    text, calls, reason = st.reader.part(text or "", whole, answering, reason, d.finished)
                 thought = thought if shape.include_reasoning else None
                 lp = new_logprobs(index, seq, d)
                 if text or calls or thought or st.first or lp is not None:

@@ -86,7 +86,8 @@ def completion_logprobs(lp: TokenLogprobs, token_ids: list[int], k: int, text: T
 def prompt_logprob_entries(lp: TokenLogprobs, prompt_ids: list[int], k: int, text: TokenText) -> list[dict | None]:
     """vLLM's ``prompt_logprobs`` (``lp`` from the prompt's first token, :func:`echoed`): per prompt token, the
     token and its ``k`` most probable alternatives by id, each ``{logprob, rank, decoded_token}`` (an alternative's
-    rank its place, the token's its rank in the vocabulary); null for the first token, which has none."""
+    rank its place; the token's its rank in the vocabulary, or its place where it is among them, as vLLM's); null
+    for the first token, which has none."""
     def entry(t: int, v: float, rank: int | None) -> dict:
         return {"logprob": _finite(v), "rank": rank, "decoded_token": text.text(t)}
     out = []
@@ -96,7 +97,7 @@ def prompt_logprob_entries(lp: TokenLogprobs, prompt_ids: list[int], k: int, tex
             continue
         at = {str(t): entry(t, v, rank)}
         for place, (i, x) in enumerate((top or [])[:k], 1):
-            at.setdefault(str(i), entry(i, x, place))
+            at[str(i)] = entry(i, x, place)
         out.append(at)
     return out
 

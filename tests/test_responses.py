@@ -53,13 +53,16 @@ def test_a_responses_body_is_the_chat_it_amounts_to():
     assert fmt["response_format"] == {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
     assert fmt["messages"] == [{"role": "user", "content": "x"}] and fmt["stream_options"] == {"include_usage": True}
     req = parsed({"input": "w1", "max_output_tokens": 7})
-    assert (req.params.max_new_tokens, req.responses["max_output_tokens"]) == (7, 7)
+    assert (req.params.max_new_tokens, req.responses["max_output_tokens"], req.params.logprobs) == (7, 7, None)
+    assert parsed({"input": "w1", "include": ["message.output_text.logprobs"], "top_logprobs": 3}).params.logprobs == 3
+    assert parsed({"input": "w1", "include": ["message.output_text.logprobs"]}).params.logprobs == 0
 
 
 @pytest.mark.parametrize("body, param, message", [
     ({"previous_response_id": "resp_1"}, "previous_response_id", "keeps no responses"),
     ({"background": True}, "background", "keeps no responses"),
-    ({"include": ["reasoning.encrypted_content"]}, "include", "not supported"),
+    ({"include": ["reasoning.encrypted_content"]}, "include", "only 'message.output_text.logprobs'"),
+    ({"top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
     ({"truncation": "auto"}, "truncation", "not supported"),
     ({"input": []}, "input", "a non-empty list of items"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]",

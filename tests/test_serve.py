@@ -136,6 +136,11 @@ def test_the_responses_api_answers_as_chat_does(server, client):
     assert events[0].type == "response.created" and events[-1].type == "response.incomplete"
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == want.text
     assert events[-1].response.output_text == want.text and events[-1].response.usage.output_tokens == 12
+    logged = dict(common, include=["message.output_text.logprobs"], top_logprobs=2)
+    lp = client.responses.create(**logged).output[0].content[0].logprobs
+    assert len(lp) == 12 and all(len(t.top_logprobs) == 2 and t.token for t in lp)
+    streamed = [e for e in client.responses.create(**logged, stream=True) if e.type == "response.output_text.delta"]
+    assert [t.token for e in streamed for t in e.logprobs] == [t.token for t in lp]
     with pytest.raises(openai.BadRequestError, match="max_output_tokens=500 is above") as e:
         client.responses.create(**common | {"max_output_tokens": 500})
     assert e.value.body["param"] == "max_output_tokens"

@@ -22,8 +22,8 @@ import uuid
 from eagle_ray.serve.openai_api import ApiError, ParsedRequest, changes_nothing, load_object
 
 REFUSED = {"previous_response_id": (None,), "background": (None, False), "conversation": (None,), "prompt": (None,),
-           "include": (None, []), "truncation": (None, "disabled"), "max_tool_calls": (None,),
-           "top_logprobs": (None, 0)}   # fields that need what this server does not keep or do
+           "truncation": (None, "disabled"), "max_tool_calls": (None,)}   # what this server does not keep or do
+LOGPROBS = "message.output_text.logprobs"   # the one ``include`` this server answers
 PASSED = ("model", "temperature", "top_p", "stream", "parallel_tool_calls", "user", "seed", "top_k", "min_p",
           "stop", "min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
           "ignore_eos", "chat_template_kwargs", "include_reasoning", "skip_special_tokens", "bad_words",
@@ -55,7 +55,7 @@ def chat_body(data: dict) -> tuple[dict, list[str]]:
         chat["tools"] = _tools(data["tools"])
     if data.get("tool_choice") is not None:
         chat["tool_choice"] = _tool_choice(data["tool_choice"])
-    chat |= _text_format(data.get("text"))
+    chat |= _text_format(data.get("text")) | _logprobs(data)
     reasoning = data.get("reasoning")
     if reasoning is not None:
         if not isinstance(reasoning, dict):
@@ -138,6 +138,18 @@ def _output_text(output, where: str) -> str:
     if isinstance(output, list):
         return "".join(_text_part(p, f"{where}[{j}]")["text"] or "" for j, p in enumerate(output))
     raise ApiError(400, f"{where} must be a string or a list of text parts", param=where)
+
+
+def _logprobs(data: dict) -> dict:
+    """``include: ["message.output_text.logprobs"]`` and ``top_logprobs`` as chat's ``logprobs`` and
+    ``top_logprobs``; other inclusions (encrypted reasoning, hosted tools' results) are a 400."""
+    include = data.get("include") or []
+    if not isinstance(include, list) or any(i != LOGPROBS for i in include):
+        raise ApiError(400, f"include: only {LOGPROBS!r} is supported by this server", param="include")
+    top = data.get("top_logprobs")
+    if not include and not top:
+        return {}
+    return {"logprobs": True, "top_logprobs": top or 0}
 
 
 def _tools(tools) -> list:
@@ -225,9 +237,9 @@ def reasoning_item(text: str, item_id: str | None = None, status: str = "complet
             "content": [{"type": "reasoning_text", "text": text}]}
 
 
-def message_item(text: str, item_id: str | None = None, status: str = "completed") -> dict:
+def message_item(text: str, item_id: str | None = None, status: str = "completed", logprobs=None) -> dict:
     return {"id": item_id or _item_id("msg"), "type": "message", "role": "assistant", "status": status,
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
 
 
 def call_item(call: dict, item_id: str | None = None, status: str = "completed") -> dict:
@@ -258,8 +270,8 @@ def response_body(chat: dict, base: dict, count_tokens) -> dict:
     output = []
     if message.get("reasoning"):
         output.append(reasoning_item(message["reasoning"]))
-    if message.get("content") is not None:
-        output.append(message_item(message["content"]))
+    if message.get("content") is not None:   # with logprobs, every output token's (chat's, thinking's too)
+        output.append(message_item(message["content"], logprobs=(choice.get("logprobs") or {}).get("content")))
     output += [call_item(c) for c in message.get("tool_calls") or []]
     return finished(base, output, choice["finish_reason"], chat.get("usage"), chat.get("eagle"),
                     count_tokens(message["reasoning"]) if message.get("reasoning") else 0)
@@ -314,14 +326,17 @@ class ResponseEvents:
         delta = choice.get("delta") or {}
         if delta.get("reasoning"):
             yield from self.text("reasoning", delta["reasoning"])
+        logprobs = (choice.get("logprobs") or {}).get("content")
         if delta.get("content"):
-            yield from self.text("message", delta["content"])
+            yield from self.text("message", delta["content"], logprobs)
+        elif logprobs and self.open is not None and self.open["type"] == "message":   # held to the end (stops)
+            self.open["content"][0]["logprobs"] += logprobs
         for call in delta.get("tool_calls") or []:
             yield from self.call(call)
         if choice.get("finish_reason") is not None:
             self.finish, self.eagle = choice["finish_reason"], choice.get("eagle")
 
-    def text(self, kind: str, delta: str):
+    def text(self, kind: str, delta: str, logprobs: list | None = None):
         if self.open is None or self.open["type"] != kind:
             yield from self.close_text()
             item = (reasoning_item if kind == "reasoning" else message_item)("", status="in_progress")
@@ -334,7 +349,10 @@ class ResponseEvents:
         item = self.open
         item["content"][0]["text"] += delta
         name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        extra = {} if kind == "reasoning" else {"logprobs": []}
+        extra = {}
+        if kind == "message":
+            item["content"][0]["logprobs"] += logprobs or []
+            extra = {"logprobs": logprobs or []}
         yield self.event(name, item_id=item["id"], output_index=self.output.index(item), content_index=0,
                          delta=delta, **extra)
 
@@ -345,7 +363,7 @@ class ResponseEvents:
         index, part = self.output.index(item), item["content"][0]
         kind = "reasoning_text" if item["type"] == "reasoning" else "output_text"
         yield self.event(f"response.{kind}.done", item_id=item["id"], output_index=index, content_index=0,
-                         text=part["text"], **({} if kind == "reasoning_text" else {"logprobs": []}))
+                         text=part["text"], **({} if kind == "reasoning_text" else {"logprobs": part["logprobs"]}))
         yield self.event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
                          part=part)
         item["status"] = "completed"

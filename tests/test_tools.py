@@ -123,8 +123,38 @@ def test_required_calls_are_read_from_the_list():
     text = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}, {"name": "get_time", "parameters": {}}]'
     message, reason = plan("required").message(text, "stop")
     assert calls_of(message) == [("get_weather", {"city": "Oslo"}), ("get_time", {})] and reason == "tool_calls"
-    cut, reason = plan("required").message('[{"name": "get_weather", "par', "length")
-    assert cut == {"role": "assistant", "content": '[{"name": "get_weather", "par'} and reason == "length"
+    cut, reason = plan("required").message('[{"name": "get_weather", "parameters": {"city": "Os', "length")
+    assert reason == "length" and cut["content"] is None   # cut: the calls as far as written, as a named call's
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in cut["tool_calls"]] == [
+        ("get_weather", '{"city": "Os')]
+    unnamed, _ = plan("required").message('[{"name": "get_wea', "length")
+    assert unnamed == {"role": "assistant", "content": '[{"name": "get_wea'}   # no name yet: text as written
+
+
+REQUIRED_ANSWER = ('[{"name": "get_weather", "parameters": {"city": "Pa\\"ris, \\u00e9", "days": [1, {"x": 2.5}]}}, '
+                   '{"name": "get_time", "parameters": {}}]')
+
+
+@pytest.mark.parametrize("reason, text", [("stop", REQUIRED_ANSWER), ("length", REQUIRED_ANSWER[:70])])
+def test_a_streamed_required_answer_sends_each_call_as_it_comes_and_reads_as_it_does_whole(reason, text):
+    """However the deltas fall, the calls streamed (each opened once its name is whole, its parameters as they
+    come) add up to the whole answer's: names, parameters as written, indexes, finish reason."""
+    whole, want_reason = plan("required").message(text, reason)
+    want = [(i, c["function"]["name"], c["function"]["arguments"]) for i, c in enumerate(whole["tool_calls"])]
+    splits = [[text[:cut], text[cut:]] for cut in range(len(text) + 1)]
+    splits += [[text[:cut], text[cut:cut + 3], text[cut + 3:]] for cut in range(len(text) + 1)] + [list(text)]
+    for deltas in splits:
+        reader, got, last = CallReader(plan("required")), {}, None
+        for i, d in enumerate(deltas):
+            content, calls, last = reader.part(d, None, True, reason if i == len(deltas) - 1 else None,
+                                               i == len(deltas) - 1)
+            assert content is None
+            for c in calls or []:
+                if "id" in c:
+                    assert c["index"] not in got and c["type"] == "function"
+                    got[c["index"]] = [c["function"]["name"], ""]
+                got[c["index"]][1] += c["function"]["arguments"]
+        assert [(i, *got[i]) for i in sorted(got)] == want and last == want_reason, deltas
 
 
 def test_auto_takes_the_first_call_alone_without_parallel_calls_and_hermes_keeps_its_markers():

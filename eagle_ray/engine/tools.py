@@ -131,13 +131,83 @@ def _call(obj, key: str) -> tuple[str, str] | None:
 
 
 def _listed_calls(text: str) -> list[tuple[str, str]]:
-    """``required``'s answer: a JSON array of ``{"name", "parameters"}`` (none where it does not parse: a cut)."""
-    try:
-        listed = JSON.decode(text)
-    except ValueError:
-        return []
-    calls = [_call(c, "parameters") for c in listed] if isinstance(listed, list) else []
-    return calls if calls and all(calls) else []
+    """``required``'s answer, a JSON array of ``{"name", "parameters"}``: each call's name and its parameters as
+    written (as a named call's arguments are); cut (``length``), the calls as far as they were written, as the
+    stream sent them (:func:`listed_parts`)."""
+    return [(name, args) for name, args in listed_parts(text) if name is not None]
+
+
+def listed_parts(text: str) -> list[tuple[str | None, str]]:
+    """The calls of a JSON array of ``{"name", "parameters"}`` objects as far as ``text`` goes: each one's name
+    (None until its string has ended) and its parameters' text so far. Read as it streams; an answer that is not
+    such an array has none."""
+    out, at = [], _skip(text, 0)
+    if not text.startswith("[", at):
+        return out
+    at += 1
+    while True:
+        at = _skip(text, at, ",")
+        if not text.startswith("{", at):
+            return out
+        name, args, at = None, "", at + 1
+        while True:
+            at = _skip(text, at, ",")
+            if at >= len(text) or text[at] == "}":
+                break
+            key_end = _value_end(text, at)
+            colon = _skip(text, key_end) if key_end is not None else None
+            if colon is None or not text.startswith(":", colon) or text[at] != '"':
+                break
+            start = _skip(text, colon + 1)
+            end = _value_end(text, start)
+            key = text[at:key_end]
+            if key == '"parameters"':
+                args = text[start:end if end is not None else len(text)]
+            elif key == '"name"' and end is not None:
+                name = JSON.decode(text[start:end]) if text.startswith('"', start) else None
+            if end is None:
+                break
+            at = end
+        out.append((name, args))
+        if at >= len(text) or text[at] != "}":
+            return out
+        at += 1
+
+
+def _skip(text: str, at: int, also: str = "") -> int:
+    """Past whitespace (and any of ``also``) from ``at``."""
+    while at < len(text) and (text[at].isspace() or text[at] in also):
+        at += 1
+    return at
+
+
+def _value_end(text: str, at: int) -> int | None:
+    """Where the JSON value starting at ``at`` ends (the index after it), or None where ``text`` ends first."""
+    depth, in_string, escaped = 0, False, False
+    for i in range(at, len(text)):
+        c = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+                if depth == 0:
+                    return i + 1
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+            if depth < 0:
+                return i
+        elif depth == 0 and (c in ",:" or c.isspace()):
+            return i   # a number or literal ends at what follows it
+    return None
 
 
 def _hermes_call(block: str) -> tuple[str, str] | None:
@@ -251,12 +321,15 @@ class CallReader:
     as they come (the first delta of the answer opens the call: id, type, name; a thinking before it opens
     nothing, so an output cut while thinking has no call, as read whole), as OpenAI streams them; an ``auto``
     answer's text as it comes and each call once it is whole (:class:`AutoCalls`); a ``required`` answer, a JSON
-    array, whole once it has ended."""
+    array, call by call: each opens once its name is whole and its parameters go out as they come, as vLLM
+    streams them."""
 
     def __init__(self, plan: ToolPlan):
         self.plan = plan
         self.auto = AutoCalls(plan.parser, plan.parallel) if plan.choice == "auto" else None
         self.sent = 0   # calls sent
+        self.text = ""           # required: the answer so far
+        self.args_sent: list[int] = []   # required: per call opened, the length of its parameters sent
 
     def part(self, delta: str, whole: str | None, answering: bool, reason: str | None, finished: bool
              ) -> tuple[str | None, list[dict] | None, str | None]:
@@ -279,10 +352,24 @@ class CallReader:
             self.sent += len(found)
             return content or None, calls or None, "tool_calls" if finished and self.sent and reason == "stop" \
                 else reason
-        if not finished or whole is None:
-            return None, None, reason
-        message, reason = plan.message(whole, reason)
-        return message["content"], message.get("tool_calls"), reason
+        self.text += delta
+        calls = []
+        for i, (name, args) in enumerate(listed_parts(self.text)):
+            if name is None:
+                break
+            if i == len(self.args_sent):
+                self.args_sent.append(0)
+                calls.append({"index": i, "id": _call_id(), "type": "function",
+                              "function": {"name": name, "arguments": ""}})
+            new, self.args_sent[i] = args[self.args_sent[i]:], len(args)
+            if new and calls and calls[-1]["index"] == i:
+                calls[-1]["function"]["arguments"] += new
+            elif new:
+                calls.append({"index": i, "function": {"arguments": new}})
+        self.sent = len(self.args_sent)
+        if finished and self.sent and reason == "stop":
+            reason = "tool_calls"
+        return None, calls or None, reason
 
 
 def _llama3_calls(text: str) -> tuple[str | None, list[tuple[str, str]]]:

@@ -66,6 +66,9 @@ def test_models_and_health(server, client):
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.models.retrieve("gpt-5")
     assert httpx.get(server[0] + "/health").json()["status"] == "ok"
+    assert httpx.post(server[0] + "/ping").json()["status"] == httpx.get(server[0] + "/ping").json()["status"] == "ok"
+    from eagle_ray import __version__
+    assert httpx.get(server[0] + "/version").json() == {"version": __version__}
     for method, route, status in (("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405)):
         r = httpx.request(method, server[0] + route, headers=AUTH)   # OpenAI's error shape, which clients parse
         assert r.status_code == status and r.json()["error"]["message"] and r.json()["error"]["type"], r.text

@@ -257,6 +257,17 @@ class EagleServer:
         return {"status": "ok", "running": len(self.engine.scheduler.running),
                 "waiting": len(self.engine.scheduler.waiting), "free_slots": len(self.engine.scheduler.free)}
 
+    @api.get("/ping")
+    @api.post("/ping")
+    async def ping(self):
+        """SageMaker's health route, as vLLM answers it: /health's answer."""
+        return await self.health()
+
+    @api.get("/version")
+    async def version(self):
+        from eagle_ray import __version__
+        return {"version": __version__}
+
     @api.get("/metrics")
     async def prometheus(self):
         """Prometheus text, vLLM's metric names (serve/metrics.py), the app's totals over its replicas; like

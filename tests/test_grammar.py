@@ -253,6 +253,25 @@ def test_a_bad_field_is_refused_naming_it(fields, message):
         sampling_params(fields)
 
 
+def test_a_rows_structured_output_replaces_the_jobs_and_serve_reads_vllms_field_alike():
+    import json
+
+    from eagle_ray.engine.request import sampling_params
+    from eagle_ray.serve.openai_api import ApiError, parse_body
+    job = SamplingParams(guided_json={"type": "object"}, max_new_tokens=5)
+    assert sampling_params({"guided_regex": "w5"}, job).guided == ("guided_regex", "w5")
+    assert sampling_params({"structured_outputs": {"json_object": True}}, job).guided == ("guided_json",
+                                                                                          {"type": "object"})
+    assert sampling_params({"temperature": 0.5}, job).guided == job.guided   # no structured output of its own
+
+    def body(**fields):
+        return json.dumps({"model": "m", "prompt": "w1", **fields}).encode()
+    assert parse_body(body(structured_outputs={"choice": ["w3"]}), "completion", "m", 100, 16).params.guided == (
+        "guided_choice", ["w3"])
+    with pytest.raises(ApiError, match="structured_outputs: \\['grammar', 'json'\\] are given: one of them"):
+        parse_body(body(structured_outputs={"json": {}, "grammar": "x"}), "completion", "m", 100, 16)
+
+
 def test_job_rows_take_guided_fields_and_a_bad_one_is_an_invalid_request_row(tiny_dir):
     import asyncio
     import json
@@ -273,7 +292,13 @@ def test_job_rows_take_guided_fields_and_a_bad_one_is_an_invalid_request_row(tin
             {"id": "regex", "prompt": "w1", "sampling_params": {"guided_regex": "(w5"}},
             {"id": "two", "prompt": "w1", "sampling_params": {"guided_regex": "w5", "guided_choice": ["w5"]}},
             {"id": "bias", "prompt": "w1", "sampling_params": {"logit_bias": {"99": 1}}},
-            {"id": "penalty", "prompt": "w1", "sampling_params": {"presence_penalty": 2.5}}]
+            {"id": "penalty", "prompt": "w1", "sampling_params": {"presence_penalty": 2.5}},
+            # vLLM's structured_outputs (and guided_decoding, its older name), as Ray Data LLM rows send them
+            {"id": "vllm", "prompt": "w1", "sampling_params": {"structured_outputs": {"choice": ["w3"]}}},
+            {"id": "vllm-old", "prompt": "w1", "sampling_params": {"guided_decoding": {"regex": "w4w4",
+                                                                                      "backend": "xgrammar"}}},
+            {"id": "vllm-two", "prompt": "w1", "sampling_params": {"structured_outputs": {"json": {}, "regex": "w"}}},
+            {"id": "vllm-tag", "prompt": "w1", "sampling_params": {"structured_outputs": {"structural_tag": "x"}}}]
     items = [r.as_item() for r in rows_from_lines([json.dumps(r).encode() for r in rows], "in.jsonl")]
 
     async def run():
@@ -285,6 +310,9 @@ def test_job_rows_take_guided_fields_and_a_bad_one_is_an_invalid_request_row(tin
     assert out["cycle"]["output_token_ids"] == [W["w5"], W["w6"], W["w7"]] * 2 + [W["w5"]]
     assert out["choice"]["finish_reason"] == "stop" and out["choice"]["error"] is None
     assert json.loads(out["cycle"]["sampling_params"])["guided_regex"] == "w5(w6w7w5)*"
+    assert out["vllm"]["output_token_ids"] == [W["w3"]] and out["vllm-old"]["output_token_ids"] == [W["w4"]] * 2
     for rid, field in [("schema", "guided_json"), ("regex", "guided_regex"), ("two", "guided_choice"),
-                       ("bias", "logit_bias"), ("penalty", "presence_penalty")]:
+                       ("bias", "logit_bias"), ("penalty", "presence_penalty"),
+                       ("vllm-two", "sampling_params.structured_outputs: ['json', 'regex'] are given"),
+                       ("vllm-tag", "['structural_tag'] not supported")]:
         assert out[rid]["error_kind"] == "invalid_request" and field in out[rid]["error"], out[rid]["error"]

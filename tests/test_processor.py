@@ -136,6 +136,10 @@ def test_a_postprocess_that_raises_on_a_row_makes_that_row_an_error_row_keeping_
     def post(r):
         return {"qid": r["request"]["qid"], "answer": r["output"]}
     assert finish_row(good, post) == {"qid": 7, "answer": "w2 w3"}
+    ray_data_llm = finish_row(good | {"output_token_ids": [8, 9], "output_tokens": 2, "prompt_tokens": 1}, lambda r: {
+        k: r[k] for k in ("generated_text", "generated_tokens", "num_generated_tokens", "num_input_tokens")})
+    assert ray_data_llm == {"generated_text": "w2 w3", "generated_tokens": [8, 9], "num_generated_tokens": 2,
+                            "num_input_tokens": 1}   # a postprocess written for Ray Data LLM reads its names
     row = finish_row(bad, post)
     assert (row["id"], row["output"], row["error_kind"], row["error"]) == \
         ("b", "w5", "postprocess_failed", "postprocess failed: KeyError: 'qid'")

@@ -53,11 +53,16 @@ def digest(text: str) -> str:
 POSTPROCESS_FAILED = "postprocess_failed"
 
 
+RAY_DATA_LLM_NAMES = {"generated_text": "output", "generated_tokens": "output_token_ids",
+                      "num_generated_tokens": "output_tokens", "num_input_tokens": "prompt_tokens"}
+
+
 def finish_row(row: Row, postprocess: Callable[[Row], Row]) -> Row:
-    """``postprocess`` of one output row, given also ``request``: the row preprocess made, as a dict. A row that
-    postprocess fails on stays the processor's own output row (the job's columns, its answer kept) with
+    """``postprocess`` of one output row, given also ``request`` (the row preprocess made, as a dict) and Ray Data
+    LLM's names of its answer (``generated_text``, ...), so a postprocess written for Ray Data LLM runs as it is.
+    A row that postprocess fails on stays the processor's own output row (the job's columns, its answer kept) with
     ``error_kind`` ``postprocess_failed`` and the error; a row that had failed already says that too."""
-    given = dict(row)
+    given = dict(row) | {alias: row.get(name) for alias, name in RAY_DATA_LLM_NAMES.items()}
     given["request"] = json.loads(row["input"]) if row.get("input") else None
     try:
         return postprocess(given)

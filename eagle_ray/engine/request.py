@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from eagle_ray.config import GUIDED_FIELDS, SamplingParams
+from eagle_ray.config import GUIDED_FIELDS, JSON_OBJECT, SamplingParams
 from eagle_ray.engine.tools import ToolError, ToolPlan, forced_call_refusal, tool_plan
 from eagle_ray.errors import ConfigError, InvalidRequestError
 
@@ -223,6 +223,11 @@ def sampling_params(overrides, defaults: SamplingParams | None = None, field: st
         ok, wanted = _SAMPLING_TYPES.get(key, (None, ""))
         if ok and not ok(value):
             raise InvalidRequestError(f"{prefix}{key}: {wanted} is required, got {_describe(value)}")
+    for name in STRUCTURED_OUTPUT_KEYS:   # vLLM's structured_outputs (guided_decoding, its older name)
+        if name in given:
+            given |= structured_output_fields(given.pop(name), prefix + name)
+    if any(k in given for k in GUIDED_FIELDS):   # the row's own structured output replaces the defaults'
+        given = {k: None for k in GUIDED_FIELDS} | given
     for alias in ("max_completion_tokens", "max_tokens"):   # OpenAI's newer name first, as the Serve API reads them
         if alias in given:
             value = given.pop(alias)
@@ -241,6 +246,28 @@ def sampling_params(overrides, defaults: SamplingParams | None = None, field: st
         return SamplingParams(**(defaults.model_dump() | given))
     except ConfigError as e:
         raise InvalidRequestError(str(e).replace("invalid SamplingParams: ", prefix)) from None
+
+
+STRUCTURED_OUTPUTS = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice",
+                      "grammar": "guided_grammar"}   # vLLM's structured_outputs keys, as the engine's fields
+STRUCTURED_OUTPUT_KEYS = ("structured_outputs", "guided_decoding")
+
+
+def structured_output_fields(so, where: str) -> dict:
+    """vLLM's ``structured_outputs`` (``StructuredOutputsParams``: one of ``json``, ``regex``, ``choice``,
+    ``grammar``, ``json_object``; its ``backend`` changes nothing here) as the engine's guided fields."""
+    if not isinstance(so, dict):
+        raise InvalidRequestError(f"{where} must be an object (json, regex, choice, grammar or json_object), got "
+                                  f"{_describe(so)}")
+    given = {k: v for k, v in so.items() if v is not None and v is not False and k != "backend"}
+    unknown = sorted(set(given) - set(STRUCTURED_OUTPUTS) - {"json_object"})
+    if unknown:
+        raise InvalidRequestError(f"{where}: {unknown} not supported (json, regex, choice, grammar, json_object)")
+    if len(given) > 1:
+        raise InvalidRequestError(f"{where}: {sorted(given)} are given: one of them")
+    if given.get("json_object") is True:
+        return {"guided_json": dict(JSON_OBJECT)}
+    return {STRUCTURED_OUTPUTS[k]: v for k, v in given.items() if k in STRUCTURED_OUTPUTS}
 
 
 @dataclass(frozen=True)

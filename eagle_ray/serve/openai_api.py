@@ -27,6 +27,7 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valid
 from eagle_ray.config import JSON_OBJECT, SamplingParams, checked_schema, engine_arguments_in
 from eagle_ray.engine.request import (MAX_NESTING, Prompt, nesting_depth, parse_messages, parse_prompt,
                                      sampling_params, storable)
+from eagle_ray.engine.request import structured_output_fields as request_structured_outputs
 from eagle_ray.engine.tools import ToolError, ToolPlan, forced_call_refusal, tool_plan
 from eagle_ray.errors import InvalidRequestError
 from eagle_ray.speculative.logprobs import MAX_TOP
@@ -186,10 +187,6 @@ class _Request(BaseModel):
                                "prompt_logprobs": self.prompt_logprobs, **guided}, field=None)
 
 
-STRUCTURED_OUTPUTS = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice",
-                      "grammar": "guided_grammar"}   # vLLM's structured_outputs keys, as the engine's fields
-
-
 def guided_fields(req: _Request) -> dict:
     """The request's structured output as the engine's guided fields: OpenAI's ``response_format``
     (``json_object``: any JSON object; ``json_schema``: its ``schema``, always enforced, ``strict`` or not), vLLM's
@@ -232,18 +229,12 @@ def response_format_fields(rf: dict) -> dict:
                        param="response_format.json_schema.schema") from None
 
 
-def structured_output_fields(so: dict) -> dict:
-    given = {k: v for k, v in so.items() if v is not None and v is not False}
-    unknown = sorted(set(given) - set(STRUCTURED_OUTPUTS) - {"json_object"})
-    if unknown:
-        raise ApiError(400, f"structured_outputs: {unknown} not supported (json, regex, choice, grammar, json_object)",
-                       param=f"structured_outputs.{unknown[0]}")
-    out = {STRUCTURED_OUTPUTS[k]: v for k, v in given.items() if k in STRUCTURED_OUTPUTS}
-    if given.get("json_object") is True:
-        out["guided_json"] = dict(JSON_OBJECT)
-    if len(given) > 1:
-        raise ApiError(400, f"structured_outputs: {sorted(given)} are given: one of them", param="structured_outputs")
-    return out
+def structured_output_fields(so) -> dict:
+    """vLLM's ``structured_outputs`` body field, read as the batch job reads a row's (``engine/request.py``)."""
+    try:
+        return request_structured_outputs(so, "structured_outputs")
+    except InvalidRequestError as e:
+        raise ApiError(400, str(e), param="structured_outputs") from None
 
 
 class CompletionRequest(_Request):

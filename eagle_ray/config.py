@@ -141,6 +141,9 @@ class SamplingParams(StrictModel):
                                  "alternatives; 0: the chosen token's alone; None: off")
     n: int = Field(1, ge=1, le=1024, description="samples of the prompt, each one sequence; the prompt is "
                    "prefilled once for all of them (engine/samples.py)")
+    prediction: str | None = Field(None, min_length=1, description="OpenAI's predicted output: text the output is "
+                                   "expected to repeat much of (a file being edited); the tree's prompt lookups "
+                                   "draft from it too (speculative/lookup.py). Output unchanged, only faster")
     prompt_logprobs: int | None = Field(None, ge=0, le=20, description="per prompt token but the first, the "
                                         "target's raw log-probability and the k most probable alternatives, as "
                                         "vLLM's (engine/scoring.py); None: off")

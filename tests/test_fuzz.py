@@ -179,6 +179,8 @@ REQUEST_FIELDS = {
     "tool_choice": st.sampled_from(["none", "auto", "required", 5, {"type": "x"},
                                     {"type": "function", "function": {"name": "w5"}}]),
     "parallel_tool_calls": st.booleans(), "prompt_logprobs": st.integers(-2, 25),
+    "prediction": st.one_of(st.fixed_dictionaries({"type": st.just("content"), "content": words}),
+                            st.fixed_dictionaries({"type": words, "content": any_json})),
     "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "json_schema"},
                                         {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 3}}},
                                         {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}])}

@@ -40,6 +40,43 @@ def test_history_syncs_a_growing_prompt_and_output():
     assert rows.tolist() == [[3, 4, 1, 3], [0, 0, 0, 0]]   # tokens, zero padded, then the length
 
 
+def test_a_prediction_proposes_what_follows_the_outputs_end_where_the_output_has_reached_in_it():
+    """OpenAI's predicted outputs: the output's last tokens found in the prediction, at the occurrence nearest
+    where the output has got to (an edit shifts it), and what follows them there proposed."""
+    import numpy as np
+    prediction = np.array([10, 11, 12, 13, 11, 12, 14, 15, 16, 17])
+    h = TokenHistory(prediction)
+    h.sync([1, 2, 3], [10])                         # the output's first token: matched alone
+    assert h.propose(2, 3).tolist() == [11, 12, 13]
+    h.sync([1, 2, 3], [10, 11, 12, 13, 11, 12])     # "11 12" twice in it: the later one, where the output is
+    assert h.propose(2, 3).tolist() == [14, 15, 16]
+    h.sync([1, 2, 3], [10, 11, 12, 13, 11, 12, 99, 14, 15])   # an edit inserted 99: found one token later
+    assert h.propose(2, 5).tolist() == [16, 17] and h.shift == -1
+    h.sync([1, 2, 3], [10, 11, 12, 13, 11, 12, 99, 14, 15, 98])   # not in it: the history's own (none here)
+    assert h.propose(2, 3).tolist() == []
+    own = TokenHistory(np.array([5, 6, 7]))
+    own.sync([4, 8, 9, 4], [8])                     # shorter than the n-gram: the history's whole match wins
+    assert own.propose(2, 2).tolist() == [9, 4]
+
+
+def test_a_prediction_speeds_an_edit_and_leaves_its_output_the_targets(tiny_dir, tiny_hf, tiny_head):
+    """Greedy output with a prediction is the target's own; predicting the output it gives (with one token
+    changed) takes fewer verify steps than the tree alone."""
+    engine = tiny_engine(tiny_dir, tiny_head, TreeConfig(total_tokens=6, depth=2, top_k=2, lookup=16,
+                                                         lookup_ngram=2))
+    prompt = torch.randint(3, 64, (9,), generator=torch.Generator().manual_seed(5)).tolist()
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    plain = engine.generate([prompt], params)[0]
+    edited = list(plain.token_ids)
+    edited[20] = 3 if edited[20] != 3 else 4
+    guess = engine.tokenizer.decode(edited)
+    out = engine.generate([prompt], params.model_copy(update={"prediction": guess}))[0]
+    assert out.token_ids == plain.token_ids == reference_greedy(tiny_hf, prompt, 40)
+    assert out.stats.verify_steps < plain.stats.verify_steps / 2, (out.stats.verify_steps, plain.stats.verify_steps)
+    wrong = engine.generate([prompt], params.model_copy(update={"prediction": "w50 w51 w52 w53"}))[0]
+    assert wrong.token_ids == plain.token_ids   # a prediction nothing like it changes nothing but the drafts
+
+
 def test_a_chain_follows_the_tree_while_it_spells_it_then_grows_new_nodes():
     """The EAGLE example tree (It -> is -> a -> good, ...); tokens are the words' indices."""
     tree = example_tree()
@@ -94,3 +131,20 @@ def test_greedy_output_is_the_target_s_with_or_without_lookup(tiny_dir, tiny_hf,
         assert deepest > 3      # deeper than the head's tree (depth 2: three drafts) can reach
     else:
         assert deepest <= 3
+
+
+def test_serve_reads_openais_prediction_field():
+    import json
+
+    from eagle_ray.serve.openai_api import ApiError, parse_body
+
+    def chat(prediction):
+        body = {"model": "m", "messages": [{"role": "user", "content": "w1"}], "prediction": prediction}
+        return parse_body(json.dumps(body).encode(), "chat", "m", 100, 16)
+    assert chat({"type": "content", "content": "w5 w6"}).params.prediction == "w5 w6"
+    assert chat({"type": "content", "content": [{"type": "text", "text": "w5"}, {"type": "text", "text": " w6"}]
+                 }).params.prediction == "w5 w6"
+    for bad in ({"type": "content"}, {"type": "file", "content": "x"}, {"type": "content", "content": [{"a": 1}]}):
+        with pytest.raises(ApiError, match="prediction must be") as e:
+            chat(bad)
+        assert e.value.param == "prediction"

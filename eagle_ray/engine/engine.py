@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from eagle_ray.config import EngineConfig, SamplingParams
@@ -188,7 +189,13 @@ class EagleEngine:
                         logprobs=TokenLogprobs() if params.logprobs is not None else None,
                         prompt_logprobs=TokenLogprobs() if params.prompt_logprobs is not None else None,
                         prompt_logprobs_k=params.prompt_logprobs or 0,
-                        bad_words=bad_words)
+                        bad_words=bad_words, prediction=self._prediction_ids(params.prediction))
+
+    def _prediction_ids(self, prediction: str | None) -> np.ndarray | None:
+        """A predicted output's token ids (as the output would spell it: no special tokens added)."""
+        if not prediction:
+            return None
+        return np.asarray(self.tokenizer(prediction, add_special_tokens=False)["input_ids"], dtype=np.int64)
 
     @staticmethod
     def _check_some_allowed(params: SamplingParams, barred: frozenset, bad: set) -> None:

@@ -410,7 +410,7 @@ class ModelRunner:
         the longest chain found this step: the host knows the widths, so the verify pass is never wider."""
         for s in seqs:
             if s.history is None:
-                s.history = TokenHistory()
+                s.history = TokenHistory(s.prediction)
             s.history.sync(s.prompt_ids, s.output_ids)
         rows = lookup_rows([s.history for s in seqs], tree_cfg.lookup_ngram, tree_cfg.lookup)
         return np.concatenate([rows[:, : int(rows[:, -1].max())], rows[:, -1:]], axis=1)

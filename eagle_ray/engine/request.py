@@ -203,6 +203,7 @@ _SAMPLING_TYPES = {"max_new_tokens": _INTEGER, "max_tokens": _INTEGER, "max_comp
                                  "a list of strings"),
                    "guided_json": (lambda v: isinstance(v, (dict, str)), "a JSON schema (an object or JSON text)"),
                    "guided_regex": (lambda v: isinstance(v, str), "a string"),
+                   "prediction": (lambda v: isinstance(v, str), "a string"),
                    "guided_grammar": (lambda v: isinstance(v, str), "a string"),
                    "guided_choice": (lambda v: isinstance(v, list) and all(isinstance(c, str) for c in v),
                                      "a list of strings")}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from eagle_ray.config import SamplingParams
@@ -80,6 +81,7 @@ class Sequence:
     draft_hidden: torch.Tensor | None = None    # the head's output at the last pair it consumed: the tree's root
     context: ContextTokens | None = None        # its context tokens outside the head's map (the runner's)
     history: TokenHistory | None = None         # its prompt and output ids for prompt lookups (the runner's)
+    prediction: np.ndarray | None = None        # its predicted output's ids (params.prediction), a lookup source
     stats: RequestStats = field(default_factory=RequestStats)
     start_time: float = 0.0
     stops: StopStrings | None = None

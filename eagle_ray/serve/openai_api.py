@@ -108,6 +108,7 @@ class _Request(BaseModel):
     skip_special_tokens: StrictBool = True
     truncate_prompt_tokens: StrictInt | None = None
     prompt_logprobs: StrictInt | None = None   # vLLM's: the prompt's own, with k alternatives (not streamed)
+    prediction: dict | None = None   # OpenAI's predicted output: {"type": "content", "content": text or parts}
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     # penalties, logit bias and structured output: checked by the engine's parser (eagle_ray/config.py)
@@ -184,7 +185,22 @@ class _Request(BaseModel):
                                "include_stop_str_in_output": self.include_stop_str_in_output,
                                "skip_special_tokens": self.skip_special_tokens,
                                "truncate_prompt_tokens": self.truncate_prompt_tokens,
-                               "prompt_logprobs": self.prompt_logprobs, **guided}, field=None)
+                               "prompt_logprobs": self.prompt_logprobs,
+                               "prediction": predicted_text(self.prediction), **guided}, field=None)
+
+
+def predicted_text(prediction: dict | None) -> str | None:
+    """OpenAI's ``prediction`` (``{"type": "content", "content": text or text parts}``) as its text."""
+    if prediction is None:
+        return None
+    content = prediction.get("content")
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and
+                                         isinstance(p.get("text"), str) for p in content):
+        content = "".join(p["text"] for p in content)
+    if prediction.get("type") != "content" or not isinstance(content, str):
+        raise ApiError(400, "prediction must be {\"type\": \"content\", \"content\": text or text parts}",
+                       param="prediction")
+    return content or None
 
 
 def guided_fields(req: _Request) -> dict:

@@ -5,6 +5,10 @@ the last ``ngram`` tokens occurred before (in the prompt or the output), the tok
 cheap guess at what follows now, and one that can run deeper than the head's tree. ``graft_chain``
 (``speculative/tree.py``) adds that guess to the draft tree; the target verifies it like any other branch, so output is
 unchanged and only the number of accepted tokens can grow.
+
+A request's predicted output (OpenAI's ``prediction``: the text being edited, say) is a second source
+(:meth:`TokenHistory.propose_predicted`): the output's last tokens are found in the prediction near where the
+output has reached in it, and what follows them there is proposed.
 """
 from __future__ import annotations
 
@@ -12,14 +16,19 @@ import numpy as np
 
 
 class TokenHistory:
-    """A sequence's prompt and output ids in one growing array, so a lookup scans them without a list copy."""
+    """A sequence's prompt and output ids in one growing array, so a lookup scans them without a list copy, and
+    its predicted output's ids, where it has one."""
 
-    def __init__(self):
+    def __init__(self, prediction: np.ndarray | None = None):
         self.ids = np.zeros(0, dtype=np.int64)
         self.n = 0
+        self.prompt_len = 0
+        self.prediction = prediction if prediction is not None and len(prediction) else None
+        self.shift = 0   # where the output is in the prediction, against where it would be were they aligned
 
     def sync(self, prompt_ids: list[int], output_ids: list[int]) -> None:
         """Append what the sequence gained since the last call (prompt and output only grow)."""
+        self.prompt_len = len(prompt_ids)
         total = len(prompt_ids) + len(output_ids)
         if total <= self.n:
             return
@@ -34,7 +43,36 @@ class TokenHistory:
 
     def propose(self, ngram: int, length: int) -> np.ndarray:
         """Up to ``length`` tokens that followed the latest earlier occurrence of the last ``ngram`` tokens
-        (empty when they never occurred before)."""
+        (empty when they never occurred before); with a prediction, what follows them in it, unless the output is
+        still shorter than ``ngram`` and the history has a whole match."""
+        own = self.propose_own(ngram, length)
+        if self.prediction is None:
+            return own
+        predicted = self.propose_predicted(ngram, length)
+        short = self.n - self.prompt_len < ngram
+        return own if (short and len(own)) or not len(predicted) else predicted
+
+    def propose_predicted(self, ngram: int, length: int) -> np.ndarray:
+        """Up to ``length`` tokens that follow the output's last ``ngram`` tokens (fewer while the output is
+        shorter) in the prediction, at the occurrence nearest where the output has reached in it."""
+        out = self.ids[self.prompt_len: self.n]
+        m, pred = min(ngram, len(out)), self.prediction
+        if m == 0 or len(pred) <= m or length <= 0:
+            return pred[:0]
+        starts = len(pred) - m   # occurrences followed by at least one token
+        hit = np.ones(starts, dtype=bool)
+        for k in range(m):
+            hit &= pred[k: k + starts] == out[len(out) - m + k]
+        found = np.flatnonzero(hit)
+        if not found.size:
+            return pred[:0]
+        aligned = len(out) - m
+        at = int(found[np.argmin(np.abs(found - (aligned + self.shift)))])
+        self.shift = at - aligned
+        return pred[at + m: at + m + length]
+
+    def propose_own(self, ngram: int, length: int) -> np.ndarray:
+        """The history's own proposal (see :meth:`propose`)."""
         ids, n = self.ids, self.n
         if n <= ngram or length <= 0:
             return ids[:0]

@@ -263,6 +263,12 @@ def test_a_rows_structured_output_replaces_the_jobs_and_serve_reads_vllms_field_
     assert sampling_params({"structured_outputs": {"json_object": True}}, job).guided == ("guided_json",
                                                                                           {"type": "object"})
     assert sampling_params({"temperature": 0.5}, job).guided == job.guided   # no structured output of its own
+    for two, message in [({"structured_outputs": {"regex": "w"}, "guided_decoding": {"regex": "w"}},
+                           "guided_decoding is given too"),
+                          ({"structured_outputs": {"regex": "w"}, "guided_choice": ["w"]}, "guided_choice is given"),
+                          ({"structured_outputs": {"json_object": "yes"}}, "json_object: true or false")]:
+        with pytest.raises(InvalidRequestError, match=message):
+            sampling_params(two, job)
 
     def body(**fields):
         return json.dumps({"model": "m", "prompt": "w1", **fields}).encode()

@@ -57,6 +57,10 @@ def test_a_prediction_proposes_what_follows_the_outputs_end_where_the_output_has
     own = TokenHistory(np.array([5, 6, 7]))
     own.sync([4, 8, 9, 4], [8])                     # shorter than the n-gram: the history's whole match wins
     assert own.propose(2, 2).tolist() == [9, 4]
+    from eagle_ray.speculative.lookup import PREDICTION_WINDOW
+    far = TokenHistory(np.array([3] * (PREDICTION_WINDOW + 10) + [10, 11, 12]))
+    far.sync([1], [10, 11])                         # only far from where the output is: not searched
+    assert far.propose(2, 1).tolist() == []
 
 
 def test_a_prediction_speeds_an_edit_and_leaves_its_output_the_targets(tiny_dir, tiny_hf, tiny_head):
@@ -75,6 +79,9 @@ def test_a_prediction_speeds_an_edit_and_leaves_its_output_the_targets(tiny_dir,
     assert out.stats.verify_steps < plain.stats.verify_steps / 2, (out.stats.verify_steps, plain.stats.verify_steps)
     wrong = engine.generate([prompt], params.model_copy(update={"prediction": "w50 w51 w52 w53"}))[0]
     assert wrong.token_ids == plain.token_ids   # a prediction nothing like it changes nothing but the drafts
+    from eagle_ray.errors import InvalidRequestError
+    with pytest.raises(InvalidRequestError, match="prediction: 300 tokens, more than the model's context of 256"):
+        engine.make_sequence(prompt, params.model_copy(update={"prediction": " ".join(["w5"] * 300)}))
 
 
 def test_a_chain_follows_the_tree_while_it_spells_it_then_grows_new_nodes():

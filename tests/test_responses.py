@@ -41,7 +41,10 @@ def test_a_responses_body_is_the_chat_it_amounts_to():
             {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "P"}'}},
             {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
-    assert origin == ["instructions", "input[0]", "input[2]", "input[5]"]
+    assert origin.messages == ["instructions", "input[0]", "input[2]", "input[5]"]
+    assert origin.calls == {2: ["input[3]", "input[4]"]}   # the assistant turn's calls, items of their own
+    assert origin.of("messages[2].tool_calls[1].function.arguments") == "input[4].arguments"
+    assert origin.of("messages[2].content") == "input[2].content"
     assert chat["tools"] == [{"type": "function", "function": {k: WEATHER[k] for k in ("name", "description",
                                                                                          "parameters")}}]
     assert (chat["tool_choice"], chat["max_completion_tokens"], chat["temperature"], chat["reasoning_effort"]) == (
@@ -160,3 +163,66 @@ def test_a_chat_stream_is_the_responses_events_and_adds_up_to_the_completed_resp
     assert [(a["name"], json.loads(a["arguments"])) for a in args] == [("get_weather", {"city": "Paris"})]
     assert done["status"] == "completed" and done["usage"]["output_tokens_details"]["reasoning_tokens"] == 5
     assert all(i["status"] == "completed" for i in done["output"])
+
+
+def replayed(chunks: list[dict]) -> list[dict]:
+    """The Responses events of chat chunks given as they are."""
+    async def lines():
+        for c in chunks:
+            yield f"data: {json.dumps(c)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    async def collect():
+        return [line async for line in ResponseEvents(base(), words).translate(lines())]
+    return [json.loads(line.split("\n", 1)[1].removeprefix("data: ")) for line in asyncio.run(collect())]
+
+
+def test_an_answers_logprobs_are_its_own_tokens_streamed_or_whole_and_a_cut_item_is_incomplete():
+    def tok(text):
+        return {"token": text, "logprob": -0.5, "bytes": list(text.encode()), "top_logprobs": []}
+    entries = [tok("<think>"), tok("hm"), tok("."), tok("</think>"), tok("Hi"), tok("!")]
+    chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "reasoning": "hm."},
+                            "logprobs": {"content": entries[:3]}, "finish_reason": None}]},
+              {"choices": [{"index": 0, "delta": {"content": "Hi"}, "logprobs": {"content": entries[3:5]},
+                            "finish_reason": None}]},
+              {"choices": [{"index": 0, "delta": {"content": "!"}, "logprobs": {"content": entries[5:]},
+                            "finish_reason": None}]},
+              {"choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length",
+                            "eagle": {"cached_prompt_tokens": 0}}]},
+              {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 6}}]
+    got = replayed(chunks)
+    streamed = got[-1]["response"]
+    whole = response_body({"choices": [{"finish_reason": "length", "logprobs": {"content": entries},
+                                        "message": {"role": "assistant", "reasoning": "hm.", "content": "Hi!"}}],
+                           "usage": {"prompt_tokens": 3, "completion_tokens": 6}}, base(), words)
+    for response in (streamed, whole):
+        assert response["status"] == "incomplete" and [i["status"] for i in response["output"]] == [
+            "completed", "incomplete"]
+        assert [e["token"] for e in response["output"][1]["content"][0]["logprobs"]] == ["Hi", "!"]
+    deltas = [e for e in got if e["type"] == "response.output_text.delta"]
+    assert [[t["token"] for t in e["logprobs"]] for e in deltas] == [["Hi"], ["!"]]
+    assert got[-1]["type"] == "response.incomplete"
+
+
+def test_an_error_mid_stream_fails_the_response_with_what_was_sent():
+    got = replayed([{"choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None}]},
+                    {"error": {"message": "the engine failed", "type": "server_error", "param": None, "code": None}}])
+    assert [e["type"] for e in got[-2:]] == ["error", "response.failed"]
+    failed = got[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"] == {"code": "server_error",
+                                                                "message": "the engine failed"}
+    assert failed["output"][0]["content"][0]["text"] == "Hi"
+
+
+def test_errors_name_the_responses_items_a_call_came_from():
+    body = {"input": [{"role": "user", "content": "w1"},
+                      {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+                      {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": "[1]"}]}
+    with pytest.raises(ApiError) as e:
+        parsed(body)
+    assert e.value.param.startswith("input[2].arguments"), (e.value.param, e.value.message)
+    with pytest.raises(ApiError, match="tool_choice must be") as e:
+        parsed({"input": "w1", "tools": [WEATHER], "tool_choice": {"type": "function"}})
+    with pytest.raises(ApiError, match="leave out text.format") as e:   # the field as the request named it
+        parsed({"input": "w1", "tools": [WEATHER], "tool_choice": "required", "text": {"format": {
+            "type": "json_object"}}})

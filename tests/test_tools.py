@@ -81,7 +81,7 @@ def test_auto_and_none_leave_the_answer_free():
       "tool_choice": "required"}, None, "tools\\[0\\].function.parameters: not a valid JSON schema",
      "tools[0].function.parameters"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, None,
-     "tool_choice forces a tool call, whose arguments are structured output already: leave out guided_json",
+     "tool_choice forces a tool call, whose arguments are structured output already: leave out response_format",
      "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": "required", "min_tokens": 2}, None, "tool_choice forces a tool call, "
      "whose arguments are structured output already: leave out min_tokens", "tool_choice"),
@@ -135,26 +135,31 @@ REQUIRED_ANSWER = ('[{"name": "get_weather", "parameters": {"city": "Pa\\"ris, \
                    '{"name": "get_time", "parameters": {}}]')
 
 
-@pytest.mark.parametrize("reason, text", [("stop", REQUIRED_ANSWER), ("length", REQUIRED_ANSWER[:70])])
+@pytest.mark.parametrize("reason, text", [("stop", REQUIRED_ANSWER), ("length", REQUIRED_ANSWER[:70]),
+                                          ("length", REQUIRED_ANSWER[:16]),   # cut before a name: its text
+                                          ("stop", '[{"parameters": {"a": [1, "}"]}, "name": "get_time"}, '
+                                                   '{"name": "get_weather"}]')])   # keys in another order
 def test_a_streamed_required_answer_sends_each_call_as_it_comes_and_reads_as_it_does_whole(reason, text):
     """However the deltas fall, the calls streamed (each opened once its name is whole, its parameters as they
     come) add up to the whole answer's: names, parameters as written, indexes, finish reason."""
     whole, want_reason = plan("required").message(text, reason)
-    want = [(i, c["function"]["name"], c["function"]["arguments"]) for i, c in enumerate(whole["tool_calls"])]
+    want = [(i, c["function"]["name"], c["function"]["arguments"])
+            for i, c in enumerate(whole.get("tool_calls", []))]
     splits = [[text[:cut], text[cut:]] for cut in range(len(text) + 1)]
     splits += [[text[:cut], text[cut:cut + 3], text[cut + 3:]] for cut in range(len(text) + 1)] + [list(text)]
     for deltas in splits:
-        reader, got, last = CallReader(plan("required")), {}, None
+        reader, got, last, text_sent = CallReader(plan("required")), {}, None, ""
         for i, d in enumerate(deltas):
             content, calls, last = reader.part(d, None, True, reason if i == len(deltas) - 1 else None,
                                                i == len(deltas) - 1)
-            assert content is None
+            text_sent += content or ""
             for c in calls or []:
                 if "id" in c:
                     assert c["index"] not in got and c["type"] == "function"
                     got[c["index"]] = [c["function"]["name"], ""]
                 got[c["index"]][1] += c["function"]["arguments"]
         assert [(i, *got[i]) for i in sorted(got)] == want and last == want_reason, deltas
+        assert (text_sent or None) == whole["content"]
 
 
 def test_auto_takes_the_first_call_alone_without_parallel_calls_and_hermes_keeps_its_markers():

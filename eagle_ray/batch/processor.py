@@ -62,7 +62,7 @@ def finish_row(row: Row, postprocess: Callable[[Row], Row]) -> Row:
     LLM's names of its answer (``generated_text``, ...), so a postprocess written for Ray Data LLM runs as it is.
     A row that postprocess fails on stays the processor's own output row (the job's columns, its answer kept) with
     ``error_kind`` ``postprocess_failed`` and the error; a row that had failed already says that too."""
-    given = dict(row) | {alias: row.get(name) for alias, name in RAY_DATA_LLM_NAMES.items()}
+    given = {alias: row.get(name) for alias, name in RAY_DATA_LLM_NAMES.items()} | dict(row)   # a column wins
     given["request"] = json.loads(row["input"]) if row.get("input") else None
     try:
         return postprocess(given)

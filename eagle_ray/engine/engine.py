@@ -195,7 +195,11 @@ class EagleEngine:
         """A predicted output's token ids (as the output would spell it: no special tokens added)."""
         if not prediction:
             return None
-        return np.asarray(self.tokenizer(prediction, add_special_tokens=False)["input_ids"], dtype=np.int64)
+        ids = np.asarray(self.tokenizer(prediction, add_special_tokens=False)["input_ids"], dtype=np.int64)
+        if len(ids) > self.target.max_len:   # no output could repeat it: refused, not scanned every step
+            raise InvalidRequestError(f"prediction: {len(ids)} tokens, more than the model's context of "
+                                      f"{self.target.max_len}")
+        return ids
 
     @staticmethod
     def _check_some_allowed(params: SamplingParams, barred: frozenset, bad: set) -> None:

@@ -226,7 +226,12 @@ def sampling_params(overrides, defaults: SamplingParams | None = None, field: st
             raise InvalidRequestError(f"{prefix}{key}: {wanted} is required, got {_describe(value)}")
     for name in STRUCTURED_OUTPUT_KEYS:   # vLLM's structured_outputs (guided_decoding, its older name)
         if name in given:
-            given |= structured_output_fields(given.pop(name), prefix + name)
+            fields = structured_output_fields(given.pop(name), prefix + name)
+            twice = [k for k in (*GUIDED_FIELDS, *STRUCTURED_OUTPUT_KEYS) if k in given]
+            if fields and twice:
+                raise InvalidRequestError(f"{prefix}{name}: {twice[0]} is given too: a request takes one "
+                                          "structured output")
+            given |= fields
     if any(k in given for k in GUIDED_FIELDS):   # the row's own structured output replaces the defaults'
         given = {k: None for k in GUIDED_FIELDS} | given
     for alias in ("max_completion_tokens", "max_tokens"):   # OpenAI's newer name first, as the Serve API reads them
@@ -260,6 +265,8 @@ def structured_output_fields(so, where: str) -> dict:
     if not isinstance(so, dict):
         raise InvalidRequestError(f"{where} must be an object (json, regex, choice, grammar or json_object), got "
                                   f"{_describe(so)}")
+    if so.get("json_object") not in (None, True, False):
+        raise InvalidRequestError(f"{where}.json_object: true or false is required, got {_describe(so['json_object'])}")
     given = {k: v for k, v in so.items() if v is not None and v is not False and k != "backend"}
     unknown = sorted(set(given) - set(STRUCTURED_OUTPUTS) - {"json_object"})
     if unknown:

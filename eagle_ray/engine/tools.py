@@ -133,81 +133,123 @@ def _call(obj, key: str) -> tuple[str, str] | None:
 def _listed_calls(text: str) -> list[tuple[str, str]]:
     """``required``'s answer, a JSON array of ``{"name", "parameters"}``: each call's name and its parameters as
     written (as a named call's arguments are); cut (``length``), the calls as far as they were written, as the
-    stream sent them (:func:`listed_parts`)."""
-    return [(name, args) for name, args in listed_parts(text) if name is not None]
+    stream sent them (:class:`ListedCalls`, fed the whole answer)."""
+    listed = ListedCalls()
+    listed.feed(text)
+    return listed.named()
 
 
-def listed_parts(text: str) -> list[tuple[str | None, str]]:
-    """The calls of a JSON array of ``{"name", "parameters"}`` objects as far as ``text`` goes: each one's name
-    (None until its string has ended) and its parameters' text so far. Read as it streams; an answer that is not
-    such an array has none."""
-    out, at = [], _skip(text, 0)
-    if not text.startswith("[", at):
+class ListedCalls:
+    """``required``'s JSON array of ``{"name", "parameters"}`` objects read as it streams, each character once:
+    per call its name (None until its string has ended) and its parameters' text so far, as written (``{}`` for an
+    object closed without any). A call's first ``name`` and ``parameters`` count; reading stops at what is not
+    such an array (a name that is not a string ends the calls there)."""
+
+    def __init__(self):
+        self.text, self.at, self.state = "", 0, "open"
+        self.calls: list[list] = []     # [name | None, parameters' text so far]
+        self.key, self.start = None, 0  # the member being read and where its key or value starts
+        self.depth, self.in_string, self.escaped = 0, False, False
+        self.partial: str | None = None   # the parameters being written, while they are
+
+    def named(self) -> list[tuple[str, str]]:
+        """The calls up to the first without a name."""
+        out = []
+        for i, (name, _) in enumerate(self.calls):
+            if not isinstance(name, str):
+                break
+            out.append((name, self.parameters(i)))
         return out
-    at += 1
-    while True:
-        at = _skip(text, at, ",")
-        if not text.startswith("{", at):
-            return out
-        name, args, at = None, "", at + 1
-        while True:
-            at = _skip(text, at, ",")
-            if at >= len(text) or text[at] == "}":
-                break
-            key_end = _value_end(text, at)
-            colon = _skip(text, key_end) if key_end is not None else None
-            if colon is None or not text.startswith(":", colon) or text[at] != '"':
-                break
-            start = _skip(text, colon + 1)
-            end = _value_end(text, start)
-            key = text[at:key_end]
-            if key == '"parameters"':
-                args = text[start:end if end is not None else len(text)]
-            elif key == '"name"' and end is not None:
-                name = JSON.decode(text[start:end]) if text.startswith('"', start) else None
-            if end is None:
-                break
-            at = end
-        out.append((name, args))
-        if at >= len(text) or text[at] != "}":
-            return out
-        at += 1
 
+    def feed(self, delta: str) -> None:
+        self.text += delta
+        text = self.text
+        while self.at < len(text) and self.state != "stop":
+            c = text[self.at]
+            if self.state in ("keystr", "value"):
+                self._scan(c)
+            elif c.isspace() or (c == "," and self.state in ("items", "key")):
+                self.at += 1
+            elif self.state == "open":
+                self.state = "items" if c == "[" else "stop"
+                self.at += c == "["
+            elif self.state == "items":
+                if c == "{":
+                    self.calls.append([None, None])
+                self.state = "key" if c == "{" else "stop"
+                self.at += c == "{"
+            elif self.state == "key":
+                self._key(c)
+            elif self.state == "colon":
+                self.state = "before_value" if c == ":" else "stop"
+                self.at += c == ":"
+            else:   # a value's first character
+                self.state, self.start = "value", self.at
+                self.depth, self.in_string, self.escaped = 0, False, False
+        reading = self.state == "value" and self.key == "parameters" and self.calls[-1][1] is None
+        self.partial = text[self.start:self.at] if reading else None
 
-def _skip(text: str, at: int, also: str = "") -> int:
-    """Past whitespace (and any of ``also``) from ``at``."""
-    while at < len(text) and (text[at].isspace() or text[at] in also):
-        at += 1
-    return at
-
-
-def _value_end(text: str, at: int) -> int | None:
-    """Where the JSON value starting at ``at`` ends (the index after it), or None where ``text`` ends first."""
-    depth, in_string, escaped = 0, False, False
-    for i in range(at, len(text)):
-        c = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
-            elif c == '"':
-                in_string = False
-                if depth == 0:
-                    return i + 1
+    def _key(self, c: str) -> None:
+        if c == "}":
+            call = self.calls[-1]
+            call[1] = "{}" if call[1] is None else call[1]
+            self.state, self.at = "items", self.at + 1
         elif c == '"':
-            in_string = True
+            self.state, self.start, self.at = "keystr", self.at, self.at + 1
+            self.in_string, self.escaped, self.depth = True, False, 0
+        else:
+            self.state = "stop"
+
+    def _scan(self, c: str) -> None:
+        """One character of a key string or a value."""
+        end = None
+        if self.in_string:
+            if self.escaped:
+                self.escaped = False
+            elif c == "\\":
+                self.escaped = True
+            elif c == '"':
+                self.in_string = False
+                end = self.at + 1 if self.depth == 0 else None
+        elif c == '"':
+            self.in_string = True
         elif c in "{[":
-            depth += 1
+            self.depth += 1
         elif c in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-            if depth < 0:
-                return i
-        elif depth == 0 and (c in ",:" or c.isspace()):
-            return i   # a number or literal ends at what follows it
-    return None
+            self.depth -= 1
+            end = self.at + 1 if self.depth == 0 else (self.at if self.depth < 0 else None)
+        elif self.depth == 0 and (c in ",:" or c.isspace()):
+            end = self.at   # a number or literal ends at what follows it
+        if end is None:
+            self.at += 1
+            return
+        self._member(self.text[self.start:end])
+        self.at = end
+
+    def _member(self, written: str) -> None:
+        if self.state == "keystr":
+            try:
+                self.key = JSON.decode(written)
+            except ValueError:
+                self.key = None
+            self.state = "colon"
+            return
+        call, self.state = self.calls[-1], "key"
+        self.depth = 0
+        if self.key == "name" and call[0] is None:
+            try:
+                call[0] = JSON.decode(written)
+            except ValueError:
+                call[0] = False   # not a name: the calls end here
+        elif self.key == "parameters" and call[1] is None:
+            call[1] = written
+
+    def parameters(self, i: int) -> str:
+        """Call ``i``'s parameters' text so far (its value still being written included)."""
+        args = self.calls[i][1]
+        if args is not None:
+            return args
+        return (self.partial or "") if i == len(self.calls) - 1 else ""
 
 
 def _hermes_call(block: str) -> tuple[str, str] | None:
@@ -328,7 +370,7 @@ class CallReader:
         self.plan = plan
         self.auto = AutoCalls(plan.parser, plan.parallel) if plan.choice == "auto" else None
         self.sent = 0   # calls sent
-        self.text = ""           # required: the answer so far
+        self.listed = ListedCalls()      # required: the answer so far, read
         self.args_sent: list[int] = []   # required: per call opened, the length of its parameters sent
 
     def part(self, delta: str, whole: str | None, answering: bool, reason: str | None, finished: bool
@@ -352,21 +394,24 @@ class CallReader:
             self.sent += len(found)
             return content or None, calls or None, "tool_calls" if finished and self.sent and reason == "stop" \
                 else reason
-        self.text += delta
+        self.listed.feed(delta)
         calls = []
-        for i, (name, args) in enumerate(listed_parts(self.text)):
-            if name is None:
+        for i, (name, _) in enumerate(self.listed.calls):
+            if not isinstance(name, str):
                 break
             if i == len(self.args_sent):
                 self.args_sent.append(0)
                 calls.append({"index": i, "id": _call_id(), "type": "function",
                               "function": {"name": name, "arguments": ""}})
+            args = self.listed.parameters(i)
             new, self.args_sent[i] = args[self.args_sent[i]:], len(args)
             if new and calls and calls[-1]["index"] == i:
                 calls[-1]["function"]["arguments"] += new
             elif new:
                 calls.append({"index": i, "function": {"arguments": new}})
         self.sent = len(self.args_sent)
+        if finished and not self.sent:   # no call at all (cut before a name): the text, as read whole
+            return self.listed.text or None, None, reason
         if finished and self.sent and reason == "stop":
             reason = "tool_calls"
         return None, calls or None, reason

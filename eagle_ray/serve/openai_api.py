@@ -168,9 +168,9 @@ class _Request(BaseModel):
         request that echoes its prompt and generates nothing (``max_tokens: 0``) runs its prompt alone.
         ``tool_schema``: the JSON schema a forced tool call holds its answer to (``engine/tools.py``)."""
         limit = self.limit()
-        guided = guided_fields(self)
+        guided, sources = guided_fields(self)
         if tool_schema is not None:
-            taken = sorted(guided) + [f for f in ("min_tokens", "allowed_token_ids") if getattr(self, f)]
+            taken = sources + [f for f in ("min_tokens", "allowed_token_ids") if getattr(self, f)]
             if taken:
                 raise ApiError(400, forced_call_refusal(", ".join(taken)), param="tool_choice")
             guided = {"guided_json": tool_schema}
@@ -203,10 +203,11 @@ def predicted_text(prediction: dict | None) -> str | None:
     return content or None
 
 
-def guided_fields(req: _Request) -> dict:
-    """The request's structured output as the engine's guided fields: OpenAI's ``response_format``
-    (``json_object``: any JSON object; ``json_schema``: its ``schema``, always enforced, ``strict`` or not), vLLM's
-    ``structured_outputs`` or its older ``guided_*`` fields. More than one of them is a 400 naming them."""
+def guided_fields(req: _Request) -> tuple[dict, list[str]]:
+    """The request's structured output as the engine's guided fields, and the request's field that gave it:
+    OpenAI's ``response_format`` (``json_object``: any JSON object; ``json_schema``: its ``schema``, always
+    enforced, ``strict`` or not), vLLM's ``structured_outputs`` or its older ``guided_*`` fields. More than one of
+    them is a 400 naming them."""
     given = {f: getattr(req, f) for f in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
              if getattr(req, f) is not None}
     sources = list(given)
@@ -220,7 +221,7 @@ def guided_fields(req: _Request) -> dict:
     if len(sources) > 1:
         raise ApiError(400, f"{' and '.join(sources)} are given: a request takes one structured output",
                        param=sources[1])
-    return given
+    return given, sources
 
 
 def response_format_fields(rf: dict) -> dict:

@@ -18,7 +18,9 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from dataclasses import dataclass
 
+from eagle_ray.engine.reasoning import CLOSE
 from eagle_ray.serve.openai_api import ApiError, ParsedRequest, changes_nothing, load_object
 
 REFUSED = {"previous_response_id": (None,), "background": (None, False), "conversation": (None,), "prompt": (None,),
@@ -39,7 +41,7 @@ def new_response_id() -> str:
     return _item_id("resp")
 
 
-def chat_body(data: dict) -> tuple[dict, list[str]]:
+def chat_body(data: dict) -> tuple[dict, "Origins"]:
     """The chat request a Responses request amounts to, and per chat message the Responses field it came from
     (to name it in errors); raises :class:`ApiError` naming the Responses field."""
     for key, harmless in REFUSED.items():
@@ -80,8 +82,8 @@ def parse_request(raw: bytes, parse_chat) -> ParsedRequest:
     return parsed
 
 
-def _messages(data: dict) -> tuple[list[dict], list[str]]:
-    messages, origin = [], []
+def _messages(data: dict) -> tuple[list[dict], "Origins"]:
+    messages, origin, calls_from = [], [], {}
     instructions = data.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
@@ -109,8 +111,10 @@ def _messages(data: dict) -> tuple[list[dict], list[str]]:
                     "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
             if messages and messages[-1]["role"] == "assistant":   # the calls of the turn before
                 messages[-1].setdefault("tool_calls", []).append(call)
+                calls_from.setdefault(len(messages) - 1, []).append(where)
                 continue
             messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            calls_from[len(messages) - 1] = [where]
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
                              "content": _output_text(item.get("output"), f"{where}.output")})
@@ -120,7 +124,24 @@ def _messages(data: dict) -> tuple[list[dict], list[str]]:
             raise ApiError(400, f"{where}.type {kind!r} is not supported (message, function_call, "
                            "function_call_output, reasoning)", param=f"{where}.type")
         origin.append(where)
-    return messages, origin
+    return messages, Origins(origin, calls_from)
+
+
+@dataclass
+class Origins:
+    """Where each chat message came from in the Responses request, and each of its calls (an item of its own)."""
+    messages: list[str]
+    calls: dict[int, list[str]]
+
+    def of(self, path: str) -> str | None:
+        """A chat field's path (``messages[3].tool_calls[1].function.arguments``) as the Responses field's."""
+        m = re.match(r"messages\[(\d+)\](\.tool_calls\[(\d+)\](\.function)?)?", path)
+        if not m or int(m.group(1)) >= len(self.messages):
+            return None
+        calls = self.calls.get(int(m.group(1)), [])
+        if m.group(2) and int(m.group(3)) < len(calls):
+            return calls[int(m.group(3))] + path[m.end():]
+        return self.messages[int(m.group(1))] + path[m.start(2) if m.group(2) else m.end():]
 
 
 def _text_part(part, where: str) -> dict:
@@ -169,7 +190,7 @@ def _tools(tools) -> list:
 
 def _tool_choice(choice):
     if isinstance(choice, dict):
-        if choice.get("type") != "function":
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
             raise ApiError(400, "tool_choice must be none, auto, required or {\"type\": \"function\", \"name\": "
                            "...}", param="tool_choice")
         return {"type": "function", "function": {"name": choice.get("name")}}
@@ -201,12 +222,12 @@ CHAT_NAMES = [(re.compile(r"^max_completion_tokens"), "max_output_tokens"),
               (re.compile(r"^tools\[(\d+)\]\.function"), r"tools[\1]")]
 
 
-def renamed(e: ApiError, origin: list[str]) -> ApiError:
+def renamed(e: ApiError, origin: Origins) -> ApiError:
     """A chat request's error naming the Responses field it came from (``messages[3]`` -> ``input[2]``)."""
     def name(text: str) -> str:
-        m = re.match(r"messages\[(\d+)\]", text)
-        if m and int(m.group(1)) < len(origin):
-            return origin[int(m.group(1))] + text[m.end():]
+        own = origin.of(text)
+        if own is not None:
+            return own
         if text.startswith("messages"):
             return "input" + text[len("messages"):]
         for pattern, new in CHAT_NAMES:
@@ -214,6 +235,9 @@ def renamed(e: ApiError, origin: list[str]) -> ApiError:
         return text
     param = name(e.param) if e.param else e.param
     message = name(e.message) if e.param and e.message.startswith(e.param) else e.message
+    for chat_name, own in (("response_format", "text.format"), ("max_completion_tokens", "max_output_tokens"),
+                           ("reasoning_effort", "reasoning.effort")):   # named inside the message too
+        message = re.sub(rf"\b{chat_name}\b", own, message)
     return ApiError(e.status, message, e.type, param, e.code)
 
 
@@ -252,6 +276,8 @@ def finished(base: dict, output: list, finish: str | None, usage: dict | None, e
              reasoning_tokens: int) -> dict:
     """A whole response: ``incomplete`` where the output was cut at ``max_output_tokens``."""
     cut = finish == "length"
+    if cut and output:   # the item the cut fell in
+        output[-1]["status"] = "incomplete"
     usage = usage or {"prompt_tokens": 0, "completion_tokens": 0}
     out = base | {"status": "incomplete" if cut else "completed", "output": output,
                   "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
@@ -270,11 +296,26 @@ def response_body(chat: dict, base: dict, count_tokens) -> dict:
     output = []
     if message.get("reasoning"):
         output.append(reasoning_item(message["reasoning"]))
-    if message.get("content") is not None:   # with logprobs, every output token's (chat's, thinking's too)
-        output.append(message_item(message["content"], logprobs=(choice.get("logprobs") or {}).get("content")))
+    if message.get("content") is not None:
+        entries = (choice.get("logprobs") or {}).get("content")
+        output.append(message_item(message["content"], logprobs=answer_entries(entries, bool(message.get(
+            "reasoning")))))
     output += [call_item(c) for c in message.get("tool_calls") or []]
     return finished(base, output, choice["finish_reason"], chat.get("usage"), chat.get("eagle"),
                     count_tokens(message["reasoning"]) if message.get("reasoning") else 0)
+
+
+def answer_entries(entries: list | None, thought: bool) -> list:
+    """The answer's tokens among a chat's per-token ``logprobs`` entries: after a thinking, those past the token
+    that closes it (``</think>``, found in the tokens' text)."""
+    if not entries or not thought:
+        return entries or []
+    seen = ""
+    for j, e in enumerate(entries):
+        seen += e["token"]
+        if CLOSE in seen:
+            return entries[j + 1:]
+    return []
 
 
 class ResponseEvents:
@@ -290,6 +331,9 @@ class ResponseEvents:
         self.open: dict | None = None      # the text item being written (reasoning or message)
         self.calls: dict[int, dict] = {}   # chat's call index -> its item
         self.finish, self.usage, self.eagle = None, None, None
+        self.thought = False               # a thinking came before the answer
+        self.early: list | None = []       # logprobs entries before the answer's first text (then None)
+        self.cut: dict | None = None       # the item a cut at max_output_tokens fell in
 
     def event(self, kind: str, **fields) -> str:
         self.seq += 1
@@ -306,16 +350,17 @@ class ResponseEvents:
                 break
             chunk = json.loads(payload)
             if "error" in chunk:
-                yield self.event("error", code=chunk["error"].get("code"), message=chunk["error"]["message"],
-                                 param=chunk["error"].get("param"))
-                yield self.event("response.failed", response=self.base | {"status": "failed",
-                                                                            "error": chunk["error"]})
+                error = {"code": chunk["error"].get("code") or "server_error", "message": chunk["error"]["message"]}
+                yield self.event("error", param=chunk["error"].get("param"), **error)
+                yield self.event("response.failed", response=self.base | {"status": "failed", "error": error,
+                                                                            "output": self.output})
                 return
             if chunk.get("usage") and not chunk["choices"]:
                 self.usage = chunk["usage"]
             for choice in chunk["choices"]:
                 for text in self.choice(choice):
                     yield text
+        self.cut = self.output[-1] if self.finish == "length" and self.output else None
         for text in self.close_all():
             yield text
         whole = finished(self.base, self.output, self.finish, self.usage, self.eagle, self.reasoning_tokens())
@@ -325,9 +370,15 @@ class ResponseEvents:
     def choice(self, choice: dict):
         delta = choice.get("delta") or {}
         if delta.get("reasoning"):
+            self.thought = True
             yield from self.text("reasoning", delta["reasoning"])
-        logprobs = (choice.get("logprobs") or {}).get("content")
+        logprobs = (choice.get("logprobs") or {}).get("content") or []
+        if self.early is not None:   # before the answer: which of them are its, once it starts (answer_entries)
+            self.early += logprobs
+            logprobs = []
         if delta.get("content"):
+            if self.early is not None:
+                logprobs, self.early = answer_entries(self.early, self.thought), None
             yield from self.text("message", delta["content"], logprobs)
         elif logprobs and self.open is not None and self.open["type"] == "message":   # held to the end (stops)
             self.open["content"][0]["logprobs"] += logprobs
@@ -366,7 +417,7 @@ class ResponseEvents:
                          text=part["text"], **({} if kind == "reasoning_text" else {"logprobs": part["logprobs"]}))
         yield self.event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
                          part=part)
-        item["status"] = "completed"
+        item["status"] = "incomplete" if item is self.cut else "completed"
         yield self.event("response.output_item.done", output_index=index, item=item)
 
     def call(self, call: dict):
@@ -390,7 +441,7 @@ class ResponseEvents:
             index = self.output.index(item)
             yield self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                              name=item["name"], arguments=item["arguments"])
-            item["status"] = "completed"
+            item["status"] = "incomplete" if item is self.cut else "completed"
             yield self.event("response.output_item.done", output_index=index, item=item)
 
     def reasoning_tokens(self) -> int:

@@ -15,6 +15,9 @@ from __future__ import annotations
 import numpy as np
 
 
+PREDICTION_WINDOW = 2048   # tokens either side of where the output has reached in a prediction that are searched
+
+
 class TokenHistory:
     """A sequence's prompt and output ids in one growing array, so a lookup scans them without a list copy, and
     its predicted output's ids, where it has one."""
@@ -59,14 +62,17 @@ class TokenHistory:
         m, pred = min(ngram, len(out)), self.prediction
         if m == 0 or len(pred) <= m or length <= 0:
             return pred[:0]
-        starts = len(pred) - m   # occurrences followed by at least one token
+        aligned = len(out) - m
+        lo = max(0, aligned + self.shift - PREDICTION_WINDOW)   # the search stays near the place: a step's cost
+        starts = min(len(pred) - m, aligned + self.shift + PREDICTION_WINDOW) - lo   # does not grow with it
+        if starts <= 0:
+            return pred[:0]
         hit = np.ones(starts, dtype=bool)
         for k in range(m):
-            hit &= pred[k: k + starts] == out[len(out) - m + k]
-        found = np.flatnonzero(hit)
+            hit &= pred[lo + k: lo + k + starts] == out[len(out) - m + k]
+        found = np.flatnonzero(hit) + lo
         if not found.size:
             return pred[:0]
-        aligned = len(out) - m
         at = int(found[np.argmin(np.abs(found - (aligned + self.shift)))])
         self.shift = at - aligned
         return pred[at + m: at + m + length]

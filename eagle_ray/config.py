@@ -134,6 +134,9 @@ class SamplingParams(StrictModel):
     guided_choice: list[Annotated[str, Field(min_length=1)]] | None = Field(
         None, min_length=1, description="the output is exactly one of these strings")
     guided_grammar: str | None = Field(None, min_length=1, description="an EBNF (GBNF) grammar the output must match")
+    guided_structural_tag: dict | None = Field(
+        None, description="xgrammar's structural tag (vLLM's response_format structural_tag): free text, with "
+        "each segment that opens with a trigger held to its tag's schema")
     # what a request gets back besides its text: log-probabilities, and several samples of one prompt
     logprobs: int | None = Field(None, ge=0, le=20, description="per output token, the target's raw "
                                  "log-probability (before temperature, top-k, top-p, penalties, logit bias and grammar "
@@ -178,7 +181,7 @@ class SamplingParams(StrictModel):
     def _schema(cls, v):
         return None if v is None else checked_schema(v)
 
-    @field_validator("guided_regex", "guided_choice", "guided_grammar")
+    @field_validator("guided_regex", "guided_choice", "guided_grammar", "guided_structural_tag")
     @classmethod
     def _one_guide(cls, v, info: ValidationInfo):
         earlier = [name for name in GUIDED_FIELDS if info.data.get(name) is not None]
@@ -210,7 +213,7 @@ class SamplingParams(StrictModel):
         return next(((name, getattr(self, name)) for name in GUIDED_FIELDS if getattr(self, name) is not None), None)
 
 
-GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_structural_tag")
 JSON_OBJECT = {"type": "object"}   # the schema of OpenAI's ``response_format: json_object``: any JSON object
 
 

@@ -183,7 +183,8 @@ REQUEST_FIELDS = {
                             st.fixed_dictionaries({"type": words, "content": any_json})),
     "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "json_schema"},
                                         {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 3}}},
-                                        {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}])}
+                                        {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}},
+                                        {"type": "structural_tag"}, {"type": "structural_tag", "format": 3}])}
 
 
 @st.composite

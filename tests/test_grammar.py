@@ -21,6 +21,9 @@ GRAMMARS = {   # each with forbidden tokens the unconstrained target would pick,
     "regex of a token class": dict(guided_regex="(w[0-9]|w[1-3][0-9]){3,24}"),
     "ebnf with paths": dict(guided_grammar='root ::= "w5" ("w6" | "w7" "w8" | "w2" | "w3")* "w9"'),
     "choice": dict(guided_choice=["w5w6w7w8w9", "w5w6w2", "w3"]),
+    "structural tag": dict(guided_structural_tag={   # free text; after each w29 (which the target writes), w1x
+        "type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["w29"], "tags": [
+            {"type": "tag", "begin": "w29", "content": {"type": "regex", "pattern": "(w1[0-9]){1,4}"}, "end": "w2"}]}}),
 }
 
 
@@ -228,7 +231,11 @@ def test_a_grammar_compiles_once_for_every_request_that_asks_for_it(tiny_dir):
 @pytest.mark.parametrize("guided, message", [
     (dict(guided_regex="(w5"), "guided_regex: the grammar engine cannot compile it: Regex parsing error"),
     (dict(guided_grammar='root ::= w5'), "guided_grammar: the grammar engine cannot compile it"),
-    (dict(guided_json={"properties": {"a": {"$ref": "#/nowhere"}}}), "guided_json: the grammar engine cannot")])
+    (dict(guided_json={"properties": {"a": {"$ref": "#/nowhere"}}}), "guided_json: the grammar engine cannot"),
+    (dict(guided_structural_tag={"type": "structural_tag", "triggers": ["w5"]}),
+     "guided_structural_tag: the grammar engine cannot compile it: a structural tag needs format"),
+    (dict(guided_structural_tag={"type": "structural_tag", "format": {"type": "nonsense"}}),
+     "guided_structural_tag: the grammar engine cannot compile it")])
 def test_a_grammar_that_fails_to_compile_refuses_the_request_and_nothing_else(tiny_dir, guided, message):
     engine = tiny_engine(tiny_dir, None, TREE)
     with pytest.raises(InvalidRequestError, match=message):
@@ -276,6 +283,11 @@ def test_a_rows_structured_output_replaces_the_jobs_and_serve_reads_vllms_field_
         "guided_choice", ["w3"])
     with pytest.raises(ApiError, match="structured_outputs: \\['grammar', 'json'\\] are given: one of them"):
         parse_body(body(structured_outputs={"json": {}, "grammar": "x"}), "completion", "m", 100, 16)
+    tag = GRAMMARS["structural tag"]["guided_structural_tag"]   # vLLM's structural tag, both ways it is sent
+    assert parse_body(body(response_format=tag), "completion", "m", 100, 16).params.guided == (
+        "guided_structural_tag", tag)
+    assert parse_body(body(structured_outputs={"structural_tag": json.dumps(tag)}), "completion", "m", 100,
+                      16).params.guided == ("guided_structural_tag", tag)
 
 
 def test_job_rows_take_guided_fields_and_a_bad_one_is_an_invalid_request_row(tiny_dir):
@@ -320,5 +332,5 @@ def test_job_rows_take_guided_fields_and_a_bad_one_is_an_invalid_request_row(tin
     for rid, field in [("schema", "guided_json"), ("regex", "guided_regex"), ("two", "guided_choice"),
                        ("bias", "logit_bias"), ("penalty", "presence_penalty"),
                        ("vllm-two", "sampling_params.structured_outputs: ['json', 'regex'] are given"),
-                       ("vllm-tag", "['structural_tag'] not supported")]:
+                       ("vllm-tag", "structured_outputs.structural_tag: not valid JSON")]:
         assert out[rid]["error_kind"] == "invalid_request" and field in out[rid]["error"], out[rid]["error"]

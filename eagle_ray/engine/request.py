@@ -205,6 +205,7 @@ _SAMPLING_TYPES = {"max_new_tokens": _INTEGER, "max_tokens": _INTEGER, "max_comp
                    "guided_regex": (lambda v: isinstance(v, str), "a string"),
                    "prediction": (lambda v: isinstance(v, str), "a string"),
                    "guided_grammar": (lambda v: isinstance(v, str), "a string"),
+                   "guided_structural_tag": (lambda v: isinstance(v, dict), "an object"),
                    "guided_choice": (lambda v: isinstance(v, list) and all(isinstance(c, str) for c in v),
                                      "a list of strings")}
 
@@ -255,7 +256,7 @@ def sampling_params(overrides, defaults: SamplingParams | None = None, field: st
 
 
 STRUCTURED_OUTPUTS = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice",
-                      "grammar": "guided_grammar"}   # vLLM's structured_outputs keys, as the engine's fields
+                      "grammar": "guided_grammar", "structural_tag": "guided_structural_tag"}   # vLLM's keys
 STRUCTURED_OUTPUT_KEYS = ("structured_outputs", "guided_decoding")
 
 
@@ -263,14 +264,20 @@ def structured_output_fields(so, where: str) -> dict:
     """vLLM's ``structured_outputs`` (``StructuredOutputsParams``: one of ``json``, ``regex``, ``choice``,
     ``grammar``, ``json_object``; its ``backend`` changes nothing here) as the engine's guided fields."""
     if not isinstance(so, dict):
-        raise InvalidRequestError(f"{where} must be an object (json, regex, choice, grammar or json_object), got "
-                                  f"{_describe(so)}")
+        raise InvalidRequestError(f"{where} must be an object (json, regex, choice, grammar, structural_tag or "
+                                  f"json_object), got {_describe(so)}")
+    if isinstance(so.get("structural_tag"), str):   # vLLM's StructuredOutputsParams holds it as JSON text
+        try:
+            so = so | {"structural_tag": json.loads(so["structural_tag"])}
+        except ValueError:
+            raise InvalidRequestError(f"{where}.structural_tag: not valid JSON") from None
     if so.get("json_object") not in (None, True, False):
         raise InvalidRequestError(f"{where}.json_object: true or false is required, got {_describe(so['json_object'])}")
     given = {k: v for k, v in so.items() if v is not None and v is not False and k != "backend"}
     unknown = sorted(set(given) - set(STRUCTURED_OUTPUTS) - {"json_object"})
     if unknown:
-        raise InvalidRequestError(f"{where}: {unknown} not supported (json, regex, choice, grammar, json_object)")
+        raise InvalidRequestError(f"{where}: {unknown} not supported (json, regex, choice, grammar, structural_tag, "
+                                  "json_object)")
     if len(given) > 1:
         raise InvalidRequestError(f"{where}: {sorted(given)} are given: one of them")
     if given.get("json_object") is True:

@@ -24,7 +24,7 @@ from typing import Literal
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator,
                       model_validator)
 
-from eagle_ray.config import JSON_OBJECT, SamplingParams, checked_schema, engine_arguments_in
+from eagle_ray.config import GUIDED_FIELDS, JSON_OBJECT, SamplingParams, checked_schema, engine_arguments_in
 from eagle_ray.engine.request import (MAX_NESTING, Prompt, nesting_depth, parse_messages, parse_prompt,
                                      sampling_params, storable)
 from eagle_ray.engine.request import structured_output_fields as request_structured_outputs
@@ -120,6 +120,7 @@ class _Request(BaseModel):
     guided_regex: str | None = None
     guided_choice: list | None = None
     guided_grammar: str | None = None
+    guided_structural_tag: dict | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -208,8 +209,7 @@ def guided_fields(req: _Request) -> tuple[dict, list[str]]:
     OpenAI's ``response_format`` (``json_object``: any JSON object; ``json_schema``: its ``schema``, always
     enforced, ``strict`` or not), vLLM's ``structured_outputs`` or its older ``guided_*`` fields. More than one of
     them is a 400 naming them."""
-    given = {f: getattr(req, f) for f in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
-             if getattr(req, f) is not None}
+    given = {f: getattr(req, f) for f in GUIDED_FIELDS if getattr(req, f) is not None}
     sources = list(given)
     if req.response_format is not None:
         guided = response_format_fields(req.response_format)
@@ -230,9 +230,11 @@ def response_format_fields(rf: dict) -> dict:
         return {}
     if kind == "json_object":
         return {"guided_json": dict(JSON_OBJECT)}
+    if kind == "structural_tag":   # vLLM's: xgrammar's structural tag, the whole object
+        return {"guided_structural_tag": dict(rf)}
     if kind != "json_schema":
-        raise ApiError(400, f"response_format.type must be text, json_object or json_schema, got {kind!r}",
-                       param="response_format.type")
+        raise ApiError(400, f"response_format.type must be text, json_object, json_schema or structural_tag, got "
+                       f"{kind!r}", param="response_format.type")
     spec = rf.get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not spec["name"]:
         raise ApiError(400, "response_format.json_schema must be an object with a name and a schema",

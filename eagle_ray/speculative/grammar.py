@@ -1,9 +1,9 @@
 """Structured output: a grammar masks the target's choices at every position and prunes the draft trees.
 
-A request's ``guided_json`` (a JSON schema), ``guided_regex``, ``guided_choice`` or ``guided_grammar`` (EBNF) is
-compiled by xgrammar (chosen over llguidance by measurement: docs/design.md) into a grammar shared by every request
-with the same one (:class:`GrammarCache`, an LRU keyed by the canonical JSON of the field and its value), on the
-thread that adds the request, never on the step's. Each sequence then holds a matcher (:class:`Guide`) at the state
+A request's ``guided_json`` (a JSON schema), ``guided_regex``, ``guided_choice``, ``guided_grammar`` (EBNF) or
+``guided_structural_tag`` is compiled by xgrammar (chosen over llguidance by measurement: docs/design.md) into a
+grammar shared by every request with the same one (:class:`GrammarCache`, an LRU keyed by the canonical JSON of
+the field and its value), on the thread that adds the request, never on the step's. Each sequence then holds a matcher (:class:`Guide`) at the state
 its output has reached.
 
 In a step, each constrained sequence's drafted tree is read to the host once and walked by its matcher
@@ -118,6 +118,8 @@ class GrammarCache:
             return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in value))
         if field == "guided_grammar":
             return compiler.compile_grammar(value) if "::=" in value else compiler.compile_lark(value)
+        if field == "guided_structural_tag":
+            return compile_structural_tag(compiler, value)
         raise ValueError(f"unknown guided field {field}")
 
     def guide(self, params) -> "Guide | None":
@@ -131,6 +133,20 @@ class GrammarCache:
 THINKING, UNDECIDED, ANSWER = 0, 1, 2   # where a gated output is: thinking, not yet begun (it may open a thinking
                                         # or start its answer), or in its answer (held to the grammar)
 PHASES = {"until_close": THINKING, "if_opened": UNDECIDED, "answer": ANSWER}
+
+
+def compile_structural_tag(compiler, tag: dict):
+    """vLLM's ``structural_tag`` response format: xgrammar's own (``{"type": "structural_tag", "format": ...}``),
+    or the earlier ``{"structures": [{"begin", "schema", "end"}], "triggers": [...]}``."""
+    import xgrammar as xgr
+    if "format" in tag:
+        return compiler.compile_structural_tag(json.dumps(tag))
+    structures, triggers = tag.get("structures"), tag.get("triggers")
+    if not isinstance(structures, list) or not structures or not isinstance(triggers, list) or not triggers:
+        raise ValueError("a structural tag needs format, or structures and triggers")
+    items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s.get("schema", {})), end=s["end"])
+             for s in structures]
+    return compiler.compile_structural_tag(items, triggers)
 
 
 class Guide:

@@ -215,6 +215,16 @@ def test_a_forbidden_draft_node_is_never_verified(tiny_dir):
         assert text == cycle[:len(text)] and len(text) % 3 == 1 or len(text) == 40
 
 
+def test_schemas_whose_properties_differ_in_order_are_two_grammars(tiny_dir):
+    """A schema's properties are written in its own order: a cache keyed on sorted keys would hand the second
+    request the first one's order."""
+    engine = tiny_engine(tiny_dir, None, TREE)
+    first = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "integer"}}}
+    second = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
+    assert engine.grammars.compile("guided_json", first) is not engine.grammars.compile("guided_json", second)
+    assert engine.grammars.compiled == 2
+
+
 def test_a_grammar_compiles_once_for_every_request_that_asks_for_it(tiny_dir):
     engine = tiny_engine(tiny_dir, None, TREE)
     schema = {"enum": ["w5w6", "w7"]}
@@ -273,7 +283,10 @@ def test_a_rows_structured_output_replaces_the_jobs_and_serve_reads_vllms_field_
     for two, message in [({"structured_outputs": {"regex": "w"}, "guided_decoding": {"regex": "w"}},
                            "guided_decoding is given too"),
                           ({"structured_outputs": {"regex": "w"}, "guided_choice": ["w"]}, "guided_choice is given"),
-                          ({"structured_outputs": {"json_object": "yes"}}, "json_object: true or false")]:
+                          ({"structured_outputs": {"json_object": "yes"}}, "json_object: true or false"),
+                          ({"structured_outputs": {"json_object": 1}}, "json_object: true or false"),
+                          ({"structured_outputs": {"structural_tag": "[" * 100 + "]" * 100}},
+                           "structural_tag: a JSON object nested at most 64 deep")]:
         with pytest.raises(InvalidRequestError, match=message):
             sampling_params(two, job)
 

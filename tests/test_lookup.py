@@ -59,8 +59,8 @@ def test_a_prediction_proposes_what_follows_the_outputs_end_where_the_output_has
     assert own.propose(2, 2).tolist() == [9, 4]
     from eagle_ray.speculative.lookup import PREDICTION_WINDOW
     far = TokenHistory(np.array([3] * (PREDICTION_WINDOW + 10) + [10, 11, 12]))
-    far.sync([1], [10, 11])                         # only far from where the output is: not searched
-    assert far.propose(2, 1).tolist() == []
+    far.sync([1], [10, 11])                         # nothing near the place: all of it searched (an edit moved far)
+    assert far.propose(2, 1).tolist() == [12] and far.shift == PREDICTION_WINDOW + 10
 
 
 def test_a_prediction_speeds_an_edit_and_leaves_its_output_the_targets(tiny_dir, tiny_hf, tiny_head):

@@ -202,6 +202,10 @@ def test_an_answers_logprobs_are_its_own_tokens_streamed_or_whole_and_a_cut_item
     deltas = [e for e in got if e["type"] == "response.output_text.delta"]
     assert [[t["token"] for t in e["logprobs"]] for e in deltas] == [["Hi"], ["!"]]
     assert got[-1]["type"] == "response.incomplete"
+    held = [{"choices": [dict(c["choices"][0], logprobs=None)]} for c in chunks[:3]]   # with stop strings, the
+    held.append({"choices": [dict(chunks[3]["choices"][0], logprobs={"content": entries})]})   # values come last
+    at_end = replayed(held + chunks[4:])[-1]["response"]
+    assert [e["token"] for e in at_end["output"][1]["content"][0]["logprobs"]] == ["Hi", "!"]
 
 
 def test_an_error_mid_stream_fails_the_response_with_what_was_sent():

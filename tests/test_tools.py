@@ -83,6 +83,8 @@ def test_auto_and_none_leave_the_answer_free():
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, None,
      "tool_choice forces a tool call, whose arguments are structured output already: leave out response_format",
      "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "required", "structured_outputs": {"backend": "xgrammar"},
+      "min_tokens": 2}, None, "leave out min_tokens", "tool_choice"),   # an empty structured_outputs asks nothing
     ({"tools": [WEATHER], "tool_choice": "required", "min_tokens": 2}, None, "tool_choice forces a tool call, "
      "whose arguments are structured output already: leave out min_tokens", "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": "required", "allowed_token_ids": [5]}, None, "leave out allowed_token_ids",

@@ -268,10 +268,14 @@ def structured_output_fields(so, where: str) -> dict:
                                   f"json_object), got {_describe(so)}")
     if isinstance(so.get("structural_tag"), str):   # vLLM's StructuredOutputsParams holds it as JSON text
         try:
-            so = so | {"structural_tag": json.loads(so["structural_tag"])}
-        except ValueError:
+            tag = json.loads(so["structural_tag"])
+        except (ValueError, RecursionError):
             raise InvalidRequestError(f"{where}.structural_tag: not valid JSON") from None
-    if so.get("json_object") not in (None, True, False):
+        if not isinstance(tag, dict) or nesting_depth(tag) > MAX_NESTING:
+            raise InvalidRequestError(f"{where}.structural_tag: a JSON object nested at most {MAX_NESTING} deep "
+                                      "is required")
+        so = so | {"structural_tag": tag}
+    if so.get("json_object") is not None and not isinstance(so["json_object"], bool):
         raise InvalidRequestError(f"{where}.json_object: true or false is required, got {_describe(so['json_object'])}")
     given = {k: v for k, v in so.items() if v is not None and v is not False and k != "backend"}
     unknown = sorted(set(given) - set(STRUCTURED_OUTPUTS) - {"json_object"})

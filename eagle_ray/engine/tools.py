@@ -238,7 +238,7 @@ class ListedCalls:
         self.depth = 0
         if self.key == "name" and call[0] is None:
             try:
-                call[0] = JSON.decode(written)
+                call[0] = JSON.decode(written) if written.startswith('"') else False
             except ValueError:
                 call[0] = False   # not a name: the calls end here
         elif self.key == "parameters" and call[1] is None:

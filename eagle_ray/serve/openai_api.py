@@ -216,8 +216,9 @@ def guided_fields(req: _Request) -> tuple[dict, list[str]]:
         sources += ["response_format"] if guided else []
         given |= guided
     if req.structured_outputs is not None:
-        sources.append("structured_outputs")
-        given |= structured_output_fields(req.structured_outputs)
+        fields = structured_output_fields(req.structured_outputs)
+        sources += ["structured_outputs"] if fields else []
+        given |= fields
     if len(sources) > 1:
         raise ApiError(400, f"{' and '.join(sources)} are given: a request takes one structured output",
                        param=sources[1])

@@ -298,24 +298,39 @@ def response_body(chat: dict, base: dict, count_tokens) -> dict:
         output.append(reasoning_item(message["reasoning"]))
     if message.get("content") is not None:
         entries = (choice.get("logprobs") or {}).get("content")
-        output.append(message_item(message["content"], logprobs=answer_entries(entries, bool(message.get(
-            "reasoning")))))
+        output.append(message_item(message["content"], logprobs=AnswerLogprobs().add(
+            entries, bool(message.get("reasoning")), True)))
     output += [call_item(c) for c in message.get("tool_calls") or []]
     return finished(base, output, choice["finish_reason"], chat.get("usage"), chat.get("eagle"),
                     count_tokens(message["reasoning"]) if message.get("reasoning") else 0)
 
 
-def answer_entries(entries: list | None, thought: bool) -> list:
-    """The answer's tokens among a chat's per-token ``logprobs`` entries: after a thinking, those past the token
-    that closes it (``</think>``, found in the tokens' text)."""
-    if not entries or not thought:
-        return entries or []
-    seen = ""
-    for j, e in enumerate(entries):
-        seen += e["token"]
-        if CLOSE in seen:
-            return entries[j + 1:]
-    return []
+class AnswerLogprobs:
+    """The answer's tokens among a chat's per-token ``logprobs`` entries, however they arrive: entries are held
+    until the answer has begun (by then any thinking before it has shown); after a thinking, those up to the token
+    that closes it (``</think>``, found in the tokens' text) are its, not the answer's."""
+
+    def __init__(self):
+        self.held: list = []
+        self.thought = False   # a thinking came first
+        self.closed = False    # ... and its closing token has passed
+        self.seen = ""
+
+    def add(self, entries: list | None, thought: bool, answering: bool) -> list:
+        """The entries of the answer among those held and ``entries`` (``answering``: its text has begun)."""
+        self.held += entries or []
+        self.thought |= thought
+        if not answering:
+            return []
+        out = []
+        for e in self.held:
+            if self.thought and not self.closed:
+                self.seen += e["token"]
+                self.closed = CLOSE in self.seen
+            else:
+                out.append(e)
+        self.held = []
+        return out
 
 
 class ResponseEvents:
@@ -331,8 +346,7 @@ class ResponseEvents:
         self.open: dict | None = None      # the text item being written (reasoning or message)
         self.calls: dict[int, dict] = {}   # chat's call index -> its item
         self.finish, self.usage, self.eagle = None, None, None
-        self.thought = False               # a thinking came before the answer
-        self.early: list | None = []       # logprobs entries before the answer's first text (then None)
+        self.logprobs = AnswerLogprobs()   # which logprobs are the answer's
         self.cut: dict | None = None       # the item a cut at max_output_tokens fell in
 
     def event(self, kind: str, **fields) -> str:
@@ -370,15 +384,11 @@ class ResponseEvents:
     def choice(self, choice: dict):
         delta = choice.get("delta") or {}
         if delta.get("reasoning"):
-            self.thought = True
             yield from self.text("reasoning", delta["reasoning"])
-        logprobs = (choice.get("logprobs") or {}).get("content") or []
-        if self.early is not None:   # before the answer: which of them are its, once it starts (answer_entries)
-            self.early += logprobs
-            logprobs = []
+        answering = bool(delta.get("content")) or any(i["type"] == "message" for i in self.output)
+        logprobs = self.logprobs.add((choice.get("logprobs") or {}).get("content"), bool(delta.get("reasoning")),
+                                     answering)
         if delta.get("content"):
-            if self.early is not None:
-                logprobs, self.early = answer_entries(self.early, self.thought), None
             yield from self.text("message", delta["content"], logprobs)
         elif logprobs and self.open is not None and self.open["type"] == "message":   # held to the end (stops)
             self.open["content"][0]["logprobs"] += logprobs

@@ -2,9 +2,10 @@
 
 A request's ``guided_json`` (a JSON schema), ``guided_regex``, ``guided_choice``, ``guided_grammar`` (EBNF) or
 ``guided_structural_tag`` is compiled by xgrammar (chosen over llguidance by measurement: docs/design.md) into a
-grammar shared by every request with the same one (:class:`GrammarCache`, an LRU keyed by the canonical JSON of
-the field and its value), on the thread that adds the request, never on the step's. Each sequence then holds a matcher (:class:`Guide`) at the state
-its output has reached.
+grammar shared by every request with the same one (:class:`GrammarCache`, an LRU keyed by the JSON of the field
+and its value, keys in their own order: a schema's properties are written in it), on the thread that adds the
+request, never on the step's. Each sequence then holds a matcher (:class:`Guide`) at the state its output has
+reached.
 
 In a step, each constrained sequence's drafted tree is read to the host once and walked by its matcher
 (``traverse_draft_tree``: accept down each path, roll back up): every node gets the mask of the tokens the grammar
@@ -72,7 +73,8 @@ class GrammarCache:
 
     @staticmethod
     def key(field: str, value) -> str:
-        return json.dumps([field, value], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        # keys in their own order: a schema's properties are written in it, so two orders are two grammars
+        return json.dumps([field, value], separators=(",", ":"), ensure_ascii=False)
 
     def compiler(self):
         with self._lock:
@@ -144,6 +146,9 @@ def compile_structural_tag(compiler, tag: dict):
     structures, triggers = tag.get("structures"), tag.get("triggers")
     if not isinstance(structures, list) or not structures or not isinstance(triggers, list) or not triggers:
         raise ValueError("a structural tag needs format, or structures and triggers")
+    for i, s in enumerate(structures):
+        if not isinstance(s, dict) or not isinstance(s.get("begin"), str) or not isinstance(s.get("end"), str):
+            raise ValueError(f"structures[{i}] must be an object with begin and end strings (and a schema)")
     items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s.get("schema", {})), end=s["end"])
              for s in structures]
     return compiler.compile_structural_tag(items, triggers)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 
-PREDICTION_WINDOW = 2048   # tokens either side of where the output has reached in a prediction that are searched
+PREDICTION_WINDOW = 2048   # tokens either side of where the output has reached in a prediction, searched first
 
 
 class TokenHistory:
@@ -63,17 +63,13 @@ class TokenHistory:
         if m == 0 or len(pred) <= m or length <= 0:
             return pred[:0]
         aligned = len(out) - m
-        lo = max(0, aligned + self.shift - PREDICTION_WINDOW)   # the search stays near the place: a step's cost
-        starts = min(len(pred) - m, aligned + self.shift + PREDICTION_WINDOW) - lo   # does not grow with it
-        if starts <= 0:
-            return pred[:0]
-        hit = np.ones(starts, dtype=bool)
-        for k in range(m):
-            hit &= pred[lo + k: lo + k + starts] == out[len(out) - m + k]
-        found = np.flatnonzero(hit) + lo
+        place = aligned + self.shift
+        found = _occurrences(pred, out[len(out) - m:], place - PREDICTION_WINDOW, place + PREDICTION_WINDOW)
+        if not found.size:   # near the place first (a step's cost does not grow with the prediction), then all of
+            found = _occurrences(pred, out[len(out) - m:], 0, len(pred))   # it (an edit moved far)
         if not found.size:
             return pred[:0]
-        at = int(found[np.argmin(np.abs(found - (aligned + self.shift)))])
+        at = int(found[np.argmin(np.abs(found - place))])
         self.shift = at - aligned
         return pred[at + m: at + m + length]
 
@@ -93,6 +89,18 @@ class TokenHistory:
         follow = found[-1] + ngram
         seen = ids[follow: n]     # if the text repeats from there, it repeats with period n - follow
         return np.resize(seen, length) if len(seen) < length else seen[:length]
+
+
+def _occurrences(pred: np.ndarray, tokens: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """Where ``tokens`` start in ``pred`` between ``lo`` and ``hi``, followed by at least one token."""
+    m = len(tokens)
+    lo, hi = max(0, lo), min(len(pred) - m, hi)
+    if hi <= lo:
+        return np.zeros(0, dtype=np.int64)
+    hit = np.ones(hi - lo, dtype=bool)
+    for k in range(m):
+        hit &= pred[lo + k: hi + k] == tokens[k]
+    return np.flatnonzero(hit) + lo
 
 
 def lookup_rows(histories: list[TokenHistory], ngram: int, length: int) -> np.ndarray:

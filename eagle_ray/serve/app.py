@@ -22,8 +22,8 @@ from starlette.requests import ClientDisconnect
 from eagle_ray.engine.reasoning import ReasoningStream
 from eagle_ray.engine.tools import CallReader
 from eagle_ray.errors import EagleError, EngineDeadError, PromptTooLongError
-from eagle_ray.serve.choices import ChoiceShape, Chunks, Interleaved, StreamState, merged_stats, prepare, usage
 from eagle_ray.serve import responses
+from eagle_ray.serve.choices import ChoiceShape, Chunks, Interleaved, StreamState, merged_stats, prepare, usage
 from eagle_ray.serve.config import ServeConfig
 from eagle_ray.serve.logprobs import TokenText
 from eagle_ray.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE

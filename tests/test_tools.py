@@ -182,6 +182,18 @@ def test_auto_takes_the_first_call_alone_without_parallel_calls_and_hermes_keeps
     assert chat({"tools": [WEATHER], "tool_choice": "required"}, parser="hermes").params.skip_special_tokens
 
 
+def test_qwen3_coders_values_are_typed_by_their_tools_schema():
+    typed = {"type": "function", "function": {"name": "book", "parameters": {"type": "object", "properties": {
+        "nights": {"type": "integer"}, "pets": {"type": "boolean"}, "rooms": {"type": "array"},
+        "note": {"type": "string"}, "price": {"type": "number"}}}}}
+    text = ("<tool_call>\n<function=book>\n<parameter=nights>\n3\n</parameter>\n<parameter=pets>\ntrue\n"
+            "</parameter>\n<parameter=rooms>\n[1, 2]\n</parameter>\n<parameter=note>\n42\n</parameter>\n"
+            "<parameter=price>\ncheap\n</parameter>\n</function>\n</tool_call>")
+    message, _ = ToolPlan((typed,), "auto", None, "qwen3_coder").message(text, "stop")
+    assert calls_of(message) == [("book", {"nights": 3, "pets": True, "rooms": [1, 2], "note": "42",
+                                           "price": "cheap"})]   # a value that does not parse stays text
+
+
 @pytest.mark.parametrize("parser, text, content, calls", [
     ("hermes", 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>',
      "Checking.", [("get_weather", {"city": "Rome"})]),   # the whitespace around calls dropped
@@ -212,6 +224,11 @@ def test_auto_takes_the_first_call_alone_without_parallel_calls_and_hermes_keeps
     ("pythonic", '[get_weather("Oslo")]', '[get_weather("Oslo")]', []),        # a positional argument: text
     ("pythonic", '[get_weather(city=open("/etc/passwd"))]', '[get_weather(city=open("/etc/passwd"))]', []),  # never run
     ("pythonic", "It is sunny.", "It is sunny.", []),
+    ("qwen3_coder", 'Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSão Paulo\n</parameter>\n'
+     '<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>', "Checking.",
+     [("get_weather", {"city": "São Paulo", "days": "3"})]),   # a key its schema does not type: text
+    ("qwen3_coder", "<tool_call><function=get_time></function></tool_call>", None, [("get_time", {})]),
+    ("qwen3_coder", "<tool_call>not a function</tool_call>", "<tool_call>not a function</tool_call>", []),
     ("pythonic", "[get_weather(city='A', city='B')]", "[get_weather(city='A', city='B')]", []),   # repeated
     ("pythonic", "[get_weather(temp=1e999)]", "[get_weather(temp=1e999)]", []),   # Infinity is not JSON
     ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"t": NaN}}]',
@@ -304,7 +321,9 @@ HERMES_ANSWER = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments"
                                           ("mistral", 'Sure. [TOOL_CALLS]get_weather[ARGS]{"city": "Nice"}'),
                                           ("mistral", "Just [TOOL text."),
                                           ("pythonic", '[get_weather(city="Oslo"), get_time()]'),
-                                          ("pythonic", "Plain [text].")])
+                                          ("pythonic", "Plain [text]."),
+                                          ("qwen3_coder", "Ok <tool_call><function=get_weather><parameter=city>"
+                                                          "Oslo</parameter></function></tool_call> done")])
 def test_an_auto_answer_streams_its_text_as_it_comes_and_reads_as_it_does_whole(parser, text):
     """However the deltas fall, the text and calls sent add up to the whole answer's message; hermes text goes out
     before the answer ends, a marker split across deltas held back."""

@@ -92,7 +92,7 @@ class ProcessorConfig(StrictModel):
     s3: S3Options = Field(default_factory=S3Options)
     split_special_tokens: bool = Field(False, description="tokenise chat message content with special-token text "
                                        "(<|im_end|>, ...) split into plain text, so content cannot forge a role")
-    tool_call_parser: Literal["hermes", "llama3_json", "mistral", "pythonic"] | None = Field(
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"] | None = Field(
         None, description="how a chat row's answer is read for tool calls where the model chooses (tool_choice "
         "auto, the default with tools): as Serve's tool_call_parser (engine/tools.py)")
     reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(

@@ -13,8 +13,9 @@ is read:
   , ``llama3_json`` (``{"name": ..., "parameters": ...}``, ``;``-separated: Llama 3.1-3.3), ``mistral``
   (``[TOOL_CALLS]`` then a JSON list of ``{"name", "arguments"}``, or ``name{arguments}`` after each marker, with or
   without ``[ARGS]``: Mistral 7B v0.3, Nemo, Small) or ``pythonic`` (a Python list of calls with keyword arguments,
-  ``[get_weather(city="Oslo")]``, in ``<|python_start|>`` / ``<|python_end|>`` or not: Llama 3.2, Llama 4); the
-  first call alone with ``parallel_tool_calls: false``. Without a parser ``auto`` is refused, as vLLM refuses it without
+  ``[get_weather(city="Oslo")]``, in ``<|python_start|>`` / ``<|python_end|>`` or not: Llama 3.2, Llama 4) or
+  ``qwen3_coder`` (``<tool_call><function=name><parameter=city>Oslo</parameter></function></tool_call>``, each value
+  read as its tool's schema types it: Qwen3-Coder); the first call alone with ``parallel_tool_calls: false``. Without a parser ``auto`` is refused, as vLLM refuses it without
   ``--tool-call-parser``;
 - ``none``: the tools are shown, the answer is text.
 
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from eagle_ray.config import checked_schema
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder")
 CALL_OPEN, CALL_CLOSE, PYTHON_TAG = "<tool_call>", "</tool_call>", "<|python_tag|>"
 MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
@@ -81,7 +82,7 @@ class ToolPlan:
         """Whether answers keep special tokens' text: hermes' ``<tool_call>`` and mistral's ``[TOOL_CALLS]`` are
         special tokens of some tokenizers, which decoding would drop with the calls' markers (vLLM's parsers keep
         them too); llama3_json and pythonic answers read the same without theirs."""
-        return self.choice == "auto" and self.parser in ("hermes", "mistral")
+        return self.choice == "auto" and self.parser in ("hermes", "mistral", "qwen3_coder")
 
     def message(self, text: str, reason: str | None) -> tuple[dict, str | None]:
         """The assistant message an answer makes, and its finish reason: ``tool_calls`` where the model chose to
@@ -94,7 +95,7 @@ class ToolPlan:
             calls = _listed_calls(text)
             content = None if calls else text
         elif self.choice == "auto":   # the answer read as a stream read in one delta reads it
-            content, calls = AutoCalls(self.parser, self.parallel).feed(text, final=True)
+            content, calls = AutoCalls(self.parser, self.parallel, self.tools).feed(text, final=True)
             content = (content or None) if calls else content
         if not calls:
             return {"role": "assistant", "content": content}, reason
@@ -252,6 +253,34 @@ class ListedCalls:
         return (self.partial or "") if i == len(self.calls) - 1 else ""
 
 
+XML_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.DOTALL)
+XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+
+
+def _xml_call(block: str, tools: dict) -> tuple[str, str] | None:
+    """Qwen3-Coder's ``<function=name>`` block: each ``<parameter=key>`` value as its tool's schema types it (text
+    for a string or an unknown key, else JSON, kept as text where it does not parse); None where it is not one."""
+    m = XML_FUNCTION.fullmatch(block)
+    if not m:
+        return None
+    name, body = m.group(1).strip(), m.group(2)
+    props = ((tools.get(name) or {}).get("parameters") or {}).get("properties") or {}
+    args = {}
+    for key, value in XML_PARAMETER.findall(body):
+        key = key.strip()
+        kind = (props.get(key) or {}).get("type", "string")
+        if kind == "string" or not isinstance(kind, str):
+            args[key] = value
+            continue
+        try:
+            args[key] = JSON.decode(value.strip())
+        except ValueError:
+            args[key] = value
+    if XML_PARAMETER.sub("", body).strip():   # text outside the parameters: not a call
+        return None
+    return name, json.dumps(args, ensure_ascii=False)
+
+
 def _hermes_call(block: str) -> tuple[str, str] | None:
     try:
         return _call(JSON.decode(block), "arguments")
@@ -277,8 +306,9 @@ class AutoCalls:
     Whitespace is sent once other text follows it: an answer with calls drops the whitespace around them (its
     content is null where nothing else is left), one without keeps its text as it is."""
 
-    def __init__(self, parser: str, parallel: bool = True):
+    def __init__(self, parser: str, parallel: bool = True, tools: tuple = ()):
         self.parser, self.parallel = parser, parallel
+        self.tools = {t["function"]["name"]: t["function"] for t in tools}   # qwen3_coder: the values' types
         self.buf = ""
         self.in_call = False        # hermes: inside a block
         self.calls_mode = None      # llama3_json: None while the answer's start is unknown, then True or False
@@ -289,8 +319,8 @@ class AutoCalls:
     def feed(self, delta: str, final: bool = False) -> tuple[str, list[tuple[str, str]]]:
         """(text, calls) this delta completes."""
         self.buf += delta
-        if self.parser in ("hermes", "mistral"):
-            content, calls = self._hermes(final) if self.parser == "hermes" else self._mistral(final)
+        if self.parser in ("hermes", "mistral", "qwen3_coder"):
+            content, calls = self._mistral(final) if self.parser == "mistral" else self._hermes(final)
         else:
             content, calls = self._whole(final)
         calls = calls if self.parallel else calls[: max(0, 1 - self.count)]
@@ -319,7 +349,7 @@ class AutoCalls:
                 return content, calls
             block, rest = (self.buf, "") if end < 0 else (self.buf[:end], self.buf[end + len(CALL_CLOSE):])
             self.buf, self.in_call, self.scanned = rest, False, 0
-            call = _hermes_call(block.strip())
+            call = _hermes_call(block.strip()) if self.parser == "hermes" else _xml_call(block, self.tools)
             if call is None:
                 content += CALL_OPEN + block + ("" if end < 0 else CALL_CLOSE)
             else:
@@ -368,7 +398,7 @@ class CallReader:
 
     def __init__(self, plan: ToolPlan):
         self.plan = plan
-        self.auto = AutoCalls(plan.parser, plan.parallel) if plan.choice == "auto" else None
+        self.auto = AutoCalls(plan.parser, plan.parallel, plan.tools) if plan.choice == "auto" else None
         self.sent = 0   # calls sent
         self.listed = ListedCalls()      # required: the answer so far, read
         self.args_sent: list[int] = []   # required: per call opened, the length of its parameters sent

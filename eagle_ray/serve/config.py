@@ -33,10 +33,10 @@ class ServeConfig(StrictModel):
     max_request_bytes: int = Field(4 * 2**20, ge=1024, description="largest request body (413 above it)")
     split_special_tokens: bool = Field(True, description="tokenise chat message content with special-token text "
                                        "(<|im_end|>, ...) split into plain text, so a client cannot forge a role")
-    tool_call_parser: Literal["hermes", "llama3_json", "mistral", "pythonic"] | None = Field(
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"] | None = Field(
         None, description="how answers are read for tool calls where the model chooses (tool_choice auto): the "
         "format the target's chat template teaches (hermes: Qwen2.5/Qwen3/Hermes; llama3_json: Llama 3.1-3.3; "
-        "mistral: Mistral 7B v0.3/Nemo/Small; pythonic: Llama 3.2/Llama 4); "
+        "mistral: Mistral 7B v0.3/Nemo/Small; pythonic: Llama 3.2/Llama 4; qwen3_coder: Qwen3-Coder); "
         "null: tool_choice auto is refused, named and required calls are served")
     reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
         None, description="a reasoning model's thinking (<think> ... </think>) returned apart from its answer, in "

@@ -69,16 +69,26 @@ OPEN, CLOSE = 32, 36   # w25 and w29 renamed <think> and </think>: tokens the ti
                       # w25 first for some prompts, w29 some tokens in
 
 
-@pytest.fixture(scope="module")
-def thinking_dir(tiny_dir, tmp_path_factory):
-    """The tiny target with a vocabulary whose thinking markers are one token each (as Qwen3's and DeepSeek-R1's)."""
+def marked_dir(tiny_dir, tmp_path_factory, opening: str, closing: str):
     import shutil
 
     from tiny import make_tokenizer
     path = tmp_path_factory.mktemp("tiny-thinking")
     shutil.copytree(tiny_dir, path, dirs_exist_ok=True)
-    make_tokenizer(64, {OPEN: "<think>", CLOSE: "</think>"}).save_pretrained(path)
+    make_tokenizer(64, {OPEN: opening, CLOSE: closing}).save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def thinking_dir(tiny_dir, tmp_path_factory):
+    """The tiny target with a vocabulary whose thinking markers are one token each (as Qwen3's and DeepSeek-R1's)."""
+    return marked_dir(tiny_dir, tmp_path_factory, "<think>", "</think>")
+
+
+@pytest.fixture(scope="module")
+def magistral_dir(tiny_dir, tmp_path_factory):
+    """The same with Magistral's markers."""
+    return marked_dir(tiny_dir, tmp_path_factory, "[THINK]", "[/THINK]")
 
 
 def gated_reference(hf, engine, prompt: list[int], n: int, mode: str, **guided) -> list[int]:
@@ -112,12 +122,14 @@ def gated_reference(hf, engine, prompt: list[int], n: int, mode: str, **guided) 
     return out
 
 
-@pytest.mark.parametrize("parser, mode", [("deepseek_r1", "until_close"), ("qwen3", "if_opened")])
-def test_a_reasoning_models_answer_alone_is_held_to_the_grammar(thinking_dir, tiny_hf, tiny_head, parser, mode):
+@pytest.mark.parametrize("parser, mode", [("deepseek_r1", "until_close"), ("qwen3", "if_opened"),
+                                          ("mistral", "if_opened")])
+def test_a_reasoning_models_answer_alone_is_held_to_the_grammar(request, tiny_hf, tiny_head, parser, mode):
     """vLLM's rule: structured output waits for the thinking to close. Greedy gated speculation equals gated plain
     decoding and the reference; the thinking holds tokens the grammar forbids, the answer none."""
     from eagle_ray.engine.reasoning import mode_for
-    engine = tiny_engine(thinking_dir, tiny_head, TREE, max_batch_size=3)
+    marked = request.getfixturevalue("magistral_dir" if parser == "mistral" else "thinking_dir")
+    engine = tiny_engine(marked, tiny_head, TREE, max_batch_size=3)
     engine.reasoning_parser = parser
     guided = dict(guided_regex="(w[0-9]|w1[0-9]){1,12}")   # w0 .. w19: ids 7 .. 26
     ps = [[t for t in p if t not in (OPEN, CLOSE)] or [5] for p in prompts(8)]   # no marker in a prompt

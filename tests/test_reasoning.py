@@ -47,11 +47,11 @@ def test_a_whole_output_splits_into_thinking_and_answer(mode, text, thought, ans
     assert split_reasoning(text, mode) == (thought, answer)
 
 
-def streamed(mode: str, pieces: list[str]) -> tuple[str | None, str | None]:
-    s, thought, answer = ReasoningStream(mode), "", ""
+def streamed(mode: str, pieces: list[str], markers=("<think>", "</think>")) -> tuple[str | None, str | None]:
+    s, thought, answer = ReasoningStream(mode, markers), "", ""
     for i, piece in enumerate(pieces):
         t, a = s.feed(piece, final=i == len(pieces) - 1)
-        assert t is None or a is None or "</think>" in "".join(pieces[: i + 1])   # one side, but at the marker
+        assert t is None or a is None or markers[1] in "".join(pieces[: i + 1])   # one side, but at the marker
         thought, answer = thought + (t or ""), answer + (a or "")
     return thought or None, answer or None
 
@@ -64,6 +64,21 @@ def test_a_stream_splits_as_the_whole_output_however_its_deltas_fall(mode, text)
     for i, j in itertools.combinations(range(len(text) + 1), 2):
         assert streamed(mode, [text[:i], text[i:j], text[j:]]) == whole, (i, j)
     assert streamed(mode, list(text) + [""]) == whole
+
+
+@pytest.mark.parametrize("text, thought, answer", [
+    ("[THINK]Paris, in June.[/THINK]Sunny.", "Paris, in June.", "Sunny."),
+    ("Sunny.", None, "Sunny."),                       # no thinking opened
+    ("[THINK]still thinking", "still thinking", None),  # cut while thinking
+    ("<think>x</think>y", None, "<think>x</think>y")])  # another model's markers are text
+def test_magistrals_thinking_splits_on_its_own_markers_whole_and_streamed(text, thought, answer):
+    from eagle_ray.engine.reasoning import markers_of
+    markers = markers_of("mistral")
+    assert thinking_mode("mistral", "[INST]hi[/INST]") == "if_opened"
+    assert thinking_mode("mistral", "[INST]hi[/INST][THINK]") == "until_close"
+    assert split_reasoning(text, "if_opened", markers) == (thought, answer)
+    for i, j in itertools.combinations(range(len(text) + 1), 2):
+        assert streamed("if_opened", [text[:i], text[i:j], text[j:]], markers) == (thought, answer), (i, j)
 
 
 def chat(body, **parsers):

@@ -95,8 +95,9 @@ class ProcessorConfig(StrictModel):
     tool_call_parser: Literal["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"] | None = Field(
         None, description="how a chat row's answer is read for tool calls where the model chooses (tool_choice "
         "auto, the default with tools): as Serve's tool_call_parser (engine/tools.py)")
-    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
-        None, description="a reasoning model's thinking (<think> ... </think>) in the row's reasoning column, apart "
+    reasoning_parser: Literal["deepseek_r1", "qwen3", "mistral"] | None = Field(
+        None, description="a reasoning model's thinking (<think> ... </think>; mistral: [THINK] ... [/THINK]) in the "
+        "row's reasoning column, apart "
         "from its output, as Serve's reasoning_parser splits it (engine/reasoning.py)")
 
     @classmethod

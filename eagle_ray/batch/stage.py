@@ -28,7 +28,7 @@ import pyarrow as pa
 
 from eagle_ray.batch.config import ProcessorConfig
 from eagle_ray.batch.rows import ENGINE_FAILED, INTERNAL_ERROR, empty_row, error_kind, logprob_columns, to_table
-from eagle_ray.engine.reasoning import mode_for, split_reasoning
+from eagle_ray.engine.reasoning import markers_of, mode_for, split_reasoning
 from eagle_ray.engine.request import RowRequest, parse_row
 from eagle_ray.errors import EagleError, EngineStalledError
 from eagle_ray.stats import RequestStats
@@ -291,7 +291,7 @@ class GenerateStage:
         if self.cfg.reasoning_parser is not None:
             mode = mode_for(self.cfg.reasoning_parser, self.engine.tokenizer, out.prompt_token_ids,
                             req.params.guided is not None)
-            thought, text = split_reasoning(out.text, mode)
+            thought, text = split_reasoning(out.text, mode, markers_of(self.cfg.reasoning_parser))
         calls, reason = None, out.finish_reason
         if req.tools is not None and req.tools.calls and text is not None:
             message, reason = req.tools.message(text, reason)

@@ -179,7 +179,8 @@ class EagleEngine:
         self._check_some_allowed(params, barred, {w[0] for w in bad_words if len(w) == 1})
         ids = self.codec.encode(prompt, self.prompt_room(), keep_last=params.truncate_prompt_tokens)
         guide = self.grammars.guide(params)   # compiled here, on the caller's thread (cached per grammar)
-        markers = marker_ids(self.tokenizer) if guide is not None and self.reasoning_parser else None
+        markers = marker_ids(self.tokenizer, self.reasoning_parser) if guide is not None and self.reasoning_parser \
+            else None
         if markers is not None:   # the grammar waits for the answer, as vLLM's waits for its reasoning parser
             guide.gate(mode_for(self.reasoning_parser, self.tokenizer, ids, constrained=True), markers)
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))

@@ -1,6 +1,7 @@
 """Reasoning models' thinking apart from their answer, as vLLM's ``--reasoning-parser`` returns it.
 
-A model that thinks first (Qwen3, DeepSeek-R1 and its distills) writes ``<think> ... </think>`` and then its answer.
+A model that thinks first (Qwen3, DeepSeek-R1 and its distills) writes ``<think> ... </think>`` and then its answer
+(Magistral: ``[THINK] ... [/THINK]``, read as Qwen3's are; ``MARKERS``).
 Where the thinking starts depends on the chat template, so each request's mode is read from the end of its own
 prompt (:func:`thinking_mode`):
 
@@ -21,9 +22,16 @@ from __future__ import annotations
 
 import functools
 
-PARSERS = ("deepseek_r1", "qwen3")
 OPEN, CLOSE = "<think>", "</think>"
+MARKERS = {"deepseek_r1": (OPEN, CLOSE), "qwen3": (OPEN, CLOSE),
+           "mistral": ("[THINK]", "[/THINK]")}   # Magistral's
+PARSERS = tuple(MARKERS)
 MODES = ("until_close", "if_opened", "answer")
+
+
+def markers_of(parser: str | None) -> tuple[str, str]:
+    """A parser's (opening, closing) markers."""
+    return MARKERS.get(parser or "qwen3", (OPEN, CLOSE))
 
 
 def thinking_mode(parser: str, prompt_tail: str, constrained: bool = False) -> str:
@@ -31,26 +39,29 @@ def thinking_mode(parser: str, prompt_tail: str, constrained: bool = False) -> s
     its last marker, if any) and whether structured output constrains it."""
     if constrained:
         return "answer"
-    opened, closed = prompt_tail.rfind(OPEN), prompt_tail.rfind(CLOSE)
+    opening, closing = markers_of(parser)
+    opened, closed = prompt_tail.rfind(opening), prompt_tail.rfind(closing)
     if opened > closed:
         return "until_close"
-    if parser == "qwen3":
+    if parser in ("qwen3", "mistral"):
         return "if_opened"
     return "answer" if closed >= 0 else "until_close"
 
 
-def split_reasoning(text: str, mode: str) -> tuple[str | None, str | None]:
+def split_reasoning(text: str, mode: str, markers: tuple[str, str] = (OPEN, CLOSE)
+                    ) -> tuple[str | None, str | None]:
     """(reasoning, content) of a whole output; None for a side it does not have (or that is empty)."""
     if mode == "answer":
         return None, text or None
+    opening, closing = markers
     body = text
-    if text.lstrip().startswith(OPEN):
-        body = text.lstrip()[len(OPEN):]
+    if text.lstrip().startswith(opening):
+        body = text.lstrip()[len(opening):]
     elif mode == "if_opened":
         return None, text or None
-    if CLOSE not in body:
+    if closing not in body:
         return body or None, None
-    thought, _, answer = body.partition(CLOSE)
+    thought, _, answer = body.partition(closing)
     return thought or None, answer or None
 
 
@@ -59,9 +70,10 @@ class ReasoningStream:
     (reasoning, content) parts; text that may be the start of a marker is held back until a later delta (or the
     end, ``final``) shows what it is."""
 
-    def __init__(self, mode: str):
+    def __init__(self, mode: str, markers: tuple[str, str] = (OPEN, CLOSE)):
         self.thinking = mode != "answer"    # before the closing marker
         self.mode = mode
+        self.opening, self.closing = markers
         self.opened = False                 # the output's start is past (and its opening marker, where it writes one)
         self.held = ""                      # text that may begin a marker
 
@@ -71,20 +83,21 @@ class ReasoningStream:
             return None, text or None
         if not self.opened:
             stripped = text.lstrip()
-            if OPEN.startswith(stripped) and stripped != OPEN and not final:   # "<thi" may become "<think>"
+            if self.opening.startswith(stripped) and stripped != self.opening and not final:   # "<thi": "<think>"?
                 self.held = text
                 return None, None
             self.opened = True
-            if stripped.startswith(OPEN):
-                text = stripped[len(OPEN):]
+            if stripped.startswith(self.opening):
+                text = stripped[len(self.opening):]
             elif self.mode == "if_opened":   # no thinking opened: all answer
                 self.thinking = False
                 return None, text or None
-        if CLOSE in text:
-            thought, _, answer = text.partition(CLOSE)
+        if self.closing in text:
+            thought, _, answer = text.partition(self.closing)
             self.thinking = False
             return thought or None, answer or None
-        keep = next((n for n in range(min(len(CLOSE) - 1, len(text)), 0, -1) if CLOSE.startswith(text[-n:])), 0)
+        keep = next((n for n in range(min(len(self.closing) - 1, len(text)), 0, -1)
+                     if self.closing.startswith(text[-n:])), 0)
         if keep and not final:
             text, self.held = text[:-keep], text[-keep:]
         return text or None, None
@@ -95,18 +108,20 @@ def mode_for(parser: str, tokenizer, prompt_ids: list[int], constrained: bool = 
     A constrained request thinks first where the markers are one token each (:func:`marker_ids`), unless its
     prompt closed the thinking (thinking turned off): then, as vLLM reads the prompt, it is all answer."""
     tail = tokenizer.decode(list(prompt_ids[-TAIL_TOKENS:]), skip_special_tokens=False)
-    gated = constrained and marker_ids(tokenizer) is not None
-    if gated and tail.rfind(CLOSE) > tail.rfind(OPEN):
+    gated = constrained and marker_ids(tokenizer, parser) is not None
+    opening, closing = markers_of(parser)
+    if gated and tail.rfind(closing) > tail.rfind(opening):
         return "answer"
     return thinking_mode(parser, tail, constrained and not gated)
 
 
 @functools.lru_cache(maxsize=8)
-def marker_ids(tokenizer) -> tuple[int, int] | None:
-    """The ids of ``<think>`` and ``</think>`` where each is one token of ``tokenizer``, as a grammar must see
-    where the thinking closes; None where either is spelled in pieces."""
-    ids = [tokenizer.encode(marker, add_special_tokens=False) for marker in (OPEN, CLOSE)]
-    whole = all(len(i) == 1 and tokenizer.decode(i) == marker for i, marker in zip(ids, (OPEN, CLOSE)))
+def marker_ids(tokenizer, parser: str = "qwen3") -> tuple[int, int] | None:
+    """The ids of the parser's markers (``<think>``, ``</think>``) where each is one token of ``tokenizer``, as a
+    grammar must see where the thinking closes; None where either is spelled in pieces."""
+    markers = markers_of(parser)
+    ids = [tokenizer.encode(marker, add_special_tokens=False) for marker in markers]
+    whole = all(len(i) == 1 and tokenizer.decode(i) == marker for i, marker in zip(ids, markers))
     return (ids[0][0], ids[1][0]) if whole else None   # (an unknown word is one token too: its text tells)
 
 

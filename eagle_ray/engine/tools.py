@@ -9,14 +9,14 @@ is read:
 - ``required``: the output is a JSON array of ``{"name", "parameters"}`` calls (at least one; one with
   ``parallel_tool_calls: false``), each constrained to its tool's schema, as vLLM constrains it;
 - ``auto``: the model decides; its output is read by the deployment's ``tool_call_parser``, the format its chat
-  template teaches: ``hermes`` (``<tool_call>{"name": ..., "arguments": ...}</tool_call>``: Qwen2.5, Qwen3, Hermes)
-  , ``llama3_json`` (``{"name": ..., "parameters": ...}``, ``;``-separated: Llama 3.1-3.3), ``mistral``
+  template teaches: ``hermes`` (``<tool_call>{"name": ..., "arguments": ...}</tool_call>``: Qwen2.5, Qwen3,
+  Hermes), ``llama3_json`` (``{"name": ..., "parameters": ...}``, ``;``-separated: Llama 3.1-3.3), ``mistral``
   (``[TOOL_CALLS]`` then a JSON list of ``{"name", "arguments"}``, or ``name{arguments}`` after each marker, with or
-  without ``[ARGS]``: Mistral 7B v0.3, Nemo, Small) or ``pythonic`` (a Python list of calls with keyword arguments,
+  without ``[ARGS]``: Mistral 7B v0.3, Nemo, Small), ``pythonic`` (a Python list of calls with keyword arguments,
   ``[get_weather(city="Oslo")]``, in ``<|python_start|>`` / ``<|python_end|>`` or not: Llama 3.2, Llama 4) or
   ``qwen3_coder`` (``<tool_call><function=name><parameter=city>Oslo</parameter></function></tool_call>``, each value
-  read as its tool's schema types it: Qwen3-Coder); the first call alone with ``parallel_tool_calls: false``. Without a parser ``auto`` is refused, as vLLM refuses it without
-  ``--tool-call-parser``;
+  read as its tool's schema types it: Qwen3-Coder); the first call alone with ``parallel_tool_calls: false``.
+  Without a parser ``auto`` is refused, as vLLM refuses it without ``--tool-call-parser``;
 - ``none``: the tools are shown, the answer is text.
 
 Constrained decoding is exact with speculation on (``speculative/grammar.py``), so a call's tokens are the target's

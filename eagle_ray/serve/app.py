@@ -19,7 +19,7 @@ from ray import serve
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from eagle_ray.engine.reasoning import ReasoningStream
+from eagle_ray.engine.reasoning import markers_of
 from eagle_ray.engine.tools import CallReader
 from eagle_ray.errors import EagleError, EngineDeadError, PromptTooLongError
 from eagle_ray.serve import responses
@@ -157,7 +157,7 @@ class EagleServer:
         if req.stream:
             sse = self._sse(req.body, prompts, shape, rid)
             if base is not None:
-                sse = responses.ResponseEvents(base, self._count_tokens).translate(sse)
+                sse = responses.ResponseEvents(base, self._count_tokens, markers_of(req.reasoning)[1]).translate(sse)
             return StreamingResponse(sse, media_type="text/event-stream")
         seqs = [s for p in prompts for s in p.seqs]
         try:
@@ -178,7 +178,8 @@ class EagleServer:
         if kind == "chat" and shape.prompt_k is not None:   # vLLM's place for a chat's: beside its choices
             body["prompt_logprobs"] = shape.prompt_logprobs(prompts[0])
         body |= {"usage": usage(prompts, outs), "eagle": eagle_stats(merged_stats(outs))}
-        return JSONResponse(body if base is None else responses.response_body(body, base, self._count_tokens))
+        return JSONResponse(body if base is None else responses.response_body(body, base, self._count_tokens,
+                                                                              markers_of(req.reasoning)[1]))
 
     async def _sse(self, req, prompts, shape: ChoiceShape, rid: str):
         kind = shape.kind
@@ -187,7 +188,7 @@ class EagleServer:
         include_usage = options is not None and bool(options.include_usage) or continuous
         n = len(prompts[0].seqs)
         items = [(i, s) for i, s in enumerate(s for p in prompts for s in p.seqs)]
-        states = [StreamState(split=ReasoningStream(shape.thinking(prompts[i // n])) if shape.reasoning else None,
+        states = [StreamState(split=shape.stream_split(prompts[i // n]),
                               reader=CallReader(shape.tools) if shape.reads_calls else None) for i, _ in items]
         outs: list = [None] * len(items)
         chunk = Chunks(rid, shape, self.cfg.model_name, prompts, include_usage, continuous, [0] * len(items))

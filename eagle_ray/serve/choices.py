@@ -11,7 +11,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from eagle_ray.engine.reasoning import ReasoningStream, mode_for, split_reasoning
+from eagle_ray.engine.reasoning import ReasoningStream, markers_of, mode_for, split_reasoning
 from eagle_ray.engine.sequence import Sequence
 from eagle_ray.engine.tools import CallReader, ToolPlan
 from eagle_ray.serve.logprobs import (TokenText, chat_logprobs, completion_logprobs, echoed, merge_completion,
@@ -79,7 +79,11 @@ class ChoiceShape:
         """A whole chat output's (thinking, answer); without a reasoning parser, the output is the answer."""
         if self.reasoning is None:
             return None, text
-        return split_reasoning(text, self.thinking(prompt))
+        return split_reasoning(text, self.thinking(prompt), markers_of(self.reasoning))
+
+    def stream_split(self, prompt: PromptChoices) -> ReasoningStream | None:
+        """A streamed choice's splitter of thinking from answer (None without a reasoning parser)."""
+        return ReasoningStream(self.thinking(prompt), markers_of(self.reasoning)) if self.reasoning else None
 
     def reasoning_fields(self, thought: str | None) -> dict:
         """The message's (or delta's) thinking under both names clients read: vLLM's older ``reasoning_content``

@@ -38,9 +38,10 @@ class ServeConfig(StrictModel):
         "format the target's chat template teaches (hermes: Qwen2.5/Qwen3/Hermes; llama3_json: Llama 3.1-3.3; "
         "mistral: Mistral 7B v0.3/Nemo/Small; pythonic: Llama 3.2/Llama 4; qwen3_coder: Qwen3-Coder); "
         "null: tool_choice auto is refused, named and required calls are served")
-    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
+    reasoning_parser: Literal["deepseek_r1", "qwen3", "mistral"] | None = Field(
         None, description="a reasoning model's thinking (<think> ... </think>) returned apart from its answer, in "
-        "a chat message's reasoning_content, as vLLM's --reasoning-parser: qwen3 or deepseek_r1 (and its distills)")
+        "a chat message's reasoning_content, as vLLM's --reasoning-parser: qwen3, deepseek_r1 (and its distills) or "
+        "mistral (Magistral's [THINK] ... [/THINK])")
     s3: S3Options = Field(default_factory=S3Options)
     stall_floor_s: float = Field(120.0, gt=0, description="an engine step may run this long at least before it "
                                  "counts as stalled")

@@ -20,7 +20,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from eagle_ray.engine.reasoning import CLOSE
+from eagle_ray.engine.reasoning import CLOSE as THINK_CLOSE
 from eagle_ray.serve.openai_api import ApiError, ParsedRequest, changes_nothing, load_object
 
 REFUSED = {"previous_response_id": (None,), "background": (None, False), "conversation": (None,), "prompt": (None,),
@@ -289,8 +289,9 @@ def finished(base: dict, output: list, finish: str | None, usage: dict | None, e
     return out | ({"eagle": eagle} if eagle is not None else {})
 
 
-def response_body(chat: dict, base: dict, count_tokens) -> dict:
-    """A chat completion's answer as a response (``count_tokens``: a text's token count, for the thinking's)."""
+def response_body(chat: dict, base: dict, count_tokens, close: str = THINK_CLOSE) -> dict:
+    """A chat completion's answer as a response (``count_tokens``: a text's token count, for the thinking's;
+    ``close``: the marker that closes a thinking)."""
     choice = chat["choices"][0]
     message = choice["message"]
     output = []
@@ -298,7 +299,7 @@ def response_body(chat: dict, base: dict, count_tokens) -> dict:
         output.append(reasoning_item(message["reasoning"]))
     if message.get("content") is not None:
         entries = (choice.get("logprobs") or {}).get("content")
-        output.append(message_item(message["content"], logprobs=AnswerLogprobs().add(
+        output.append(message_item(message["content"], logprobs=AnswerLogprobs(close).add(
             entries, bool(message.get("reasoning")), True)))
     output += [call_item(c) for c in message.get("tool_calls") or []]
     return finished(base, output, choice["finish_reason"], chat.get("usage"), chat.get("eagle"),
@@ -310,7 +311,8 @@ class AnswerLogprobs:
     until the answer has begun (by then any thinking before it has shown); after a thinking, those up to the token
     that closes it (``</think>``, found in the tokens' text) are its, not the answer's."""
 
-    def __init__(self):
+    def __init__(self, close: str = THINK_CLOSE):
+        self.close = close     # the reasoning parser's closing marker
         self.held: list = []
         self.thought = False   # a thinking came first
         self.closed = False    # ... and its closing token has passed
@@ -326,7 +328,7 @@ class AnswerLogprobs:
         for e in self.held:
             if self.thought and not self.closed:
                 self.seen += e["token"]
-                self.closed = CLOSE in self.seen
+                self.closed = self.close in self.seen
             else:
                 out.append(e)
         self.held = []
@@ -339,14 +341,14 @@ class ResponseEvents:
     deltas, their ``done`` events and ``output_item.done``, and last ``response.completed`` (``incomplete`` where
     cut) carrying the whole response; an error in the stream ends it with ``error`` and ``response.failed``."""
 
-    def __init__(self, base: dict, count_tokens):
+    def __init__(self, base: dict, count_tokens, close: str = THINK_CLOSE):
         self.base, self.count_tokens = base, count_tokens
         self.seq = 0
         self.output: list[dict] = []       # items, in order
         self.open: dict | None = None      # the text item being written (reasoning or message)
         self.calls: dict[int, dict] = {}   # chat's call index -> its item
         self.finish, self.usage, self.eagle = None, None, None
-        self.logprobs = AnswerLogprobs()   # which logprobs are the answer's
+        self.logprobs = AnswerLogprobs(close)   # which logprobs are the answer's
         self.cut: dict | None = None       # the item a cut at max_output_tokens fell in
 
     def event(self, kind: str, **fields) -> str:

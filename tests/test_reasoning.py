@@ -76,6 +76,11 @@ def test_magistrals_thinking_splits_on_its_own_markers_whole_and_streamed(text, 
     markers = markers_of("mistral")
     assert thinking_mode("mistral", "[INST]hi[/INST]") == "if_opened"
     assert thinking_mode("mistral", "[INST]hi[/INST][THINK]") == "until_close"
+    system = "[SYSTEM_PROMPT]Think first, in [THINK] ... [/THINK].[/SYSTEM_PROMPT][INST]hi[/INST]"
+    assert thinking_mode("mistral", system) == "if_opened"   # the system prompt's markers are not the turn's
+    # its markers are control tokens: a chat under it keeps special tokens' text, or they would vanish
+    assert chat({}, reasoning_parser="mistral").params.skip_special_tokens is False
+    assert chat({}, reasoning_parser="qwen3").params.skip_special_tokens is True
     assert split_reasoning(text, "if_opened", markers) == (thought, answer)
     for i, j in itertools.combinations(range(len(text) + 1), 2):
         assert streamed("if_opened", [text[:i], text[i:j], text[j:]], markers) == (thought, answer), (i, j)
@@ -285,3 +290,8 @@ def test_a_job_runs_rows_through_the_parser(tiny_dir, tmp_path):
     plain, turns = run_rows(stage, [{"prompt": "w1 w2"}, {"turns": ["w1", "w2"]}])
     assert plain["error"] is None and plain["output"] == "" and plain["reasoning"]
     assert turns["turn_outputs"] == ["", ""] and turns["reasoning"]
+    assert json.loads(plain["sampling_params"])["skip_special_tokens"] is True
+    stage = stage_for(tiny_dir, tmp_path / "magistral")
+    stage.cfg.reasoning_parser = "mistral"   # Magistral's markers are control tokens: their text is kept
+    magistral, = run_rows(stage, [{"prompt": "w1 w2"}])
+    assert json.loads(magistral["sampling_params"])["skip_special_tokens"] is False

@@ -192,6 +192,15 @@ def test_qwen3_coders_values_are_typed_by_their_tools_schema():
     message, _ = ToolPlan((typed,), "auto", None, "qwen3_coder").message(text, "stop")
     assert calls_of(message) == [("book", {"nights": 3, "pets": True, "rooms": [1, 2], "note": "42",
                                            "price": "cheap"})]   # a value that does not parse stays text
+    from eagle_ray.engine.tools import _typed
+    nullable = {"anyOf": [{"type": "integer"}, {"type": "null"}]}
+    assert [_typed("3", nullable), _typed("null", nullable), _typed("True", {"type": "boolean"}),
+            _typed("3.0", {"type": "number"}), _typed("3.5", {"type": "integer"}), _typed("7", {"type": ["integer",
+            "null"]}), _typed(" x ", {})] == [3, None, True, 3, "3.5", 7, " x "]   # as vLLM's parser reads them
+    two = ("<tool_call><function=book><parameter=nights>1</parameter></function>"
+           "<function=book><parameter=nights>2</parameter></function></tool_call>")
+    message, _ = ToolPlan((typed,), "auto", None, "qwen3_coder").message(two, "stop")
+    assert calls_of(message) == [("book", {"nights": 1}), ("book", {"nights": 2})]   # two in one block
 
 
 @pytest.mark.parametrize("parser, text, content, calls", [

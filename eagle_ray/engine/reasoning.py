@@ -34,12 +34,20 @@ def markers_of(parser: str | None) -> tuple[str, str]:
     return MARKERS.get(parser or "qwen3", (OPEN, CLOSE))
 
 
+def keeps_special_text(parser: str | None) -> bool:
+    """Whether answers keep special tokens' text: Magistral's markers are control tokens, which decoding would drop
+    with them (Qwen3's and DeepSeek-R1's are not special)."""
+    return parser == "mistral"
+
+
 def thinking_mode(parser: str, prompt_tail: str, constrained: bool = False) -> str:
     """How a request's output is split: from the parser, the end of its templated prompt (text holding at least
     its last marker, if any) and whether structured output constrains it."""
     if constrained:
         return "answer"
     opening, closing = markers_of(parser)
+    if parser == "mistral":   # Magistral's system prompt shows the markers: only the assistant's turn counts
+        prompt_tail = prompt_tail.rpartition("[/INST]")[2]
     opened, closed = prompt_tail.rfind(opening), prompt_tail.rfind(closing)
     if opened > closed:
         return "until_close"
@@ -110,6 +118,8 @@ def mode_for(parser: str, tokenizer, prompt_ids: list[int], constrained: bool = 
     tail = tokenizer.decode(list(prompt_ids[-TAIL_TOKENS:]), skip_special_tokens=False)
     gated = constrained and marker_ids(tokenizer, parser) is not None
     opening, closing = markers_of(parser)
+    if parser == "mistral":
+        tail = tail.rpartition("[/INST]")[2]
     if gated and tail.rfind(closing) > tail.rfind(opening):
         return "answer"
     return thinking_mode(parser, tail, constrained and not gated)

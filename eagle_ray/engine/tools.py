@@ -253,32 +253,71 @@ class ListedCalls:
         return (self.partial or "") if i == len(self.calls) - 1 else ""
 
 
-XML_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.DOTALL)
-XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+def _xml_calls(block: str, tools: dict) -> list[tuple[str, str]] | None:
+    """Qwen3-Coder's ``<function=name>`` blocks in one ``<tool_call>``: each ``<parameter=key>`` value (one newline
+    each side trimmed) typed by its tool's schema (:func:`_typed`); None where the block is anything else. One
+    forward pass with ``str.find``: linear however the text repeats itself."""
+    calls, at = [], 0
+    while True:
+        at = _skip(block, at)
+        if at == len(block):
+            return calls or None
+        if not block.startswith("<function=", at):
+            return None
+        head_end = block.find(">", at)
+        name = block[at + len("<function="):head_end].strip() if head_end >= 0 else ""
+        if not name or "\n" in name or "<" in name:
+            return None
+        props = ((tools.get(name) or {}).get("parameters") or {}).get("properties") or {}
+        args, at = {}, head_end + 1
+        while True:
+            at = _skip(block, at)
+            if block.startswith("</function>", at):
+                at += len("</function>")
+                break
+            if not block.startswith("<parameter=", at):
+                return None
+            key_end = block.find(">", at)
+            value_end = block.find("</parameter>", key_end) if key_end >= 0 else -1
+            key = block[at + len("<parameter="):key_end].strip() if key_end >= 0 else ""
+            if value_end < 0 or not key or "\n" in key or "<" in key:
+                return None
+            value = block[key_end + 1:value_end]
+            value = value[1:] if value.startswith("\n") else value
+            args[key] = _typed(value[:-1] if value.endswith("\n") else value, props.get(key) or {})
+            at = value_end + len("</parameter>")
+        calls.append((name, json.dumps(args, ensure_ascii=False, allow_nan=False)))
 
 
-def _xml_call(block: str, tools: dict) -> tuple[str, str] | None:
-    """Qwen3-Coder's ``<function=name>`` block: each ``<parameter=key>`` value as its tool's schema types it (text
-    for a string or an unknown key, else JSON, kept as text where it does not parse); None where it is not one."""
-    m = XML_FUNCTION.fullmatch(block)
-    if not m:
+def _skip(text: str, at: int) -> int:
+    while at < len(text) and text[at].isspace():
+        at += 1
+    return at
+
+
+def _typed(value: str, schema: dict):
+    """A parameter's text as its schema types it, as vLLM's qwen3_coder parser reads it: ``null`` is None; text for
+    a string (or where no type is given); otherwise JSON (``True`` as ``true``; a whole number as an integer), text
+    where it does not parse or parses as another type than the schema's."""
+    text = value.strip()
+    if text.lower() == "null":
         return None
-    name, body = m.group(1).strip(), m.group(2)
-    props = ((tools.get(name) or {}).get("parameters") or {}).get("properties") or {}
-    args = {}
-    for key, value in XML_PARAMETER.findall(body):
-        key = key.strip()
-        kind = (props.get(key) or {}).get("type", "string")
-        if kind == "string" or not isinstance(kind, str):
-            args[key] = value
-            continue
-        try:
-            args[key] = JSON.decode(value.strip())
-        except ValueError:
-            args[key] = value
-    if XML_PARAMETER.sub("", body).strip():   # text outside the parameters: not a call
-        return None
-    return name, json.dumps(args, ensure_ascii=False)
+    types = schema.get("type") or [b.get("type") for b in schema.get("anyOf", []) if isinstance(b, dict)]
+    types = {t for t in (types if isinstance(types, list) else [types]) if isinstance(t, str)} - {"null"}
+    if not types or "string" in types:
+        return value
+    if "boolean" in types and text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    try:
+        parsed = JSON.decode(text)
+    except (ValueError, RecursionError):
+        return value
+    if isinstance(parsed, float) and parsed.is_integer() and types & {"integer", "number"}:
+        return int(parsed)
+    kinds = {"integer": int, "number": (int, float), "boolean": bool, "object": dict, "array": list}
+    ok = any(isinstance(parsed, kinds[t]) and not (t in ("integer", "number") and isinstance(parsed, bool))
+             for t in types if t in kinds)
+    return parsed if ok else value
 
 
 def _hermes_call(block: str) -> tuple[str, str] | None:
@@ -349,11 +388,12 @@ class AutoCalls:
                 return content, calls
             block, rest = (self.buf, "") if end < 0 else (self.buf[:end], self.buf[end + len(CALL_CLOSE):])
             self.buf, self.in_call, self.scanned = rest, False, 0
-            call = _hermes_call(block.strip()) if self.parser == "hermes" else _xml_call(block, self.tools)
-            if call is None:
+            found = ([_hermes_call(block.strip())] if self.parser == "hermes" else
+                     _xml_calls(block, self.tools) or [None])
+            if None in found:
                 content += CALL_OPEN + block + ("" if end < 0 else CALL_CLOSE)
             else:
-                calls.append(call)
+                calls += found
             if end < 0:
                 return content, calls
 

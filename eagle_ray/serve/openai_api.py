@@ -27,6 +27,7 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valid
 from eagle_ray.config import GUIDED_FIELDS, JSON_OBJECT, SamplingParams, checked_schema, engine_arguments_in
 from eagle_ray.engine.request import (MAX_NESTING, Prompt, nesting_depth, parse_messages, parse_prompt,
                                      sampling_params, storable)
+from eagle_ray.engine.reasoning import keeps_special_text
 from eagle_ray.engine.request import structured_output_fields as request_structured_outputs
 from eagle_ray.engine.tools import ToolError, ToolPlan, forced_call_refusal, tool_plan
 from eagle_ray.errors import InvalidRequestError
@@ -440,7 +441,7 @@ def parse_body(raw: bytes, kind: str, model_name: str, max_tokens_cap: int, defa
             return ParsedRequest(req, req.to_prompts(), req.sampling(default_max_tokens))
         plan = req.tool_plan(tool_parser)
         params = req.sampling(default_max_tokens, plan.guided_json() if plan else None)
-        if plan is not None and plan.keeps_special_text:
+        if plan is not None and plan.keeps_special_text or keeps_special_text(reasoning_parser):
             params = params.model_copy(update={"skip_special_tokens": False})
         return ParsedRequest(req, req.to_prompts(plan.tools if plan else None), params, plan, reasoning_parser)
     except InvalidRequestError as e:

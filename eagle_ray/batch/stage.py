@@ -17,7 +17,6 @@ is lost. Retries are unbounded, so a batch that kills every actor it runs on wou
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import os
@@ -29,7 +28,7 @@ import pyarrow as pa
 
 from eagle_ray.batch.config import ProcessorConfig
 from eagle_ray.batch.rows import ENGINE_FAILED, INTERNAL_ERROR, empty_row, error_kind, logprob_columns, to_table
-from eagle_ray.engine.reasoning import keeps_special_text, markers_of, mode_for, split_reasoning
+from eagle_ray.engine.reasoning import markers_of, mode_for, split_reasoning
 from eagle_ray.engine.request import RowRequest, parse_row
 from eagle_ray.errors import EagleError, EngineStalledError
 from eagle_ray.stats import RequestStats
@@ -257,9 +256,8 @@ class GenerateStage:
             return [row]
         samples = None
         try:
-            req = parse_row(json.loads(item["payload"]), self.cfg.sampling, self.cfg.tool_call_parser)
-            if keeps_special_text(self.cfg.reasoning_parser):   # its thinking markers are special tokens
-                req = dataclasses.replace(req, params=req.params.model_copy(update={"skip_special_tokens": False}))
+            req = parse_row(json.loads(item["payload"]), self.cfg.sampling, self.cfg.tool_call_parser,
+                            self.cfg.reasoning_parser)
             p = req.params
             row.update(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_new_tokens=p.max_new_tokens,
                        seed=p.seed, sampling_params=p.model_dump_json())

@@ -40,15 +40,18 @@ def keeps_special_text(parser: str | None) -> bool:
     return parser == "mistral"
 
 
-def thinking_mode(parser: str, prompt_tail: str, constrained: bool = False) -> str:
+def thinking_mode(parser: str, prompt_tail: str, constrained: bool = False, gated: bool = False) -> str:
     """How a request's output is split: from the parser, the end of its templated prompt (text holding at least
-    its last marker, if any) and whether structured output constrains it."""
+    its last marker, if any) and whether structured output constrains it from its first token (``constrained``)
+    or once its thinking has closed (``gated``: a prompt that closed it leaves the output all answer)."""
     if constrained:
         return "answer"
     opening, closing = markers_of(parser)
     if parser == "mistral":   # Magistral's system prompt shows the markers: only the assistant's turn counts
         prompt_tail = prompt_tail.rpartition("[/INST]")[2]
     opened, closed = prompt_tail.rfind(opening), prompt_tail.rfind(closing)
+    if gated and closed > opened:
+        return "answer"
     if opened > closed:
         return "until_close"
     if parser in ("qwen3", "mistral"):
@@ -117,12 +120,7 @@ def mode_for(parser: str, tokenizer, prompt_ids: list[int], constrained: bool = 
     prompt closed the thinking (thinking turned off): then, as vLLM reads the prompt, it is all answer."""
     tail = tokenizer.decode(list(prompt_ids[-TAIL_TOKENS:]), skip_special_tokens=False)
     gated = constrained and marker_ids(tokenizer, parser) is not None
-    opening, closing = markers_of(parser)
-    if parser == "mistral":
-        tail = tail.rpartition("[/INST]")[2]
-    if gated and tail.rfind(closing) > tail.rfind(opening):
-        return "answer"
-    return thinking_mode(parser, tail, constrained and not gated)
+    return thinking_mode(parser, tail, constrained and not gated, gated)
 
 
 @functools.lru_cache(maxsize=8)

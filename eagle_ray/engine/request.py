@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 
 from eagle_ray.config import GUIDED_FIELDS, JSON_OBJECT, SamplingParams
+from eagle_ray.engine.reasoning import keeps_special_text
 from eagle_ray.engine.tools import ToolError, ToolPlan, forced_call_refusal, tool_plan
 from eagle_ray.errors import ConfigError, InvalidRequestError
 
@@ -336,9 +337,11 @@ def parse_continuations(rec: dict, kind: str, params: SamplingParams) -> list[st
     return [check_text(c, f"{given[0]}[{i}]") for i, c in enumerate(value)]
 
 
-def parse_row(rec, defaults: SamplingParams, tool_parser: str | None = None) -> RowRequest:
+def parse_row(rec, defaults: SamplingParams, tool_parser: str | None = None,
+              reasoning_parser: str | None = None) -> RowRequest:
     """Validate one job row (an already decoded JSON object or Parquet record); ``tool_parser``: how a chat's
-    answer is read for tool calls where the model chooses."""
+    answer is read for tool calls where the model chooses; ``reasoning_parser``: the job's, whose markers may be
+    special tokens an answer must keep."""
     if not isinstance(rec, dict):
         raise InvalidRequestError(f"a row must be a JSON object, got {_describe(rec)}")
     kinds = [k for k in PROMPT_KINDS if rec.get(k) is not None]
@@ -349,6 +352,8 @@ def parse_row(rec, defaults: SamplingParams, tool_parser: str | None = None) -> 
     value = rec[kind]
     overrides = next((rec[k] for k in SAMPLING_KEYS if rec.get(k) is not None), None)
     params = sampling_params(overrides, defaults)
+    if keeps_special_text(reasoning_parser):   # its thinking markers are special tokens
+        params = params.model_copy(update={"skip_special_tokens": False})
     if params.prompt_logprobs is not None and not (isinstance(overrides, dict) and
                                                    overrides.get("prompt_logprobs") is not None):
         if kind == "turns" or any(rec.get(k) is not None for k in CONTINUATION_KEYS):   # a job's default: not theirs

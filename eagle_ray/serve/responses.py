@@ -216,29 +216,28 @@ def _text_format(text) -> dict:
     raise ApiError(400, "text.format.type must be text, json_object or json_schema", param="text.format.type")
 
 
-CHAT_NAMES = [(re.compile(r"^max_completion_tokens"), "max_output_tokens"),
-              (re.compile(r"^response_format(\.json_schema)?"), "text.format"),
-              (re.compile(r"^reasoning_effort"), "reasoning.effort"),
-              (re.compile(r"^tools\[(\d+)\]\.function"), r"tools[\1]")]
+CHAT_NAMES = [(re.compile(r"\bmax_completion_tokens\b"), "max_output_tokens"),
+              (re.compile(r"\bresponse_format(\.json_schema)?\b"), "text.format"),
+              (re.compile(r"\breasoning_effort\b"), "reasoning.effort"),
+              (re.compile(r"\btools\[(\d+)\]\.function\b"), r"tools[\1]")]   # chat's fields, as Responses names them
 
 
 def renamed(e: ApiError, origin: Origins) -> ApiError:
-    """A chat request's error naming the Responses field it came from (``messages[3]`` -> ``input[2]``)."""
+    """A chat request's error naming the Responses fields it came from (``messages[3]`` -> ``input[2]``,
+    ``response_format`` -> ``text.format``), in its param and its message."""
+    def chat_names(text: str) -> str:
+        for pattern, new in CHAT_NAMES:
+            text = pattern.sub(new, text)
+        return text
+
     def name(text: str) -> str:
         own = origin.of(text)
         if own is not None:
             return own
-        if text.startswith("messages"):
-            return "input" + text[len("messages"):]
-        for pattern, new in CHAT_NAMES:
-            text = pattern.sub(new, text, count=1)
-        return text
+        return "input" + text[len("messages"):] if text.startswith("messages") else chat_names(text)
     param = name(e.param) if e.param else e.param
     message = name(e.message) if e.param and e.message.startswith(e.param) else e.message
-    for chat_name, own in (("response_format", "text.format"), ("max_completion_tokens", "max_output_tokens"),
-                           ("reasoning_effort", "reasoning.effort")):   # named inside the message too
-        message = re.sub(rf"\b{chat_name}\b", own, message)
-    return ApiError(e.status, message, e.type, param, e.code)
+    return ApiError(e.status, chat_names(message), e.type, param, e.code)
 
 
 def response_base(data: dict, rid: str, created: int, model: str) -> dict:

@@ -78,12 +78,7 @@ class TokenHistory:
         ids, n = self.ids, self.n
         if n <= ngram or length <= 0:
             return ids[:0]
-        last = ids[n - ngram: n]
-        starts = n - ngram   # candidate occurrences start at 0 .. n - ngram - 1 (the suffix itself excluded)
-        hit = np.ones(starts, dtype=bool)
-        for k in range(ngram):
-            hit &= ids[k: k + starts] == last[k]
-        found = np.flatnonzero(hit)
+        found = _occurrences(ids[:n], ids[n - ngram: n], 0, n)   # each followed by a token: not the suffix itself
         if not found.size:
             return ids[:0]
         follow = found[-1] + ngram
@@ -91,15 +86,15 @@ class TokenHistory:
         return np.resize(seen, length) if len(seen) < length else seen[:length]
 
 
-def _occurrences(pred: np.ndarray, tokens: np.ndarray, lo: int, hi: int) -> np.ndarray:
-    """Where ``tokens`` start in ``pred`` between ``lo`` and ``hi``, followed by at least one token."""
+def _occurrences(ids: np.ndarray, tokens: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """Where ``tokens`` start in ``ids`` between ``lo`` and ``hi``, followed by at least one token."""
     m = len(tokens)
-    lo, hi = max(0, lo), min(len(pred) - m, hi)
+    lo, hi = max(0, lo), min(len(ids) - m, hi)
     if hi <= lo:
         return np.zeros(0, dtype=np.int64)
     hit = np.ones(hi - lo, dtype=bool)
     for k in range(m):
-        hit &= pred[lo + k: hi + k] == tokens[k]
+        hit &= ids[lo + k: hi + k] == tokens[k]
     return np.flatnonzero(hit) + lo
 
 

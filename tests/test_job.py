@@ -105,20 +105,33 @@ BAD_ROWS = {
     "duplicate id": {"id": "q0", "prompt": "w5 w6"},
     "no prompt field": {"id": "bad-none", "text": "w1"},
     "not an object": ["w1", "w2"],
+    "a batch line for another endpoint": {"custom_id": "b-embed", "url": "/v1/embeddings",
+                                          "body": {"model": "m", "input": "w1"}},
 }
+BATCH_LINE = {"custom_id": "b-chat", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": "m", "messages": [{"role": "user", "content": "w1 w2"}], "temperature": 0,
+                       "max_tokens": 5}}
 
 
 def test_bad_rows_become_error_rows_and_the_rest_complete(ray_local, pair, tmp_path):
     good = prompts(20)
-    write_jsonl(tmp_path / "in.jsonl", good + list(BAD_ROWS.values()),
+    write_jsonl(tmp_path / "in.jsonl", good + list(BAD_ROWS.values()) + [BATCH_LINE],
                 raw_lines=[b'{"id": "bad-utf8", "prompt": "caf\xe9 \xff"}', b'{"id": "bad-json", "prompt": '])
-    cfg = config(pair, str(tmp_path / "in.jsonl"), str(tmp_path / "out"))
+    cfg = config(pair, str(tmp_path / "in.jsonl"), str(tmp_path / "out"),
+                 output__openai_batch_file=str(tmp_path / "results.jsonl"))
     summary = run_job(cfg, print_fn=lambda *_: None)
     rows = {r["id"]: r for r in read_output(_local(), str(tmp_path / "out")).to_pylist()}
     assert all(rows[r["id"]]["error"] is None and rows[r["id"]]["output_tokens"] == 12 * (2 if "turns" in r else 1)
                for r in good)
     errors = {k: (v["error_kind"], v["error"]) for k, v in rows.items() if v["error"]}
-    assert len(errors) == 11 == summary["errors"]
+    assert len(errors) == 12 == summary["errors"]
+    # OpenAI's batch output file: a line per row, the batch line's answer as its row holds it
+    lines = {x["custom_id"]: x for x in map(json.loads, (tmp_path / "results.jsonl").read_text().splitlines())}
+    assert len(lines) == len(rows) == 33 and summary["openai_batch_file"]["answered"] == 1
+    chat = lines["b-chat"]["response"]["body"]["choices"][0]
+    assert chat["message"]["content"] == rows["b-chat"]["output"] and rows["b-chat"]["output_tokens"] == 5
+    assert lines["b-embed"]["response"]["status_code"] == 400 and lines["b-embed"]["error"] is None
+    assert lines["row-32"]["response"] is None and lines["row-32"]["error"]["code"] == "invalid_json"
     expect = {"bad-empty": ("invalid_request", "prompt is empty"),
               "bad-type": ("invalid_request", "prompt must be a string"),
               "bad-msg": ("invalid_request", "messages[0].content"),
@@ -128,10 +141,11 @@ def test_bad_rows_become_error_rows_and_the_rest_complete(ray_local, pair, tmp_p
               "q0@row26": ("duplicate_id", "duplicate id 'q0'"),
               "bad-none": ("invalid_request", "exactly one of prompt / messages / turns"),
               "row-28": ("invalid_row", "must be a JSON object"),
-              "row-29": ("invalid_utf8", "invalid UTF-8"), "row-30": ("invalid_json", "invalid JSON")}
+              "row-31": ("invalid_utf8", "invalid UTF-8"), "row-32": ("invalid_json", "invalid JSON"),
+              "b-embed": ("invalid_request", "url: '/v1/embeddings' is not answered")}
     for rid, (kind, reason) in expect.items():
         assert errors[rid][0] == kind and reason in errors[rid][1], (rid, errors[rid])
-    assert summary["error_kinds"] == {"invalid_request": 6, "prompt_too_long": 1, "duplicate_id": 1,
+    assert summary["error_kinds"] == {"invalid_request": 7, "prompt_too_long": 1, "duplicate_id": 1,
                                       "invalid_row": 1, "invalid_utf8": 1, "invalid_json": 1}
 
 

@@ -25,6 +25,8 @@ class InputConfig(StrictModel):
 class OutputConfig(StrictModel):
     uri: str = Field(..., description="output directory (local or s3://): part-*.parquet + summary.json")
     rows_per_file: int = Field(256, ge=1, le=1_000_000)
+    openai_batch_file: str | None = Field(None, description="where the job, once done, also writes OpenAI's batch "
+                                          "output file (JSON lines, local or s3://) of the output's rows")
 
 
 class ActorsConfig(StrictModel):
@@ -131,10 +133,12 @@ class JobConfig(ProcessorConfig):
     @model_validator(mode="after")
     def _output_outside_input(self):
         """Output files under the input would be read back as input rows by the next run."""
-        inp, out = (u.rstrip("/") if "://" in u else os.path.abspath(u) for u in (self.input.uri, self.output.uri))
-        if reads_path(inp, out):
-            raise ValueError(f"output.uri {self.output.uri} lies inside input.uri {self.input.uri}: the next run "
-                             "would read the job's own output as input; write it elsewhere")
+        def where(u: str) -> str:
+            return u.rstrip("/") if "://" in u else os.path.abspath(u)
+        for name, uri in (("output.uri", self.output.uri), ("output.openai_batch_file", self.output.openai_batch_file)):
+            if uri is not None and reads_path(where(self.input.uri), where(uri)):
+                raise ValueError(f"{name} {uri} lies inside input.uri {self.input.uri}: the next run would read the "
+                                 "job's own output as input; write it elsewhere")
         return self
 
     @classmethod

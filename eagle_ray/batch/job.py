@@ -35,6 +35,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from eagle_ray.batch.config import SUMMARY_FILE, JobConfig, ProcessorConfig, new_run_id, part_file
 from eagle_ray.batch.lease import LEASE_FILE, LeaseLostError, OutputLease  # noqa: F401 - LEASE_FILE: public name
+from eagle_ray.batch.openai_batch import write_output_file
 from eagle_ray.batch.rows import (OUTPUT_SCHEMA, PROMPT_TOO_LONG, RETRIED_ON_RESUME, InputRow, empty_row, read_input,
                                   to_table)
 from eagle_ray.batch.stage import now
@@ -568,11 +569,27 @@ def run_leased(cfg: JobConfig, inputs: pa.Table, out_fs, out_root: str, lease: O
     result = summary.result(writer.written, wall)
     result["interrupted"] = interrupted
     result["rows_matching_no_input"] = unmatched
+    if cfg.output.openai_batch_file and not interrupted:
+        result["openai_batch_file"] = write_openai_batch(cfg, out_fs, out_root, print_fn)
     put_atomic(out_fs, f"{out_root}/{SUMMARY_FILE}", json.dumps(result, indent=1, default=str).encode())
     print_fn(format_summary(result))
     if interrupted and ray.is_initialized():
         ray.shutdown()
     return result
+
+
+BATCH_FILE_COLUMNS = ("id", "sample_index", "response", "error", "error_kind")
+
+
+def write_openai_batch(cfg: JobConfig, fs, root: str, print_fn=print) -> dict:
+    """OpenAI's batch output file of every row in the output (``batch/openai_batch.py``), written anew each run
+    (a resume with nothing left to run rewrites it); its uri and line counts."""
+    dest_fs, dest = filesystem(cfg.output.openai_batch_file, cfg)
+    counts = write_output_file((read_part(fs, p, BATCH_FILE_COLUMNS) for p in committed_parts(fs, root)), dest_fs,
+                               dest)
+    print_fn(f"eagle-ray job: {counts['lines']} lines in {cfg.output.openai_batch_file}, {counts['answered']} "
+             "of them answered")
+    return {"uri": cfg.output.openai_batch_file, **counts}
 
 
 def _main_thread() -> bool:

@@ -235,7 +235,7 @@ def _row(index: int, rec, err: str, kind: str) -> InputRow:
         return InputRow(index, f"row-{index}", _dump(rec), f"a row must be a JSON object, got {what}", INVALID_ROW)
     if nesting_depth(rec) > MAX_NESTING:
         return InputRow(index, f"row-{index}", "", f"row nested deeper than {MAX_NESTING} levels", INVALID_ROW)
-    rid = rec.get("id")
+    rid = rec.get("custom_id") if is_batch_line(rec) else rec.get("id")   # a batch line's id is its custom_id
     own = not (rid is None or rid == "")
     if own and not isinstance(rid, (str, int, bytes)) or isinstance(rid, bool):   # bytes: parquet_row says why
         if isinstance(rid, float) and rid.is_integer():
@@ -246,8 +246,16 @@ def _row(index: int, rec, err: str, kind: str) -> InputRow:
     return InputRow(index, storable(str(rid)) if own else f"row-{index}", _dump(rec), own_id=own)
 
 
-# the fields a row's request is read from (:func:`eagle_ray.engine.request.parse_row`)
-READ_FIELDS = ("id", *PROMPT_KINDS, *SAMPLING_KEYS, *CONTINUATION_KEYS, *TOOL_KEYS, "parallel_tool_calls")
+BATCH_LINE_KEYS = ("url", "body")   # a row holding either is a line of an OpenAI batch file (batch/openai_batch.py)
+
+
+def is_batch_line(rec) -> bool:
+    return isinstance(rec, dict) and any(rec.get(k) is not None for k in BATCH_LINE_KEYS)
+
+
+# the fields a row's request is read from (:func:`eagle_ray.engine.request.parse_row`, or a batch line's)
+READ_FIELDS = ("id", *PROMPT_KINDS, *SAMPLING_KEYS, *CONTINUATION_KEYS, *TOOL_KEYS, "parallel_tool_calls",
+               "custom_id", "method", *BATCH_LINE_KEYS)
 
 
 def parquet_row(index: int, rec: dict, path: str) -> InputRow:
@@ -394,6 +402,7 @@ OUTPUT_SCHEMA = pa.schema([
     ("id", pa.string()), ("row_index", pa.int64()), ("input", pa.string()),
     ("output", pa.string()), ("reasoning", pa.string()),   # an output's thinking apart, with a reasoning parser
     ("tool_calls", pa.string()),                             # a chat row's tool calls (OpenAI's list, as JSON)
+    ("response", pa.string()),     # a batch line's answer, as the batch output file's response object (JSON)
     ("turn_outputs", pa.list_(pa.string())), ("output_token_ids", pa.list_(pa.int64())),
     ("prompt_tokens", pa.int64()), ("output_tokens", pa.int64()), ("finish_reason", pa.string()),
     ("error", pa.string()), ("error_kind", pa.string()),

@@ -17,6 +17,7 @@ is lost. Retries are unbounded, so a batch that kills every actor it runs on wou
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -27,10 +28,16 @@ from datetime import datetime, timezone
 import pyarrow as pa
 
 from eagle_ray.batch.config import ProcessorConfig
-from eagle_ray.batch.rows import ENGINE_FAILED, INTERNAL_ERROR, empty_row, error_kind, logprob_columns, to_table
+from eagle_ray.batch.openai_batch import answer_columns, batch_response, parse_line, refusal_kind
+from eagle_ray.batch.rows import (ENGINE_FAILED, INTERNAL_ERROR, empty_row, error_kind, is_batch_line,
+                                  logprob_columns, to_table)
 from eagle_ray.engine.reasoning import markers_of, mode_for, split_reasoning
 from eagle_ray.engine.request import RowRequest, parse_row
 from eagle_ray.errors import EagleError, EngineStalledError
+from eagle_ray.serve.answer import api_error, final_body, prepare_request, run_whole, token_counter
+from eagle_ray.serve.choices import merged_stats
+from eagle_ray.serve.logprobs import TokenText
+from eagle_ray.serve.openai_api import ApiError
 from eagle_ray.stats import RequestStats
 
 log = logging.getLogger(__name__)
@@ -256,17 +263,12 @@ class GenerateStage:
             return [row]
         samples = None
         try:
-            req = parse_row(json.loads(item["payload"]), self.cfg.sampling, self.cfg.tool_call_parser,
-                            self.cfg.reasoning_parser)
-            p = req.params
-            row.update(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_new_tokens=p.max_new_tokens,
-                       seed=p.seed, sampling_params=p.model_dump_json())
-            if req.continuations is not None:
-                await self.score(req, row, item["id"])
-            elif p.n > 1:
-                samples = await self.run_samples(req, row, item["id"])
+            rec = json.loads(item["payload"])
+            if is_batch_line(rec):
+                await self.answer_line(rec, row)
             else:
-                await self.run(req, row, item["id"])
+                samples = await self.run_row(parse_row(rec, self.cfg.sampling, self.cfg.tool_call_parser,
+                                                       self.cfg.reasoning_parser), row, item["id"])
         except EagleError as e:
             row.update(error=str(e), error_kind=error_kind(e))
         except Exception as e:  # noqa: BLE001 - an unexpected failure still loses only this row
@@ -282,6 +284,47 @@ class GenerateStage:
         if row["error"] or samples is None:
             return [row]
         return [row | sample | {"tree": row["tree"], "finished_at": row["finished_at"]} for sample in samples]
+
+    async def run_row(self, req: RowRequest, row: dict, rid: str) -> list[dict] | None:
+        """A prompt, chat or turns row into ``row``; the columns of each of its samples (None: one answer)."""
+        p = req.params
+        row.update(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_new_tokens=p.max_new_tokens,
+                   seed=p.seed, sampling_params=p.model_dump_json())
+        if req.continuations is not None:
+            await self.score(req, row, rid)
+        elif p.n > 1:
+            return await self.run_samples(req, row, rid)
+        else:
+            await self.run(req, row, rid)
+        return None
+
+    @functools.cached_property
+    def token_text(self) -> TokenText:
+        return TokenText(self.engine.tokenizer)   # token texts and bytes of logprobs, decoded once
+
+    async def answer_line(self, rec: dict, row: dict) -> None:
+        """A line of an OpenAI batch file, answered as Serve answers its body (``batch/openai_batch.py``): the
+        whole answer (or the HTTP error) in ``response``, its first choice in the usual columns. A refused line is
+        an error row whose ``error_kind`` says what any row's would."""
+        try:
+            kind, req = parse_line(rec, self.cfg.sampling.max_new_tokens, self.cfg.tool_call_parser,
+                                   self.cfg.reasoning_parser)
+            p = req.params
+            row.update(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_new_tokens=p.max_new_tokens,
+                       seed=p.seed, sampling_params=p.model_dump_json(exclude={"n"}))   # the choices: one row
+            ready = await asyncio.to_thread(prepare_request, self.engine, req, kind, req.body.model,
+                                            self.cfg.speculative, self.token_text)
+            body, outs = await run_whole(self.queue, ready, req.body.model)
+        except (ApiError, EagleError) as e:
+            refusal = api_error(e) if isinstance(e, EagleError) else e
+            kind = error_kind(e) if isinstance(e, EagleError) else refusal_kind(e)
+            row.update(error=refusal.message, error_kind=kind, response=batch_response(refusal.status, refusal.body()))
+            return
+        stats = merged_stats(outs).to_dict()
+        row.update(**answer_columns(ready.kind, body, outs), **stats,
+                   response=batch_response(200, final_body(ready, body, token_counter(self.engine.tokenizer))))
+        row.pop("step_tokens", None)
+        row.pop("tree_tokens", None)
 
     def answer(self, out, req: RowRequest) -> dict:
         """An output's ``output`` (and ``turn_outputs``), ``reasoning``, ``tool_calls`` and ``finish_reason``

@@ -1,9 +1,11 @@
 """Writing an output's files so that a reader sees each one whole or not at all: locally a temporary file renamed
-over the name (a rename is atomic within a folder), on an object store one PUT (an object appears only when its
-upload completes). Parts, ``summary.json``, ``_job.json`` and ``_lease.json`` are all written this way."""
+over the name (a rename is atomic within a folder), on an object store one upload (an object appears only when its
+upload completes). Parts, ``summary.json``, ``_job.json``, ``_lease.json`` and an OpenAI batch output file are all
+written this way."""
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
 from pathlib import Path
 
@@ -18,6 +20,14 @@ def put_atomic(fs, path: str, data: bytes) -> None:
         _replace(path, lambda tmp: Path(tmp).write_bytes(data))
     else:
         fs.pipe_file(path, data)
+
+
+def put_file_atomic(fs, path: str, local: str) -> None:
+    """Copy the local file ``local`` to ``path`` whole (a file too large to hold in memory)."""
+    if isinstance(fs, LocalFileSystem):
+        _replace(path, lambda tmp: shutil.copyfile(local, tmp))
+    else:
+        fs.put_file(local, path)
 
 
 def write_parquet_atomic(fs, path: str, table: pa.Table) -> None:

@@ -19,17 +19,17 @@ from ray import serve
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from eagle_ray.engine.reasoning import markers_of
 from eagle_ray.engine.tools import CallReader
-from eagle_ray.errors import EagleError, EngineDeadError, PromptTooLongError
+from eagle_ray.errors import EagleError
 from eagle_ray.serve import responses
-from eagle_ray.serve.choices import ChoiceShape, Chunks, Interleaved, StreamState, merged_stats, prepare, usage
+from eagle_ray.serve.answer import api_error, final_body, prepare_request, run_whole, token_counter
+from eagle_ray.serve.choices import ChoiceShape, Chunks, Interleaved, StreamState, usage
 from eagle_ray.serve.config import ServeConfig
 from eagle_ray.serve.logprobs import TokenText
 from eagle_ray.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from eagle_ray.serve.metrics import ReplicaMetrics, ServeMetrics
 from eagle_ray.serve.openai_api import (ApiError, ParsedRequest, authorized, eagle_stats, error_body, finish_reason,
-                                        new_id, now, parse_body)
+                                        now, parse_body)
 from eagle_ray.serve.tokens import DetokenizeRequest, TokenizeRequest, parse_tokens_body
 from eagle_ray.serve.tokens import answer as token_answer
 from eagle_ray.train.online import adapt
@@ -56,9 +56,8 @@ def _unauthorized() -> JSONResponse:
 
 
 def _engine_error(e: EagleError) -> JSONResponse:
-    if isinstance(e, EngineDeadError):
-        return _err(503, str(e), "server_error", code="engine_failed")
-    return _err(400, str(e), code="context_length_exceeded" if isinstance(e, PromptTooLongError) else None)
+    err = api_error(e)
+    return JSONResponse(err.body(), status_code=err.status)
 
 
 def api_key_from_env(cfg: ServeConfig) -> str | None:
@@ -92,6 +91,7 @@ class EagleServer:
         context = serve.get_replica_context()   # /metrics answers the app's totals over its replicas
         self.totals = ReplicaMetrics(self.metrics, self.engine, context.app_name, context.replica_tag)
         self.token_text = TokenText(self.engine.tokenizer)   # token texts and bytes of logprobs, decoded once
+        self.count_tokens = token_counter(self.engine.tokenizer)   # a Responses answer's thinking tokens
 
     def check_health(self):
         """Serve's replica health check: a replica whose engine failed is replaced."""
@@ -129,57 +129,26 @@ class EagleServer:
             return await asyncio.to_thread(responses.parse_request, bytes(raw), functools.partial(parse, kind="chat"))
         return await asyncio.to_thread(parse, bytes(raw), kind)
 
-    def _count_tokens(self, text: str) -> int:
-        return len(self.engine.tokenizer(text, add_special_tokens=False)["input_ids"])
-
     async def _handle(self, request: Request, kind: str):
         try:
             req = await self._read(request, kind)
+            # tokenised in a worker thread; a too-long prompt is a 400 before any 200 goes out
+            p = await asyncio.to_thread(prepare_request, self.engine, req, kind, self.cfg.model_name,
+                                        self.cfg.speculative, self.token_text)
         except ApiError as e:
             return JSONResponse(e.body(), status_code=e.status)
-        answers = req.responses   # a Responses request, answered as a chat
-        kind = "chat" if answers is not None else kind
-        rid = responses.new_response_id() if answers is not None else new_id("chatcmpl" if kind == "chat" else "cmpl")
-        try:  # tokenised in a worker thread; a too-long prompt is a 400 before any 200 goes out
-            prompts = await asyncio.to_thread(prepare, self.engine, req, rid, self.cfg.speculative)
+        if req.stream:
+            sse = self._sse(req.body, p.prompts, p.shape, p.rid)
+            if p.base is not None:   # a Responses request's events
+                sse = responses.ResponseEvents(p.base, self.count_tokens, p.close).translate(sse)
+            return StreamingResponse(sse, media_type="text/event-stream")
+        try:
+            body, _ = await run_whole(self.queue, p, self.cfg.model_name)
         except EagleError as e:
             return _engine_error(e)
-        limit_name = req.body.limit_field() if answers is None else "max_output_tokens"
-        try:
-            for p in prompts:
-                self.engine.check_room(len(p.prompt_ids), req.body.limit(), limit_name)
-        except PromptTooLongError as e:
-            return _err(400, str(e), param=limit_name, code="context_length_exceeded")
-        shape = ChoiceShape(kind, req.body.echo_prompt, req.body.top(), self.token_text, req.tools,
-                            req.params.skip_special_tokens, req.reasoning, req.params.guided is not None,
-                            getattr(req.body, "include_reasoning", True), req.body.prompt_logprobs)
-        base = responses.response_base(answers, rid, now(), self.cfg.model_name) if answers is not None else None
-        if req.stream:
-            sse = self._sse(req.body, prompts, shape, rid)
-            if base is not None:
-                sse = responses.ResponseEvents(base, self._count_tokens, markers_of(req.reasoning)[1]).translate(sse)
-            return StreamingResponse(sse, media_type="text/event-stream")
-        seqs = [s for p in prompts for s in p.seqs]
-        try:
-            outs = await asyncio.gather(*(self.queue.agenerate(s) for s in seqs))
-        except BaseException as e:
-            for s in seqs:   # the choices still running are of no use now
-                self.queue.cancel(s.request_id)
-            if isinstance(e, EagleError):
-                return _engine_error(e)
-            if not isinstance(e, Exception):
-                raise
+        except Exception as e:  # noqa: BLE001 - a bug answers 500, with the reason
             return _err(500, f"{type(e).__name__}: {e}", "server_error")
-        n = len(prompts[0].seqs)
-        choices = [shape.choice(i, prompts[i // n], out, finish_reason(out.finish_reason))
-                   for i, out in enumerate(outs)]
-        body = {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion", "created": now(),
-                "model": self.cfg.model_name, "choices": choices}
-        if kind == "chat" and shape.prompt_k is not None:   # vLLM's place for a chat's: beside its choices
-            body["prompt_logprobs"] = shape.prompt_logprobs(prompts[0])
-        body |= {"usage": usage(prompts, outs), "eagle": eagle_stats(merged_stats(outs))}
-        return JSONResponse(body if base is None else responses.response_body(body, base, self._count_tokens,
-                                                                              markers_of(req.reasoning)[1]))
+        return JSONResponse(final_body(p, body, self.count_tokens))
 
     async def _sse(self, req, prompts, shape: ChoiceShape, rid: str):
         kind = shape.kind

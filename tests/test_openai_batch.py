@@ -1,0 +1,113 @@
+"""OpenAI batch files in the batch job: a line ``{custom_id, method, url, body}`` is answered as Serve answers its
+body (the whole answer in ``response``, its first choice in the usual columns), a bad line is an error row holding
+the HTTP error Serve would give, and the job writes OpenAI's batch output file, a line per row. No Ray needed: the
+stage runs in-process."""
+import json
+
+import pytest
+from fsspec.implementations.local import LocalFileSystem
+from test_job_output import multi_turn_stage, run_rows
+
+from eagle_ray.batch.config import JobConfig
+from eagle_ray.batch.openai_batch import write_output_file
+from eagle_ray.batch.rows import empty_row, read_input, to_table
+
+FS = LocalFileSystem()
+CHAT = [{"role": "user", "content": "w1 w2 w3"}]
+
+
+def line(custom_id: str, url: str = "/v1/chat/completions", **body) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": {"model": "any-name", **body}}
+
+
+def test_a_chat_line_is_the_chat_rows_answer_with_serves_whole_body(tiny_dir, tmp_path):
+    plain, answered = run_rows(multi_turn_stage(tiny_dir, tmp_path), [
+        {"messages": CHAT, "sampling_params": {"temperature": 0, "max_tokens": 6}},
+        line("a", messages=CHAT, temperature=0, max_tokens=6, logprobs=True, top_logprobs=2)])
+    assert answered["error"] is None and answered["output"] == plain["output"]
+    assert answered["output_token_ids"] == plain["output_token_ids"] and len(plain["output_token_ids"]) == 6
+    response = json.loads(answered["response"])
+    assert response["status_code"] == 200 and response["request_id"].startswith("req_")
+    body = response["body"]
+    assert (body["object"], body["model"], body["id"][:9]) == ("chat.completion", "any-name", "chatcmpl-")
+    choice, = body["choices"]
+    assert choice["message"] == {"role": "assistant", "content": plain["output"]}
+    assert choice["finish_reason"] == plain["finish_reason"] == "length"
+    assert [len(e["top_logprobs"]) for e in choice["logprobs"]["content"]] == [2] * 6
+    assert body["usage"] == {"prompt_tokens": plain["prompt_tokens"], "completion_tokens": 6,
+                             "total_tokens": plain["prompt_tokens"] + 6}
+    assert (answered["prompt_tokens"], answered["output_tokens"]) == (plain["prompt_tokens"], 6)
+    assert answered["verify_steps"] == body["eagle"]["verify_steps"] > 0 and answered["sample_index"] == 0
+
+
+def test_a_completion_lines_choices_are_one_row_and_a_responses_line_is_a_response(tiny_dir, tmp_path):
+    samples, responses = run_rows(multi_turn_stage(tiny_dir, tmp_path), [
+        line("n", "/v1/completions", prompt="w4 w5", n=3, seed=7, max_tokens=4),
+        line("r", "/v1/responses", input="w1 w2 w3", temperature=0, max_output_tokens=6)])
+    body = json.loads(samples["response"])["body"]
+    assert body["object"] == "text_completion" and [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert len({c["text"] for c in body["choices"]}) == 3 and samples["output"] == body["choices"][0]["text"]
+    assert body["usage"]["completion_tokens"] == 12 == samples["output_tokens"]   # the row's: every choice's
+    assert len(samples["output_token_ids"]) == 4   # the first choice's
+    assert samples["temperature"] == 1.0 and "n" not in json.loads(samples["sampling_params"])   # OpenAI's default
+    answer = json.loads(responses["response"])["body"]
+    assert (answer["object"], answer["status"]) == ("response", "incomplete")
+    assert answer["output"][0]["content"][0]["text"] == responses["output"]
+    assert answer["usage"]["output_tokens"] == responses["output_tokens"] == 6
+
+
+@pytest.mark.parametrize("bad,status,kind,reason", [
+    (line("a", "/v1/embeddings", input="w1"), 400, "invalid_request", "url: '/v1/embeddings' is not answered"),
+    (line("a", messages=CHAT) | {"method": "GET"}, 400, "invalid_request", "method: only POST"),
+    ({k: v for k, v in line("a", messages=CHAT).items() if k != "custom_id"}, 400, "invalid_request",
+     "custom_id: a non-empty string"),
+    (line("a", messages=CHAT, stream=True), 400, "invalid_request", "stream: a batch line's answer is written whole"),
+    (line("a", messages=CHAT, temperature=3), 400, "invalid_request", "temperature"),
+    ({"custom_id": "a", "url": "/v1/chat/completions", "body": {"messages": CHAT}}, 400, "invalid_request",
+     "model"),
+    (line("a", messages=CHAT, max_tokens=500), 400, "prompt_too_long", "max_tokens"),
+    (line("a", "/v1/responses", input="w1", previous_response_id="resp_1"), 400, "invalid_request",
+     "previous_response_id"),
+])
+def test_a_bad_line_is_an_error_row_holding_the_http_error_serve_gives(tiny_dir, tmp_path, bad, status, kind,
+                                                                        reason):
+    row, = run_rows(multi_turn_stage(tiny_dir, tmp_path), [bad])
+    assert row["error_kind"] == kind and reason in row["error"], row["error"]
+    response = json.loads(row["response"])
+    assert response["status_code"] == status and response["body"]["error"]["message"] == row["error"]
+    assert row["output"] is None and row["output_token_ids"] is None
+
+
+def test_a_lines_id_is_its_custom_id(tmp_path):
+    path = tmp_path / "batch.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in (line("first", messages=CHAT), line("first", messages=CHAT),
+                                                      {"id": "plain", "prompt": "w1"})) + "\n")
+    rows = read_input(str(path), FS)
+    assert [r.id for r in rows] == ["first", "first@row1", "plain"] and rows[1].kind == "duplicate_id"
+
+
+def test_the_batch_output_file_holds_a_line_per_row(tmp_path):
+    def row(rid, at, **cols):
+        return empty_row({"id": rid, "row_index": at, "payload": "{}"}) | {"sample_index": 0} | cols
+    answered = {"status_code": 200, "request_id": "req_1", "body": {"object": "chat.completion"}}
+    refused = {"status_code": 400, "request_id": "req_2", "body": {"error": {"message": "m"}}}
+    table = to_table([row("a", 0, response=json.dumps(answered)),
+                      row("b", 1, response=json.dumps(refused), error="m", error_kind="invalid_request"),
+                      row("row-2", 2, error="in.jsonl:3: invalid JSON", error_kind="invalid_json", sample_index=None),
+                      row("p", 3), row("p", 3, sample_index=1)])
+    counts = write_output_file([table], FS, str(tmp_path / "results.jsonl"))
+    lines = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert counts == {"lines": 4, "answered": 1}
+    assert [(x["custom_id"], x["response"], x["error"]) for x in lines] == [
+        ("a", answered, None), ("b", refused, None),
+        ("row-2", None, {"code": "invalid_json", "message": "in.jsonl:3: invalid JSON"}),
+        ("p", None, {"code": "not_a_batch_request",
+                     "message": "this row is not an OpenAI batch request line (custom_id, method, url, body)"})]
+    assert len({x["id"] for x in lines}) == 4 and all(x["id"].startswith("batch_req_") for x in lines)
+    assert [p.name for p in tmp_path.iterdir()] == ["results.jsonl"]   # nothing left beside it
+
+
+def test_the_batch_output_file_may_not_lie_inside_the_input(tmp_path):
+    with pytest.raises(ValueError, match="output.openai_batch_file .* lies inside input.uri"):
+        JobConfig(input={"uri": str(tmp_path / "in")}, output={"uri": str(tmp_path / "out"),
+                                                               "openai_batch_file": str(tmp_path / "in/res.jsonl")})

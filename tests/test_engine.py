@@ -195,6 +195,7 @@ def test_eos_stops_and_nothing_follows(tiny_dir, tiny_hf, tiny_head):
         ref = reference_greedy(tiny_hf, prompt, 60, stop={1})
         assert out.token_ids == ref
         assert out.finish_reason == ("stop" if ref[-1] == 1 else "length")
+        assert out.stop_reason is None   # EOS, as vLLM says it
 
 
 def test_stop_token_ids_and_max_new_tokens_never_overshoot(tiny_dir, tiny_hf, tiny_head):
@@ -204,6 +205,7 @@ def test_stop_token_ids_and_max_new_tokens_never_overshoot(tiny_dir, tiny_hf, ti
     stop_tok = full[17]
     out = engine.generate([prompt], SamplingParams(max_new_tokens=40, stop_token_ids=[stop_tok], ignore_eos=True))[0]
     assert out.token_ids == full[: full.index(stop_tok) + 1] and out.finish_reason == "stop"
+    assert out.stop_reason == stop_tok   # vLLM's stop_reason: the stop_token_ids id that ended it
     # the stop token's text is left out
     assert out.text == text_after(engine.tokenizer, out.prompt_token_ids, full[: full.index(stop_tok)])
     queue = RequestQueue(engine)
@@ -226,7 +228,7 @@ def test_stop_strings_cut_the_text_before_the_match(tiny_dir, tiny_hf, tiny_head
     stop = " " + tok.decode([full[12]]) + " "
     pos = full_text.find(stop)
     out = engine.generate([prompt], SamplingParams(max_new_tokens=40, stop=[stop], ignore_eos=True))[0]
-    assert out.finish_reason == "stop"
+    assert out.finish_reason == "stop" and out.stop_reason == stop   # the stop string that ended it
     assert out.text == full_text[:pos]
     n = next(n for n in range(1, 41) if len(text_after(tok, ids, full[:n])) > pos)  # fewest tokens reaching it
     assert out.token_ids == full[:n]

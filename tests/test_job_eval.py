@@ -119,3 +119,18 @@ def test_the_progress_line_counts_an_input_row_once_however_many_samples_it_has(
                                        for i in range(3)] + [{"sample_index": None, "output_tokens": 4,
                                                               "verify_steps": 2, "tau": 2.0}]))
     assert progress.rows == 2 and progress.tokens == 16 and lines[-1].startswith("eagle-ray job: 2/2 rows (100%)")
+
+
+def test_a_rows_stop_reason_names_the_stop_that_ended_it(tiny_dir, tmp_path):
+    """vLLM's ``stop_reason``: the stop token id (as its digits: the column is text) or the stop string; none at
+    the length or EOS."""
+    stage = multi_turn_stage(tiny_dir, tmp_path)
+    full, = run_rows(stage, [{"prompt": "w1 w2 w3", "sampling_params": {"temperature": 0}}])
+    tok = full["output_token_ids"][3]
+    stage = multi_turn_stage(tiny_dir, tmp_path)
+    by_token, at_length = run_rows(stage, [
+        {"prompt": "w1 w2 w3", "sampling_params": {"temperature": 0, "stop_token_ids": [tok]}},
+        {"prompt": "w1 w2 w3", "sampling_params": {"temperature": 0}}])
+    end = full["output_token_ids"].index(tok) + 1
+    assert by_token["output_token_ids"] == full["output_token_ids"][:end] and by_token["stop_reason"] == str(tok)
+    assert (at_length["finish_reason"], at_length["stop_reason"]) == ("length", None)

@@ -32,7 +32,7 @@ def test_a_chat_line_is_the_chat_rows_answer_with_serves_whole_body(tiny_dir, tm
     assert (body["object"], body["model"], body["id"][:9]) == ("chat.completion", "any-name", "chatcmpl-")
     choice, = body["choices"]
     assert choice["message"] == {"role": "assistant", "content": plain["output"]}
-    assert choice["finish_reason"] == plain["finish_reason"] == "length"
+    assert choice["finish_reason"] == plain["finish_reason"] == "length" and choice["stop_reason"] is None
     assert [len(e["top_logprobs"]) for e in choice["logprobs"]["content"]] == [2] * 6
     assert body["usage"] == {"prompt_tokens": plain["prompt_tokens"], "completion_tokens": 6,
                              "total_tokens": plain["prompt_tokens"] + 6}

@@ -156,10 +156,12 @@ def test_stop_sequences(server, client):
     r = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=30, temperature=0, stop=[stop],
                                   extra_body={"ignore_eos": True})
     assert r.choices[0].text == full[: full.index(stop)] and r.choices[0].finish_reason == "stop"
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
+    assert r.choices[0].stop_reason == stop   # vLLM's field: which stop ended it
+    chunks = [c for c in client.completions.create(
         model=MODEL, prompt=PROMPTS[2], max_tokens=30, temperature=0, stop=[stop], stream=True,
-        extra_body={"ignore_eos": True}) if c.choices)
-    assert streamed == r.choices[0].text
+        extra_body={"ignore_eos": True}) if c.choices]
+    assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
+    assert chunks[-1].choices[0].stop_reason == stop
     kept = {"ignore_eos": True, "include_stop_str_in_output": True}   # vLLM's field: the stop string stays
     r = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=30, temperature=0, stop=[stop],
                                   extra_body=kept)

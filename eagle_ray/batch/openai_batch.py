@@ -21,7 +21,7 @@ import os
 import tempfile
 import uuid
 
-from eagle_ray.batch.rows import ENGINE_FAILED, INTERNAL_ERROR, INVALID_REQUEST, PROMPT_TOO_LONG
+from eagle_ray.batch.rows import ENGINE_FAILED, INTERNAL_ERROR, INVALID_REQUEST, PROMPT_TOO_LONG, stop_text
 from eagle_ray.batch.store import put_file_atomic
 from eagle_ray.serve import responses
 from eagle_ray.serve.openai_api import ApiError, ParsedRequest, parse_body
@@ -87,7 +87,8 @@ def answer_columns(kind: str, body: dict, outs: list) -> dict:
         text, thought, calls = first["text"], None, None
     return {"output": text or "", "reasoning": thought, "turn_outputs": [text or ""],
             "tool_calls": json.dumps(calls, ensure_ascii=False) if calls else None,
-            "finish_reason": first["finish_reason"], "output_token_ids": outs[0].token_ids, "sample_index": 0,
+            "finish_reason": first["finish_reason"], "stop_reason": stop_text(first["stop_reason"]),
+            "output_token_ids": outs[0].token_ids, "sample_index": 0,
             "prompt_tokens": body["usage"]["prompt_tokens"], "output_tokens": body["usage"]["completion_tokens"]}
 
 

@@ -405,6 +405,7 @@ OUTPUT_SCHEMA = pa.schema([
     ("response", pa.string()),     # a batch line's answer, as the batch output file's response object (JSON)
     ("turn_outputs", pa.list_(pa.string())), ("output_token_ids", pa.list_(pa.int64())),
     ("prompt_tokens", pa.int64()), ("output_tokens", pa.int64()), ("finish_reason", pa.string()),
+    ("stop_reason", pa.string()),   # the stop string that ended the output, or a stop_token_ids id as its digits
     ("error", pa.string()), ("error_kind", pa.string()),
     *EVAL_FIELDS,
     ("target_model", pa.string()), ("draft_model", pa.string()), ("speculative", pa.bool_()),
@@ -424,6 +425,11 @@ def empty_row(item: dict) -> dict:
     if item.get("error"):
         row.update(error=item["error"], error_kind=item.get("error_kind") or INVALID_ROW)
     return row
+
+
+def stop_text(reason: int | str | None) -> str | None:
+    """A ``stop_reason`` as the column holds it: the stop string, or a stop token's id as its digits."""
+    return None if reason is None else str(reason)
 
 
 def logprob_columns(lp, prompt=None) -> dict:

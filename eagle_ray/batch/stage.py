@@ -30,7 +30,7 @@ import pyarrow as pa
 from eagle_ray.batch.config import ProcessorConfig
 from eagle_ray.batch.openai_batch import answer_columns, batch_response, parse_line, refusal_kind
 from eagle_ray.batch.rows import (ENGINE_FAILED, INTERNAL_ERROR, empty_row, error_kind, is_batch_line,
-                                  logprob_columns, to_table)
+                                  logprob_columns, stop_text, to_table)
 from eagle_ray.engine.reasoning import markers_of, mode_for, split_reasoning
 from eagle_ray.engine.request import RowRequest, parse_row
 from eagle_ray.errors import EagleError, EngineStalledError
@@ -276,7 +276,7 @@ class GenerateStage:
             row.update(error=f"{type(e).__name__}: {e}", error_kind=INTERNAL_ERROR)
         if row["error"]:   # a multi-turn row keeps the turns answered before the one that failed
             for key in ("output", "reasoning", "tool_calls", "output_token_ids", "prompt_tokens", "output_tokens",
-                        "finish_reason"):
+                        "finish_reason", "stop_reason"):
                 row[key] = None
             row["turn_outputs"] = row["turn_outputs"] or None
         row["tree"] = json.dumps(self.engine.policy.summary())   # what each batch size runs as this row ends
@@ -327,8 +327,8 @@ class GenerateStage:
         row.pop("tree_tokens", None)
 
     def answer(self, out, req: RowRequest) -> dict:
-        """An output's ``output`` (and ``turn_outputs``), ``reasoning``, ``tool_calls`` and ``finish_reason``
-        columns: with a reasoning parser, its thinking apart (``engine/reasoning.py``: its mode read from the end of
+        """An output's ``output`` (and ``turn_outputs``), ``reasoning``, ``tool_calls``, ``finish_reason`` and
+        ``stop_reason`` columns: with a reasoning parser, its thinking apart (``engine/reasoning.py``: its mode read from the end of
         the prompt; no answer is ""); with tools, its calls read as Serve reads them (``engine/tools.py``), as
         OpenAI's JSON list."""
         thought, text = None, out.text
@@ -341,6 +341,7 @@ class GenerateStage:
             message, reason = req.tools.message(text, reason)
             text, calls = message["content"], message.get("tool_calls")
         return {"output": text or "", "reasoning": thought, "turn_outputs": [text or ""], "finish_reason": reason,
+                "stop_reason": stop_text(out.stop_reason),
                 "tool_calls": json.dumps(calls, ensure_ascii=False) if calls else None}
 
     async def outputs(self, seqs) -> list:
@@ -415,6 +416,7 @@ class GenerateStage:
             stats.merge(out.stats)
             finish = answer["finish_reason"]
         row.update(output=outputs[-1], reasoning=answer["reasoning"], tool_calls=answer["tool_calls"],
+                   stop_reason=answer["stop_reason"],
                    turn_outputs=outputs, output_token_ids=out.token_ids,
                    prompt_tokens=prompt_tokens, sample_index=0, **logprob_columns(out.logprobs, out.prompt_logprobs),
                    output_tokens=output_tokens, finish_reason=finish, **stats.to_dict())

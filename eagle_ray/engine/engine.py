@@ -46,6 +46,8 @@ class RequestOutput:
     logprobs: TokenLogprobs | None = None          # per output token, where params.logprobs asked
     prompt_logprobs: TokenLogprobs | None = None   # per scored prompt token (scoring, echo)
     sample_index: int = 0                          # which of the request's n samples
+    stop_reason: int | str | None = None           # the stop string or stop_token_ids id that ended it (None: EOS,
+                                                   # a grammar's end, the length)
 
 
 class EagleEngine:
@@ -391,7 +393,7 @@ class EagleEngine:
     def output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(seq.request_id, seq.prompt_ids, list(seq.output_ids), seq.text,
                              seq.finish_reason or "length", seq.stats, seq.logprobs, seq.prompt_logprobs,
-                             seq.sample_index)
+                             seq.sample_index, seq.stop_reason)
 
     def score(self, requests: list[tuple[str, list[str]]]) -> list[list[Score]]:
         """Each ``(context, continuations)``'s continuations scored after its context, nothing generated: the

@@ -76,6 +76,7 @@ class Sequence:
     speculative: bool = True
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None        # vLLM's: the stop string or stop_token_ids id that ended it
     prefilled: int = 0                          # prompt tokens whose K/V are in the target cache
     pending: PendingPairs = field(default_factory=PendingPairs)   # the head's unconsumed inputs
     draft_hidden: torch.Tensor | None = None    # the head's output at the last pair it consumed: the tree's root
@@ -133,6 +134,7 @@ class Sequence:
             self.output_ids.append(tok)
             if tok in self.stop_ids or (self.guide is not None and self.guide.finished()):
                 self.finish_reason = "stop"    # a stop token, or a grammar that can take nothing more
+                self.stop_reason = tok if tok in self.params.stop_token_ids else None   # EOS: None, as vLLM's
                 return n
             if len(self.output_ids) >= self.params.max_new_tokens:
                 self.finish_reason = "length"
@@ -158,6 +160,7 @@ class Sequence:
         hit = self.stops.find(self.detok.text, len(new), self.stop_floor)
         if hit is None:
             return
+        self.stop_reason = self.detok.text[hit[0]:hit[1]]
         cut = hit[1] if keep_stop else hit[0]
         keep = self.detok.tokens_reaching(hit[1] - 1 if keep_stop else hit[0])   # the stop's last / first character
         del self.output_ids[keep:]

@@ -129,13 +129,14 @@ class ChoiceShape:
             if self.reads_calls and text is not None:
                 message, reason = self.tools.message(text, reason)
             message |= self.reasoning_fields(thought)
-            return {"index": index, "message": message, "finish_reason": reason,
+            return {"index": index, "message": message, "finish_reason": reason, "stop_reason": out.stop_reason,
                     "logprobs": self.output_logprobs(out.logprobs, out.token_ids, 0, prompt.prompt_ids)}
         text, lp = self.echo_part(prompt) if self.echo else ("", None)
         own = self.output_logprobs(out.logprobs, out.token_ids, len(text), prompt.prompt_ids)
         if self.k is not None:
             lp = merge_completion(lp, own or completion_logprobs(TokenLogprobs(), [], 0, self.text))
-        choice = {"index": index, "text": text + out.text, "finish_reason": reason, "logprobs": lp}
+        choice = {"index": index, "text": text + out.text, "finish_reason": reason, "stop_reason": out.stop_reason,
+                  "logprobs": lp}
         return choice if self.prompt_k is None else choice | {"prompt_logprobs": self.prompt_logprobs(prompt)}
 
 

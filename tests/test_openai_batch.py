@@ -111,3 +111,22 @@ def test_the_batch_output_file_may_not_lie_inside_the_input(tmp_path):
     with pytest.raises(ValueError, match="output.openai_batch_file .* lies inside input.uri"):
         JobConfig(input={"uri": str(tmp_path / "in")}, output={"uri": str(tmp_path / "out"),
                                                                "openai_batch_file": str(tmp_path / "in/res.jsonl")})
+
+
+def test_a_predictions_tokens_are_counted_as_openai_counts_them(tiny_dir, tmp_path):
+    """OpenAI's ``completion_tokens_details``: the predicted tokens the output holds, in order, are accepted; the
+    rest of the prediction rejected."""
+    from eagle_ray.serve.choices import prediction_tokens
+    assert prediction_tokens([5, 6, 7, 8, 9], [5, 6, 1, 8, 9, 2]) == (4, 1)
+    assert prediction_tokens([3, 4], [5, 6]) == (0, 2)
+    stage = multi_turn_stage(tiny_dir, tmp_path)
+    plain, = run_rows(stage, [line("p", messages=CHAT, temperature=0, max_tokens=6)])
+    guess = stage.engine.tokenizer.decode(plain["output_token_ids"]) + " w50 w51"
+    stage = multi_turn_stage(tiny_dir, tmp_path)
+    predicted, = run_rows(stage, [line("p", messages=CHAT, temperature=0, max_tokens=6,
+                                       prediction={"type": "content", "content": guess})])
+    usage = json.loads(predicted["response"])["body"]["usage"]
+    extra = len(stage.engine.tokenizer(" w50 w51", add_special_tokens=False)["input_ids"])
+    assert predicted["output"] == plain["output"] and "completion_tokens_details" not in \
+        json.loads(plain["response"])["body"]["usage"]
+    assert usage["completion_tokens_details"] == {"accepted_prediction_tokens": 6, "rejected_prediction_tokens": extra}

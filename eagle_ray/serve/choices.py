@@ -8,6 +8,7 @@ samples and are read from whichever sample ran all of the prompt.
 from __future__ import annotations
 
 import asyncio
+import difflib
 import time
 from dataclasses import dataclass, field
 
@@ -188,11 +189,27 @@ class Chunks:
 
 
 def usage(prompts: list[PromptChoices], outs: list) -> dict:
-    """OpenAI's usage: each prompt counted once, every choice's output (``outs``: outputs, or their token counts
-    so far)."""
+    """OpenAI's usage: each prompt counted once, every choice's output (``outs``: outputs, in the order of the
+    prompts' sequences, or their token counts so far); with a prediction, its tokens accepted and rejected."""
     p = sum(len(c.prompt_ids) for c in prompts)
     c = sum(o if isinstance(o, int) else len(o.token_ids) for o in outs)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    out = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    seqs = [s for c in prompts for s in c.seqs]
+    counts = [prediction_tokens(s.prediction, o.token_ids) for s, o in zip(seqs, outs)
+              if not isinstance(o, int) and getattr(s, "prediction", None) is not None]
+    if counts:
+        out["completion_tokens_details"] = {"accepted_prediction_tokens": sum(a for a, _ in counts),
+                                            "rejected_prediction_tokens": sum(r for _, r in counts)}
+    return out
+
+
+def prediction_tokens(predicted, output_ids: list[int]) -> tuple[int, int]:
+    """OpenAI's accepted and rejected prediction tokens of one choice: the predicted tokens its output holds, in
+    order (the blocks ``difflib`` matches between the two), and the rest of the prediction."""
+    predicted = [int(t) for t in predicted]
+    blocks = difflib.SequenceMatcher(None, predicted, list(output_ids), autojunk=False).get_matching_blocks()
+    accepted = sum(b.size for b in blocks)
+    return accepted, len(predicted) - accepted
 
 
 def merged_stats(outs: list) -> RequestStats:

@@ -130,3 +130,24 @@ def test_a_predictions_tokens_are_counted_as_openai_counts_them(tiny_dir, tmp_pa
     assert predicted["output"] == plain["output"] and "completion_tokens_details" not in \
         json.loads(plain["response"])["body"]["usage"]
     assert usage["completion_tokens_details"] == {"accepted_prediction_tokens": 6, "rejected_prediction_tokens": extra}
+
+
+def test_return_token_ids_and_tokens_as_ids_are_vllms(tiny_dir, tmp_path):
+    """``return_token_ids``: chat's prompt ids beside its choices and each choice's output ids; a completion's both
+    in each choice. ``return_tokens_as_token_ids``: logprobs name tokens ``token_id:<id>``."""
+    chat, completion = run_rows(multi_turn_stage(tiny_dir, tmp_path), [
+        line("c", messages=CHAT, temperature=0, max_tokens=4, return_token_ids=True, logprobs=True,
+             top_logprobs=1, return_tokens_as_token_ids=True),
+        line("t", "/v1/completions", prompt="w1 w2", temperature=0, max_tokens=3, logprobs=1,
+             return_token_ids=True, return_tokens_as_token_ids=True)])
+    body = json.loads(chat["response"])["body"]
+    ids = chat["output_token_ids"]
+    assert body["choices"][0]["token_ids"] == ids and len(body["prompt_token_ids"]) == chat["prompt_tokens"]
+    entries = body["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in entries] == [f"token_id:{t}" for t in ids]
+    assert entries[0]["top_logprobs"][0]["token"] == f"token_id:{ids[0]}"   # greedy: the top one is the token
+    choice = json.loads(completion["response"])["body"]["choices"][0]
+    assert choice["token_ids"] == completion["output_token_ids"] and len(choice["prompt_token_ids"]) == \
+        completion["prompt_tokens"]
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in completion["output_token_ids"]]
+    assert set(choice["logprobs"]["top_logprobs"][0]) == {f"token_id:{completion['output_token_ids'][0]}"}

@@ -126,9 +126,9 @@ class Prompted:
 
 
 def shape_for(prompt: str = QWEN3_PROMPT, tools=None, parser="qwen3", constrained=False, include=True,
-              markers=False):
+              markers=False, token_ids=False):
     return ChoiceShape("chat", False, None, SimpleNamespace(tokenizer=Prompted(prompt, markers)), tools, True,
-                       parser, constrained, include)
+                       parser, constrained, include, token_ids=token_ids)
 
 
 def output(text: str) -> RequestOutput:
@@ -189,6 +189,16 @@ def sse_chunks(pieces: list[str], tools=None, stream_options=None, reason: str =
     lines = asyncio.run(collect())
     assert lines[-1] == "data: [DONE]\n\n"
     return [json.loads(line[len("data: "):]) for line in lines[:-1]]
+
+
+def test_a_stream_names_its_stop_and_with_return_token_ids_its_prompts_and_outputs_ids():
+    """vLLM's ``stop_reason`` on the finishing chunk; ``return_token_ids``: the prompt's ids on a choice's first
+    chunk (beside the choices, for chat), the output's on its finishing chunk (the deltas vLLM sends, added up)."""
+    chunks = sse_chunks(["Sun", "ny."], parser=None, token_ids=True)
+    assert chunks[0]["prompt_token_ids"] == [1, 2] and all("prompt_token_ids" not in c for c in chunks[1:])
+    assert [c["choices"][0].get("token_ids") for c in chunks] == [None, None, list(range(6))]
+    assert chunks[-1]["choices"][0]["stop_reason"] is None and "stop_reason" not in chunks[0]["choices"][0]
+    assert all("prompt_token_ids" not in c and "token_ids" not in c["choices"][0] for c in sse_chunks(["a"]))
 
 
 def test_the_apps_stream_sends_thinking_as_reasoning_and_the_rest_as_content():

@@ -154,9 +154,11 @@ def test_stop_sequences(server, client):
                                      extra_body={"ignore_eos": True}).choices[0].text
     stop = " ".join(full.split()[4:6])
     r = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=30, temperature=0, stop=[stop],
-                                  extra_body={"ignore_eos": True})
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
     assert r.choices[0].text == full[: full.index(stop)] and r.choices[0].finish_reason == "stop"
-    assert r.choices[0].stop_reason == stop   # vLLM's field: which stop ended it
+    assert r.choices[0].stop_reason == stop   # vLLM's fields: which stop ended it, and the tokens
+    assert len(r.choices[0].model_extra["token_ids"]) == r.usage.completion_tokens
+    assert len(r.choices[0].model_extra["prompt_token_ids"]) == r.usage.prompt_tokens
     chunks = [c for c in client.completions.create(
         model=MODEL, prompt=PROMPTS[2], max_tokens=30, temperature=0, stop=[stop], stream=True,
         extra_body={"ignore_eos": True}) if c.choices]

@@ -12,6 +12,7 @@ from eagle_ray.engine.reasoning import markers_of
 from eagle_ray.errors import EagleError, EngineDeadError, PromptTooLongError
 from eagle_ray.serve import responses
 from eagle_ray.serve.choices import ChoiceShape, PromptChoices, merged_stats, prepare, usage
+from eagle_ray.serve.logprobs import TokenIds
 from eagle_ray.serve.openai_api import ApiError, ParsedRequest, eagle_stats, finish_reason, new_id, now
 
 
@@ -54,9 +55,11 @@ def prepare_request(engine, req: ParsedRequest, kind: str, model: str, speculati
             engine.check_room(len(p.prompt_ids), req.body.limit(), limit_name)
     except PromptTooLongError as e:
         raise ApiError(400, str(e), param=limit_name, code="context_length_exceeded") from None
-    shape = ChoiceShape(kind, req.body.echo_prompt, req.body.top(), token_text, req.tools,
+    shape = ChoiceShape(kind, req.body.echo_prompt, req.body.top(),
+                        TokenIds(token_text) if req.body.return_tokens_as_token_ids else token_text, req.tools,
                         req.params.skip_special_tokens, req.reasoning, req.params.guided is not None,
-                        getattr(req.body, "include_reasoning", True), req.body.prompt_logprobs)
+                        getattr(req.body, "include_reasoning", True), req.body.prompt_logprobs,
+                        req.body.return_token_ids)
     base = responses.response_base(answers, rid, now(), model) if answers is not None else None
     return Prepared(kind, rid, prompts, shape, base, markers_of(req.reasoning)[1])
 
@@ -78,6 +81,8 @@ async def run_whole(queue, p: Prepared, model: str) -> tuple[dict, list]:
             "model": model, "choices": choices}
     if p.kind == "chat" and p.shape.prompt_k is not None:   # vLLM's place for a chat's: beside its choices
         body["prompt_logprobs"] = p.shape.prompt_logprobs(p.prompts[0])
+    if p.kind == "chat" and p.shape.token_ids:
+        body["prompt_token_ids"] = list(p.prompts[0].prompt_ids)
     body |= {"usage": usage(p.prompts, outs), "eagle": eagle_stats(merged_stats(outs))}
     return body, list(outs)
 

@@ -207,8 +207,7 @@ class EagleServer:
                     st.first = False
                 if d.finished:
                     out = outs[index] = d.output
-                    last = chunk(index, None if kind == "chat" else "", reason)
-                    last["choices"][0]["stop_reason"] = out.stop_reason   # on the finishing chunk, as vLLM's
+                    last = chunk(index, None if kind == "chat" else "", reason, out=out)
                     last["eagle"] = eagle_stats(out.stats)
                     yield f"data: {json.dumps(last)}\n\n"
             if include_usage:   # OpenAI's shape: a last chunk of its own, no choices, the usage

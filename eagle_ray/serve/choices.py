@@ -71,6 +71,7 @@ class ChoiceShape:
     constrained: bool = False       # structured output holds the answer from its first token: nothing to split
     include_reasoning: bool = True  # vLLM's include_reasoning: false leaves the thinking out
     prompt_k: int | None = None     # vLLM's prompt_logprobs: alternatives per prompt token (None: not asked)
+    token_ids: bool = False         # vLLM's return_token_ids: the prompt's and the output's ids beside the text
 
     def thinking(self, prompt: PromptChoices) -> str:
         """This prompt's thinking mode (``engine/reasoning.py``: read from the end of its templated prompt)."""
@@ -131,13 +132,16 @@ class ChoiceShape:
                 message, reason = self.tools.message(text, reason)
             message |= self.reasoning_fields(thought)
             return {"index": index, "message": message, "finish_reason": reason, "stop_reason": out.stop_reason,
-                    "logprobs": self.output_logprobs(out.logprobs, out.token_ids, 0, prompt.prompt_ids)}
+                    "logprobs": self.output_logprobs(out.logprobs, out.token_ids, 0, prompt.prompt_ids),
+                    **({"token_ids": list(out.token_ids)} if self.token_ids else {})}
         text, lp = self.echo_part(prompt) if self.echo else ("", None)
         own = self.output_logprobs(out.logprobs, out.token_ids, len(text), prompt.prompt_ids)
         if self.k is not None:
             lp = merge_completion(lp, own or completion_logprobs(TokenLogprobs(), [], 0, self.text))
         choice = {"index": index, "text": text + out.text, "finish_reason": reason, "stop_reason": out.stop_reason,
                   "logprobs": lp}
+        if self.token_ids:   # vLLM's place for a completion's: in each choice
+            choice |= {"token_ids": list(out.token_ids), "prompt_token_ids": list(prompt.prompt_ids)}
         return choice if self.prompt_k is None else choice | {"prompt_logprobs": self.prompt_logprobs(prompt)}
 
 
@@ -155,7 +159,10 @@ class StreamState:
 @dataclass
 class Chunks:
     """A stream's chunk objects: one choice's delta in OpenAI's shape, with the usage where asked (with vLLM's
-    ``continuous_usage_stats``, the usage so far: ``made``, each choice's output tokens until then)."""
+    ``continuous_usage_stats``, the usage so far: ``made``, each choice's output tokens until then). A choice's
+    finishing chunk (``out``: its output) names its ``stop_reason``; with ``return_token_ids`` a choice's first
+    chunk carries its prompt's ids and its finishing chunk the output's (all of them: vLLM sends them as deltas,
+    which add up to the same list)."""
     rid: str
     shape: ChoiceShape
     model: str
@@ -164,9 +171,10 @@ class Chunks:
     continuous: bool
     made: list[int]
     created: int = field(default_factory=lambda: int(time.time()))
+    opened: set = field(default_factory=set)   # the choices a chunk went out for
 
     def __call__(self, index: int, text: str | None, reason: str | None, first: bool = False, logprobs=None,
-                 calls: list | None = None, reasoning: str | None = None) -> dict:
+                 calls: list | None = None, reasoning: str | None = None, out=None) -> dict:
         if self.shape.kind == "chat":
             delta = {} if text is None else {"content": text}
             if first:
@@ -178,9 +186,19 @@ class Chunks:
             c = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
         else:
             c = {"index": index, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
-        return {"id": self.rid, "object": "chat.completion.chunk" if self.shape.kind == "chat" else "text_completion",
+        body = {"id": self.rid, "object": "chat.completion.chunk" if self.shape.kind == "chat" else "text_completion",
                 "created": self.created, "model": self.model, "choices": [c],
                 **({"usage": self.usage_of(index) if self.continuous else None} if self.include_usage else {})}
+        if out is not None:
+            c["stop_reason"] = out.stop_reason
+        if self.shape.token_ids:
+            if index not in self.opened:   # chat: beside the choices, as a whole response has it
+                ids = {"prompt_token_ids": list(self.prompts[index // len(self.prompts[0].seqs)].prompt_ids)}
+                (body if self.shape.kind == "chat" else c).update(ids)
+            if out is not None:
+                c["token_ids"] = list(out.token_ids)
+        self.opened.add(index)
+        return body
 
     def usage_of(self, index: int) -> dict:
         """vLLM's continuous usage: the chunk's own choice, its prompt and its tokens so far."""

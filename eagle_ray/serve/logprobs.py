@@ -54,6 +54,22 @@ class TokenText:
         return list(self.text(token_id).encode("utf-8"))
 
 
+class TokenIds:
+    """Token texts as vLLM's ``return_tokens_as_token_ids`` names them, ``token_id:<id>`` (a token whose text is
+    part of a character stays identifiable); bytes as the token's own."""
+
+    def __init__(self, text: TokenText):
+        self.tokenizer, self.bytes = text.tokenizer, text.bytes
+
+    @staticmethod
+    def text(token_id: int) -> str:
+        return f"token_id:{token_id}"
+
+    def pieces(self, token_ids: list[int], before: list[int] = (), prompt_ids: list[int] = (),
+               skip_special: bool = True) -> list[str]:
+        return [self.text(t) for t in token_ids]
+
+
 def chat_logprobs(lp: TokenLogprobs, token_ids: list[int], k: int, text: TokenText) -> dict:
     """OpenAI's chat ``logprobs`` object for ``token_ids`` (``k``: ``top_logprobs``)."""
     def entry(t: int, v: float) -> dict:

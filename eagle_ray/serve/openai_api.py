@@ -109,6 +109,8 @@ class _Request(BaseModel):
     skip_special_tokens: StrictBool = True
     truncate_prompt_tokens: StrictInt | None = None
     prompt_logprobs: StrictInt | None = None   # vLLM's: the prompt's own, with k alternatives (not streamed)
+    return_token_ids: StrictBool = False       # vLLM's: the prompt's and each choice's token ids beside the text
+    return_tokens_as_token_ids: StrictBool = False   # vLLM's: logprobs name tokens "token_id:<id>"
     prediction: dict | None = None   # OpenAI's predicted output: {"type": "content", "content": text or parts}
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

@@ -151,3 +151,18 @@ def test_return_token_ids_and_tokens_as_ids_are_vllms(tiny_dir, tmp_path):
         completion["prompt_tokens"]
     assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in completion["output_token_ids"]]
     assert set(choice["logprobs"]["top_logprobs"][0]) == {f"token_id:{completion['output_token_ids'][0]}"}
+
+
+def test_a_line_of_several_choices_is_one_row_that_a_resume_finds_done(tiny_dir, tmp_path):
+    import pyarrow as pa
+
+    from eagle_ray.batch.job import PartWriter, resume_output
+    from eagle_ray.batch.summary import JobSummary
+    row, = run_rows(multi_turn_stage(tiny_dir, tmp_path), [line("n", "/v1/completions", prompt="w1", n=3,
+                                                                max_tokens=2)])
+    out = tmp_path / "written"
+    writer = PartWriter(FS, str(out), 10, 1)
+    writer.add([row])
+    writer.close()
+    found = resume_output(FS, str(out), pa.table({"id": [row["id"]], "payload": [row["input"]]}), JobSummary())
+    assert found.done.to_pylist() == [row["id"]] and found.partial.num_rows == 0

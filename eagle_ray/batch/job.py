@@ -569,8 +569,7 @@ def run_leased(cfg: JobConfig, inputs: pa.Table, out_fs, out_root: str, lease: O
     result = summary.result(writer.written, wall)
     result["interrupted"] = interrupted
     result["rows_matching_no_input"] = unmatched
-    if cfg.output.openai_batch_file and not interrupted:
-        result["openai_batch_file"] = write_openai_batch(cfg, out_fs, out_root, print_fn)
+    result["openai_batch_file"] = write_openai_batch(cfg, out_fs, out_root, interrupted, print_fn)
     put_atomic(out_fs, f"{out_root}/{SUMMARY_FILE}", json.dumps(result, indent=1, default=str).encode())
     print_fn(format_summary(result))
     if interrupted and ray.is_initialized():
@@ -581,9 +580,12 @@ def run_leased(cfg: JobConfig, inputs: pa.Table, out_fs, out_root: str, lease: O
 BATCH_FILE_COLUMNS = ("id", "sample_index", "response", "error", "error_kind")
 
 
-def write_openai_batch(cfg: JobConfig, fs, root: str, print_fn=print) -> dict:
-    """OpenAI's batch output file of every row in the output (``batch/openai_batch.py``), written anew each run
-    (a resume with nothing left to run rewrites it); its uri and line counts."""
+def write_openai_batch(cfg: JobConfig, fs, root: str, interrupted: bool, print_fn=print) -> dict | None:
+    """OpenAI's batch output file of every row in the output (``batch/openai_batch.py``), written anew by each run
+    that ends with every row run (a resume with nothing left to run rewrites it); its uri and line counts (None:
+    none asked, or the run was stopped)."""
+    if not cfg.output.openai_batch_file or interrupted:
+        return None
     dest_fs, dest = filesystem(cfg.output.openai_batch_file, cfg)
     counts = write_output_file((read_part(fs, p, BATCH_FILE_COLUMNS) for p in committed_parts(fs, root)), dest_fs,
                                dest)

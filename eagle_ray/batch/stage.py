@@ -137,6 +137,13 @@ def failed(rows: list[dict]) -> bool:
     return any(r["error_kind"] == ENGINE_FAILED for r in rows)
 
 
+def sampling_columns(p, choices_in_one_row: bool = False) -> dict:
+    """The sampling a row ran with, as its columns; where its ``n`` choices are one row (a batch line's), ``n`` is
+    left out of ``sampling_params``, which a resume reads to count a row's sample rows."""
+    return {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "max_new_tokens": p.max_new_tokens,
+            "seed": p.seed, "sampling_params": p.model_dump_json(exclude={"n"} if choices_in_one_row else None)}
+
+
 class GenerateStage:
     ledger = None   # the pool's BatchLedger (outside Ray: none)
 
@@ -288,8 +295,7 @@ class GenerateStage:
     async def run_row(self, req: RowRequest, row: dict, rid: str) -> list[dict] | None:
         """A prompt, chat or turns row into ``row``; the columns of each of its samples (None: one answer)."""
         p = req.params
-        row.update(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_new_tokens=p.max_new_tokens,
-                   seed=p.seed, sampling_params=p.model_dump_json())
+        row.update(sampling_columns(p))
         if req.continuations is not None:
             await self.score(req, row, rid)
         elif p.n > 1:
@@ -309,9 +315,7 @@ class GenerateStage:
         try:
             kind, req = parse_line(rec, self.cfg.sampling.max_new_tokens, self.cfg.tool_call_parser,
                                    self.cfg.reasoning_parser)
-            p = req.params
-            row.update(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_new_tokens=p.max_new_tokens,
-                       seed=p.seed, sampling_params=p.model_dump_json(exclude={"n"}))   # the choices: one row
+            row.update(sampling_columns(req.params, choices_in_one_row=True))
             ready = await asyncio.to_thread(prepare_request, self.engine, req, kind, req.body.model,
                                             self.cfg.speculative, self.token_text)
             body, outs = await run_whole(self.queue, ready, req.body.model)

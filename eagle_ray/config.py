@@ -150,6 +150,8 @@ class SamplingParams(StrictModel):
     prompt_logprobs: int | None = Field(None, ge=0, le=20, description="per prompt token but the first, the "
                                         "target's raw log-probability and the k most probable alternatives, as "
                                         "vLLM's (engine/scoring.py); None: off")
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1, description="vLLM's: a waiting request of lower priority "
+                          "takes a free slot first (equal ones in arrival order); a running one is never paused")
 
     @model_validator(mode="before")
     @classmethod

@@ -274,3 +274,28 @@ def test_ctrl_c_during_generate_takes_its_requests_out_of_the_engine(tiny_dir, t
     passes = engine.counters["decode_sequences"]
     assert engine.generate([[5, 9, 12]], params)[0].token_ids == expected
     assert engine.counters["decode_sequences"] - passes <= 40   # it ran alone: one sequence per decode pass
+
+
+def test_a_waiting_request_of_lower_priority_takes_the_next_free_slot_and_answers_the_same(tiny_dir, tiny_head):
+    """vLLM's ``priority``: lower is earlier, equal ones in arrival order (a request's samples stay together); the
+    tokens are the same whatever the order."""
+    from types import SimpleNamespace
+
+    from eagle_ray.engine.request import sampling_params
+    from eagle_ray.engine.scheduler import Scheduler
+    from eagle_ray.errors import InvalidRequestError
+    from eagle_ray.serve.openai_api import parse_body
+    scheduler = Scheduler(num_slots=1, step_budget=64, policy=None)
+    for name, priority in [("a", 0), ("b", 5), ("c", -1), ("d", 0), ("e", -1)]:
+        scheduler.add(SimpleNamespace(name=name, params=SimpleNamespace(priority=priority)))
+    assert [s.name for s in scheduler.waiting] == ["c", "e", "a", "d", "b"]
+    engine = tiny_engine(tiny_dir, tiny_head, max_batch_size=1)
+    prompts = mixed_prompts(3)
+    plain = engine.generate(prompts, GREEDY)
+    ranked = engine.generate(prompts, [GREEDY.model_copy(update={"priority": p}) for p in (3, -2, 0)])
+    assert [o.token_ids for o in ranked] == [o.token_ids for o in plain]
+    assert sampling_params({"priority": -4}).priority == -4
+    with pytest.raises(InvalidRequestError, match="priority: an integer is required"):
+        sampling_params({"priority": True})
+    body = b'{"model": "m", "prompt": "w1", "priority": 7}'
+    assert parse_body(body, "completion", "m", 16, 8).params.priority == 7

@@ -196,6 +196,7 @@ _SAMPLING_TYPES = {"max_new_tokens": _INTEGER, "max_tokens": _INTEGER, "max_comp
                    "logit_bias": (lambda v: isinstance(v, dict) and all(_number(b) for b in v.values()),
                                   "an object of token ids to numbers"),
                    "min_p": (_number, "a number"), "min_tokens": _INTEGER, "truncate_prompt_tokens": _INTEGER,
+                   "priority": _INTEGER,
                    "include_stop_str_in_output": (lambda v: isinstance(v, bool), "true or false"),
                    "skip_special_tokens": (lambda v: isinstance(v, bool), "true or false"),
                    "allowed_token_ids": (lambda v: isinstance(v, list) and all(_integer(t) for t in v),

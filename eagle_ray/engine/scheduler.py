@@ -186,7 +186,12 @@ class Scheduler:
         self.prefix_sharing = prefix_sharing       # prompts copy the start they share with a running sequence
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        """Queue ``seq`` behind every waiting sequence of its priority or lower (vLLM's: lower is earlier), so
+        equal priorities keep their arrival order and a request's samples stay together."""
+        at = len(self.waiting)
+        while at and self.waiting[at - 1].params.priority > seq.params.priority:
+            at -= 1
+        self.waiting.insert(at, seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

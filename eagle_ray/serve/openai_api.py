@@ -62,7 +62,7 @@ CHAT_ONLY = {"chat_template_kwargs": (None, {}), "add_generation_prompt": (None,
              "reasoning_effort": (None,)}
 NUMBERS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n", "seed",
            "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
-           "truncate_prompt_tokens", "top_logprobs", "prompt_logprobs")   # a JSON true or false is not one of these
+           "truncate_prompt_tokens", "top_logprobs", "prompt_logprobs", "priority")   # JSON true or false is none
 MAX_PROMPTS = 64    # prompts one completions request may batch
 
 
@@ -109,6 +109,7 @@ class _Request(BaseModel):
     skip_special_tokens: StrictBool = True
     truncate_prompt_tokens: StrictInt | None = None
     prompt_logprobs: StrictInt | None = None   # vLLM's: the prompt's own, with k alternatives (not streamed)
+    priority: StrictInt = 0                    # vLLM's: a waiting request of lower priority is admitted first
     return_token_ids: StrictBool = False       # vLLM's: the prompt's and each choice's token ids beside the text
     return_tokens_as_token_ids: StrictBool = False   # vLLM's: logprobs name tokens "token_id:<id>"
     prediction: dict | None = None   # OpenAI's predicted output: {"type": "content", "content": text or parts}
@@ -190,7 +191,8 @@ class _Request(BaseModel):
                                "skip_special_tokens": self.skip_special_tokens,
                                "truncate_prompt_tokens": self.truncate_prompt_tokens,
                                "prompt_logprobs": self.prompt_logprobs,
-                               "prediction": predicted_text(self.prediction), **guided}, field=None)
+                               "prediction": predicted_text(self.prediction), "priority": self.priority,
+                               **guided}, field=None)
 
 
 def predicted_text(prediction: dict | None) -> str | None:

@@ -35,12 +35,15 @@ def main(argv=None) -> int:
     p.add_argument("--input", help="override input.uri")
     p.add_argument("--output", help="override output.uri")
     p.add_argument("--limit", type=int, help="override input.limit")
+    p.add_argument("--openai-output", metavar="URI", help="override output.openai_batch_file: also write OpenAI's "
+                   "batch output file (the input holds OpenAI batch lines)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any field, e.g. --set actors.num_actors=2 --set sampling.max_new_tokens=64")
     a = p.parse_args(argv)
     try:
         overrides = parse_overrides(a.set)
-        for key, value in (("input.uri", a.input), ("output.uri", a.output), ("input.limit", a.limit)):
+        for key, value in (("input.uri", a.input), ("output.uri", a.output), ("input.limit", a.limit),
+                           ("output.openai_batch_file", a.openai_output)):
             if value is not None:
                 overrides[key] = value
         cfg = JobConfig.from_yaml(a.config, overrides)

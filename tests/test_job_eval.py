@@ -134,3 +134,13 @@ def test_a_rows_stop_reason_names_the_stop_that_ended_it(tiny_dir, tmp_path):
     end = full["output_token_ids"].index(tok) + 1
     assert by_token["output_token_ids"] == full["output_token_ids"][:end] and by_token["stop_reason"] == str(tok)
     assert (at_length["finish_reason"], at_length["stop_reason"]) == ("length", None)
+
+
+def test_a_rows_n_is_read_first_whatever_its_schema_holds(tiny_dir, tmp_path):
+    """A resume reads ``n`` from ``sampling_params``: a schema holding ``"n": 5`` of its own must not be read as
+    five samples (the row would run again on every resume)."""
+    from eagle_ray.batch.job import samples_asked
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "examples": [{"n": 5}]}
+    row, = run_rows(multi_turn_stage(tiny_dir, tmp_path), [{"prompt": "w1", "sampling_params": {
+        "guided_json": schema, "max_tokens": 4}}])
+    assert row["error"] is None and samples_asked(pa.chunked_array([[row["sampling_params"]]])).to_pylist() == [1]

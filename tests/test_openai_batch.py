@@ -49,7 +49,7 @@ def test_a_completion_lines_choices_are_one_row_and_a_responses_line_is_a_respon
     assert len({c["text"] for c in body["choices"]}) == 3 and samples["output"] == body["choices"][0]["text"]
     assert body["usage"]["completion_tokens"] == 12 == samples["output_tokens"]   # the row's: every choice's
     assert len(samples["output_token_ids"]) == 4   # the first choice's
-    assert samples["temperature"] == 1.0 and "n" not in json.loads(samples["sampling_params"])   # OpenAI's default
+    assert samples["temperature"] == 1.0 and json.loads(samples["sampling_params"])["n"] == 1   # one row
     answer = json.loads(responses["response"])["body"]
     assert (answer["object"], answer["status"]) == ("response", "incomplete")
     assert answer["output"][0]["content"][0]["text"] == responses["output"]
@@ -78,12 +78,16 @@ def test_a_bad_line_is_an_error_row_holding_the_http_error_serve_gives(tiny_dir,
     assert row["output"] is None and row["output_token_ids"] is None
 
 
-def test_a_lines_id_is_its_custom_id(tmp_path):
+def test_a_lines_id_is_its_custom_id_and_a_row_with_a_url_column_stays_a_row(tmp_path):
+    from eagle_ray.batch.rows import is_batch_line
     path = tmp_path / "batch.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in (line("first", messages=CHAT), line("first", messages=CHAT),
                                                       {"id": "plain", "prompt": "w1"})) + "\n")
     rows = read_input(str(path), FS)
     assert [r.id for r in rows] == ["first", "first@row1", "plain"] and rows[1].kind == "duplicate_id"
+    assert is_batch_line({"url": "/v1/completions", "body": {}}) and is_batch_line({"custom_id": "a"})
+    assert not is_batch_line({"id": "d", "prompt": "Summarise", "url": "https://example.com/a"})
+    assert not is_batch_line({"messages": CHAT, "body": "an article", "custom_id": "a"})
 
 
 def test_the_batch_output_file_holds_a_line_per_row(tmp_path):
@@ -107,10 +111,49 @@ def test_the_batch_output_file_holds_a_line_per_row(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["results.jsonl"]   # nothing left beside it
 
 
-def test_the_batch_output_file_may_not_lie_inside_the_input(tmp_path):
+def test_the_batch_output_files_place_is_checked_before_any_model_loads(tmp_path):
+    from eagle_ray.batch.job import check_openai_batch_file
+    from eagle_ray.errors import ConfigError
+
+    def job(batch_file: str) -> JobConfig:
+        return JobConfig(input={"uri": str(tmp_path / "in")},
+                         output={"uri": str(tmp_path / "out"), "openai_batch_file": batch_file})
     with pytest.raises(ValueError, match="output.openai_batch_file .* lies inside input.uri"):
-        JobConfig(input={"uri": str(tmp_path / "in")}, output={"uri": str(tmp_path / "out"),
-                                                               "openai_batch_file": str(tmp_path / "in/res.jsonl")})
+        job(str(tmp_path / "in/res.jsonl"))
+    with pytest.raises(ValueError, match="names output.uri, the parts' folder"):
+        job(str(tmp_path / "out"))
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(ConfigError, match="is a folder"):
+        check_openai_batch_file(job(str(tmp_path / "folder")))
+    with pytest.raises(ConfigError, match="gs://"):
+        check_openai_batch_file(job("gs://bucket/res.jsonl"))
+    check_openai_batch_file(job(str(tmp_path / "new/deeper/res.jsonl")))   # a local file's folder is made
+    assert (tmp_path / "new/deeper").is_dir()
+
+
+def test_the_batch_output_file_holds_the_rows_an_input_row_claims_and_a_failed_write_is_said(tmp_path):
+    from eagle_ray.batch.job import PartWriter, check_written, input_table, write_openai_batch
+    from eagle_ray.batch.rows import InputRow
+    from eagle_ray.errors import ConfigError
+    out = tmp_path / "out"
+    writer = PartWriter(FS, str(out), 10, 2)
+    writer.add([empty_row({"id": rid, "row_index": i, "payload": "{}"}) | {"sample_index": 0}
+                for i, rid in enumerate(("kept", "gone"))])
+    writer.close()
+    cfg = JobConfig(input={"uri": str(tmp_path / "in.jsonl")},
+                    output={"uri": str(out), "openai_batch_file": str(tmp_path / "res.jsonl")})
+    inputs = input_table([InputRow(0, "kept", "{}")])
+    said = []
+    assert write_openai_batch(cfg, FS, str(out), inputs, False, said.append) == {
+        "uri": str(tmp_path / "res.jsonl"), "lines": 1, "answered": 0}
+    assert [json.loads(x)["custom_id"] for x in (tmp_path / "res.jsonl").read_text().splitlines()] == ["kept"]
+    assert write_openai_batch(cfg, FS, str(out), inputs, True, said.append) is None   # a stopped run writes none
+    broken = cfg.model_copy(update={"output": cfg.output.model_copy(update={
+        "openai_batch_file": str(tmp_path / "missing/res.jsonl")})})
+    failed = write_openai_batch(broken, FS, str(out), inputs, False, said.append)
+    assert failed["error"].startswith("FileNotFoundError")
+    with pytest.raises(ConfigError, match="could not be written .* run again to write it"):
+        check_written(broken, failed)
 
 
 def test_a_predictions_tokens_are_counted_as_openai_counts_them(tiny_dir, tmp_path):

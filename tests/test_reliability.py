@@ -732,6 +732,8 @@ def test_the_job_cli_answers_bad_paths_with_one_line_and_status_2(tmp_path, caps
         "max_model_len 16 leaves no room for a prompt": ["--set", "engine.cache.max_model_len=16", "--set",
                                                          "engine.speculation.tree={total_tokens: 32, depth: 4}"],
         "lies inside input.uri": ["--input", str(tmp_path), "--output", str(tmp_path / "o")],
+        "output.openai_batch_file": ["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "o"),
+                                     "--openai-output", str(tmp_path / "in.jsonl")],
         "part-x-00000.parquet is not readable Parquet": ["--input", str(tmp_path / "in.jsonl"), "--output",
                                                           str(tmp_path / "out")],
     }

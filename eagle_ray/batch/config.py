@@ -139,6 +139,9 @@ class JobConfig(ProcessorConfig):
             if uri is not None and reads_path(where(self.input.uri), where(uri)):
                 raise ValueError(f"{name} {uri} lies inside input.uri {self.input.uri}: the next run would read the "
                                  "job's own output as input; write it elsewhere")
+        if self.output.openai_batch_file and where(self.output.openai_batch_file) == where(self.output.uri):
+            raise ValueError("output.openai_batch_file names output.uri, the parts' folder; name a file (it may lie "
+                             "inside that folder)")
         return self
 
     @classmethod

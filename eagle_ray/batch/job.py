@@ -473,6 +473,11 @@ def run_job(cfg: JobConfig, print_fn=print) -> dict:
     if committed_parts(out_fs, out_root) and not cfg.resume:   # an output that is a file fails here, naming it
         raise ConfigError(f"output.uri {cfg.output.uri} already holds results and resume is false; "
                           "choose an empty output or set resume: true")
+    try:
+        check_openai_batch_file(cfg)
+    except OSError as e:
+        raise ConfigError(f"output.openai_batch_file {cfg.output.openai_batch_file} cannot be written: "
+                          f"{type(e).__name__}: {e}") from None
     try:   # the first writes: an output that cannot be written fails here, before any model loads
         prepare_output(out_fs, out_root, cfg.output.uri)
         lease = OutputLease(out_fs, out_root, new_run_id(), cfg.lease_stale_s)
@@ -503,11 +508,8 @@ def run_leased(cfg: JobConfig, inputs: pa.Table, out_fs, out_root: str, lease: O
     mine = output_identity(cfg)
     was = (recorded or {}).get("max_model_len")
     roomier_than = was if isinstance(was, int) and was < mine["max_model_len"] else None
-    if cfg.resume:
-        resumed = resume_output(out_fs, out_root, inputs.select(["id", "payload"]), summary, roomier_than,
-                                lease.check, bool((recorded or {}).get("tools_unread")))
-    else:
-        resumed = Resumed.nothing()
+    resumed = resume_output(out_fs, out_root, inputs.select(["id", "payload"]), summary, roomier_than, lease.check,
+                            bool((recorded or {}).get("tools_unread"))) if cfg.resume else Resumed.nothing()
     if recorded is not None and recorded != mine:   # now that the rows it no longer binds are dropped
         lease.check()
         put_atomic(out_fs, f"{out_root}/{JOB_FILE}", json.dumps(mine, indent=1).encode())
@@ -567,28 +569,52 @@ def run_leased(cfg: JobConfig, inputs: pa.Table, out_fs, out_root: str, lease: O
     wall = time.time() - t0
     lease.check()   # a run taken over writes no summary: the run that took over writes its own
     result = summary.result(writer.written, wall)
-    result["interrupted"] = interrupted
-    result["rows_matching_no_input"] = unmatched
-    result["openai_batch_file"] = write_openai_batch(cfg, out_fs, out_root, interrupted, print_fn)
+    result |= {"interrupted": interrupted, "rows_matching_no_input": unmatched,
+               "openai_batch_file": write_openai_batch(cfg, out_fs, out_root, inputs, interrupted, print_fn)}
     put_atomic(out_fs, f"{out_root}/{SUMMARY_FILE}", json.dumps(result, indent=1, default=str).encode())
     print_fn(format_summary(result))
     if interrupted and ray.is_initialized():
         ray.shutdown()
+    check_written(cfg, result["openai_batch_file"])   # after the summary, which the committed rows still get
     return result
 
 
 BATCH_FILE_COLUMNS = ("id", "sample_index", "response", "error", "error_kind")
 
 
-def write_openai_batch(cfg: JobConfig, fs, root: str, interrupted: bool, print_fn=print) -> dict | None:
-    """OpenAI's batch output file of every row in the output (``batch/openai_batch.py``), written anew by each run
-    that ends with every row run (a resume with nothing left to run rewrites it); its uri and line counts (None:
-    none asked, or the run was stopped)."""
-    if not cfg.output.openai_batch_file or interrupted:
+def check_openai_batch_file(cfg: JobConfig) -> None:
+    """The batch output file's place, before any model loads: a scheme the job cannot write, a folder, or an S3
+    bucket that does not exist fails here; a local file's folder is made."""
+    uri = cfg.output.openai_batch_file
+    if not uri:
+        return
+    fs, path = filesystem(uri, cfg)
+    if fs.isdir(path):
+        raise ConfigError(f"output.openai_batch_file {uri} is a folder; name the file to write")
+    prepare_output(fs, path.rstrip("/").rsplit("/", 1)[0] if "/" in path else ".", uri)
+
+
+def check_written(cfg: JobConfig, batch_file: dict | None) -> None:
+    if batch_file and "error" in batch_file:
+        raise ConfigError(f"output.openai_batch_file {batch_file['uri']} could not be written ({batch_file['error']});"
+                          f" the rows are in {cfg.output.uri}: run again to write it (nothing is generated again)")
+
+
+def write_openai_batch(cfg: JobConfig, fs, root: str, inputs: pa.Table, interrupted: bool, print_fn=print
+                       ) -> dict | None:
+    """OpenAI's batch output file of the output's rows that an input row still claims (``batch/openai_batch.py``),
+    written anew by each run that ends with every row run (a resume with nothing left to run rewrites it); its uri
+    and line counts, or the error that stopped its write (None: none asked, or the run was stopped)."""
+    uri = cfg.output.openai_batch_file
+    if not uri or interrupted:
         return None
-    dest_fs, dest = filesystem(cfg.output.openai_batch_file, cfg)
-    counts = write_output_file((read_part(fs, p, BATCH_FILE_COLUMNS) for p in committed_parts(fs, root)), dest_fs,
-                               dest)
+    ids = inputs.column("id")
+    parts = (t.filter(pc.is_in(t.column("id"), value_set=ids))
+             for t in (read_part(fs, p, BATCH_FILE_COLUMNS) for p in committed_parts(fs, root)))
+    try:
+        counts = write_output_file(parts, *filesystem(uri, cfg))
+    except (OSError, ConfigError) as e:
+        return {"uri": uri, "error": f"{type(e).__name__}: {e}"}
     print_fn(f"eagle-ray job: {counts['lines']} lines in {cfg.output.openai_batch_file}, {counts['answered']} "
              "of them answered")
     return {"uri": cfg.output.openai_batch_file, **counts}

@@ -28,7 +28,7 @@ from eagle_ray.serve.openai_api import ApiError, ParsedRequest, parse_body
 
 URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/responses": "responses"}
 MAX_CHOICES = 1024            # a line's choices per prompt (a job row's ``n`` has the same cap)
-NO_CAP = 1 << 62              # max_tokens: the room after the prompt is the limit
+NO_CAP = 2**31 - 1            # max_tokens: the room after the prompt is the limit (SamplingParams' own bound)
 
 
 def parse_line(rec: dict, default_max_tokens: int, tool_parser: str | None, reasoning_parser: str | None

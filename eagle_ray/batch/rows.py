@@ -246,16 +246,21 @@ def _row(index: int, rec, err: str, kind: str) -> InputRow:
     return InputRow(index, storable(str(rid)) if own else f"row-{index}", _dump(rec), own_id=own)
 
 
-BATCH_LINE_KEYS = ("url", "body")   # a row holding either is a line of an OpenAI batch file (batch/openai_batch.py)
+BATCH_LINE_KEYS = ("custom_id", "method", "url", "body")   # an OpenAI batch file's line (batch/openai_batch.py)
 
 
 def is_batch_line(rec) -> bool:
-    return isinstance(rec, dict) and any(rec.get(k) is not None for k in BATCH_LINE_KEYS)
+    """A line of an OpenAI batch file: no prompt field of a row, and a ``custom_id`` or an API ``url``
+    (``/v1/...``); a row with a prompt and a ``url`` or ``body`` column (a web page's) stays a row."""
+    if not isinstance(rec, dict) or any(rec.get(k) is not None for k in PROMPT_KINDS):
+        return False
+    url = rec.get("url")
+    return rec.get("custom_id") is not None or isinstance(url, str) and url.startswith("/v1/")
 
 
 # the fields a row's request is read from (:func:`eagle_ray.engine.request.parse_row`, or a batch line's)
 READ_FIELDS = ("id", *PROMPT_KINDS, *SAMPLING_KEYS, *CONTINUATION_KEYS, *TOOL_KEYS, "parallel_tool_calls",
-               "custom_id", "method", *BATCH_LINE_KEYS)
+               *BATCH_LINE_KEYS)
 
 
 def parquet_row(index: int, rec: dict, path: str) -> InputRow:

@@ -34,7 +34,7 @@ from eagle_ray.batch.rows import (ENGINE_FAILED, INTERNAL_ERROR, empty_row, erro
 from eagle_ray.engine.reasoning import markers_of, mode_for, split_reasoning
 from eagle_ray.engine.request import RowRequest, parse_row
 from eagle_ray.errors import EagleError, EngineStalledError
-from eagle_ray.serve.answer import api_error, final_body, prepare_request, run_whole, token_counter
+from eagle_ray.serve.answer import api_error, final_body, prepare_request, run_all, run_whole, token_counter
 from eagle_ray.serve.choices import merged_stats
 from eagle_ray.serve.logprobs import TokenText
 from eagle_ray.serve.openai_api import ApiError
@@ -138,10 +138,20 @@ def failed(rows: list[dict]) -> bool:
 
 
 def sampling_columns(p, choices_in_one_row: bool = False) -> dict:
-    """The sampling a row ran with, as its columns; where its ``n`` choices are one row (a batch line's), ``n`` is
-    left out of ``sampling_params``, which a resume reads to count a row's sample rows."""
+    """The sampling a row ran with, as its columns. A resume reads ``n`` from ``sampling_params`` to count a row's
+    sample rows, so it comes first (a schema's own ``"n": 5`` comes later) and is 1 where the row holds its ``n``
+    choices itself (a batch line's)."""
+    fields = p.model_dump(mode="json")
+    n = fields.pop("n")
+    fields = {"n": 1 if choices_in_one_row else n} | fields
+    dumped = json.dumps(fields, ensure_ascii=False, separators=(",", ":"))
     return {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "max_new_tokens": p.max_new_tokens,
-            "seed": p.seed, "sampling_params": p.model_dump_json(exclude={"n"} if choices_in_one_row else None)}
+            "seed": p.seed, "sampling_params": dumped}
+
+
+def stat_columns(stats: RequestStats) -> dict:
+    """A row's acceptance and time columns (the per-step lists stay out of the output)."""
+    return {k: v for k, v in stats.to_dict().items() if k not in ("step_tokens", "tree_tokens")}
 
 
 class GenerateStage:
@@ -308,6 +318,10 @@ class GenerateStage:
     def token_text(self) -> TokenText:
         return TokenText(self.engine.tokenizer)   # token texts and bytes of logprobs, decoded once
 
+    @functools.cached_property
+    def count_tokens(self):
+        return token_counter(self.engine.tokenizer)   # a Responses answer's thinking tokens
+
     async def answer_line(self, rec: dict, row: dict) -> None:
         """A line of an OpenAI batch file, answered as Serve answers its body (``batch/openai_batch.py``): the
         whole answer (or the HTTP error) in ``response``, its first choice in the usual columns. A refused line is
@@ -320,15 +334,13 @@ class GenerateStage:
                                             self.cfg.speculative, self.token_text)
             body, outs = await run_whole(self.queue, ready, req.body.model)
         except (ApiError, EagleError) as e:
-            refusal = api_error(e) if isinstance(e, EagleError) else e
             kind = error_kind(e) if isinstance(e, EagleError) else refusal_kind(e)
+            refusal = e if isinstance(e, ApiError) else api_error(e) if kind != INTERNAL_ERROR else \
+                ApiError(500, f"{type(e).__name__}: {e}", "server_error")   # a bug: run again on resume
             row.update(error=refusal.message, error_kind=kind, response=batch_response(refusal.status, refusal.body()))
             return
-        stats = merged_stats(outs).to_dict()
-        row.update(**answer_columns(ready.kind, body, outs), **stats,
-                   response=batch_response(200, final_body(ready, body, token_counter(self.engine.tokenizer))))
-        row.pop("step_tokens", None)
-        row.pop("tree_tokens", None)
+        row.update(**answer_columns(ready.kind, body, outs), **stat_columns(merged_stats(outs)),
+                   response=batch_response(200, final_body(ready, body, self.count_tokens)))
 
     def answer(self, out, req: RowRequest) -> dict:
         """An output's ``output`` (and ``turn_outputs``), ``reasoning``, ``tool_calls``, ``finish_reason`` and
@@ -350,12 +362,7 @@ class GenerateStage:
 
     async def outputs(self, seqs) -> list:
         """Every sequence's output; where one fails, the others are cancelled and its error raised."""
-        try:
-            return list(await asyncio.gather(*(self.queue.agenerate(s) for s in seqs)))
-        except BaseException:
-            for s in seqs:
-                self.queue.cancel(s.request_id)
-            raise
+        return await run_all(self.queue, seqs)
 
     async def run_samples(self, req: RowRequest, row: dict, rid: str) -> list[dict]:
         """``n`` samples of the row's prompt (its prefill shared: ``engine/samples.py``): per sample, what its
@@ -370,7 +377,7 @@ class GenerateStage:
                  "prompt_tokens": len(o.prompt_token_ids), "output_tokens": len(o.token_ids),
                  "sample_index": o.sample_index,
                  **logprob_columns(o.logprobs, prompt),
-                 **{k: v for k, v in o.stats.to_dict().items() if k not in ("step_tokens", "tree_tokens")}}
+                 **stat_columns(o.stats)}
                 for o in outs]
 
     async def score(self, req: RowRequest, row: dict, rid: str) -> None:
@@ -387,7 +394,7 @@ class GenerateStage:
         row.update(continuation_logprobs=[s.logprob for s in scores], continuation_tokens=[s.tokens for s in scores],
                    continuation_greedy=[s.greedy for s in scores], sample_index=0,
                    prompt_tokens=len(outs[0].prompt_token_ids) - scores[0].tokens, output_tokens=0,
-                   **{k: v for k, v in stats.to_dict().items() if k not in ("step_tokens", "tree_tokens")})
+                   **stat_columns(stats))
 
     async def run(self, req: RowRequest, row: dict, rid: str) -> None:
         turns = req.turns or [None]
@@ -423,6 +430,4 @@ class GenerateStage:
                    stop_reason=answer["stop_reason"],
                    turn_outputs=outputs, output_token_ids=out.token_ids,
                    prompt_tokens=prompt_tokens, sample_index=0, **logprob_columns(out.logprobs, out.prompt_logprobs),
-                   output_tokens=output_tokens, finish_reason=finish, **stats.to_dict())
-        row.pop("step_tokens", None)
-        row.pop("tree_tokens", None)
+                   output_tokens=output_tokens, finish_reason=finish, **stat_columns(stats))

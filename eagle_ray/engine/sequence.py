@@ -134,7 +134,7 @@ class Sequence:
             self.output_ids.append(tok)
             if tok in self.stop_ids or (self.guide is not None and self.guide.finished()):
                 self.finish_reason = "stop"    # a stop token, or a grammar that can take nothing more
-                self.stop_reason = tok if tok in self.params.stop_token_ids else None   # EOS: None, as vLLM's
+                self.stop_reason = tok if tok in self.params.stop_token_ids else None   # EOS alone: None
                 return n
             if len(self.output_ids) >= self.params.max_new_tokens:
                 self.finish_reason = "length"

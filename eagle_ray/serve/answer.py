@@ -64,16 +64,20 @@ def prepare_request(engine, req: ParsedRequest, kind: str, model: str, speculati
     return Prepared(kind, rid, prompts, shape, base, markers_of(req.reasoning)[1])
 
 
+async def run_all(queue, seqs: list) -> list:
+    """Every sequence's output; where one fails, the others are cancelled (of no use now) and its error raised."""
+    try:
+        return list(await asyncio.gather(*(queue.agenerate(s) for s in seqs)))
+    except BaseException:
+        for s in seqs:
+            queue.cancel(s.request_id)
+        raise
+
+
 async def run_whole(queue, p: Prepared, model: str) -> tuple[dict, list]:
     """Every choice run to its end, and the chat or completion body with the outputs; where one choice fails, the
     others are cancelled and its error raised."""
-    seqs = p.seqs
-    try:
-        outs = await asyncio.gather(*(queue.agenerate(s) for s in seqs))
-    except BaseException:
-        for s in seqs:   # the choices still running are of no use now
-            queue.cancel(s.request_id)
-        raise
+    outs = await run_all(queue, p.seqs)
     n = len(p.prompts[0].seqs)
     choices = [p.shape.choice(i, p.prompts[i // n], out, finish_reason(out.finish_reason))
                for i, out in enumerate(outs)]
@@ -83,8 +87,9 @@ async def run_whole(queue, p: Prepared, model: str) -> tuple[dict, list]:
         body["prompt_logprobs"] = p.shape.prompt_logprobs(p.prompts[0])
     if p.kind == "chat" and p.shape.token_ids:
         body["prompt_token_ids"] = list(p.prompts[0].prompt_ids)
-    body |= {"usage": usage(p.prompts, outs), "eagle": eagle_stats(merged_stats(outs))}
-    return body, list(outs)
+    # in a thread: a long prediction's token count is a second's matching, which must not stall other streams
+    body |= {"usage": await asyncio.to_thread(usage, p.prompts, outs), "eagle": eagle_stats(merged_stats(outs))}
+    return body, outs
 
 
 def final_body(p: Prepared, body: dict, count_tokens) -> dict:

@@ -211,7 +211,8 @@ class EagleServer:
                     last["eagle"] = eagle_stats(out.stats)
                     yield f"data: {json.dumps(last)}\n\n"
             if include_usage:   # OpenAI's shape: a last chunk of its own, no choices, the usage
-                yield f"data: {json.dumps(chunk(0, None, None) | {'choices': [], 'usage': usage(prompts, outs)})}\n\n"
+                used = await asyncio.to_thread(usage, prompts, outs)   # a prediction's count may take a while
+                yield f"data: {json.dumps(chunk(0, None, None) | {'choices': [], 'usage': used})}\n\n"
         except EagleError as e:
             yield f"data: {json.dumps(error_body(str(e)))}\n\n"
         except Exception as e:  # noqa: BLE001 - the stream still ends well-formed, with the reason

@@ -72,6 +72,14 @@ def test_models_and_health(server, client):
     for method, route, status in (("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405)):
         r = httpx.request(method, server[0] + route, headers=AUTH)   # OpenAI's error shape, which clients parse
         assert r.status_code == status and r.json()["error"]["message"] and r.json()["error"]["type"], r.text
+    # X-Request-Id (Ray Serve's own): the client's comes back, on errors too; without one, Serve's request id
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 2}
+    r = httpx.post(server[0] + "/v1/completions", json=body, headers={**AUTH, "X-Request-Id": "trace-7"}, timeout=60)
+    assert r.headers["x-request-id"] == "trace-7"
+    r = httpx.post(server[0] + "/v1/completions", json=body | {"max_tokens": "x"},
+                   headers={**AUTH, "X-Request-Id": "trace-8"}, timeout=60)
+    assert r.status_code == 400 and r.headers["x-request-id"] == "trace-8"
+    assert client.completions.with_raw_response.create(**body).headers["x-request-id"]
 
 
 def test_completion_equals_the_offline_engine(server, client):

@@ -202,3 +202,45 @@ def test_a_chat_request_may_leave_the_assistants_turn_unopened_or_continue_its_f
     with pytest.raises(ApiError, match="continue_final_message: add_generation_prompt must be false") as e:
         chat(prefilled, continue_final_message=True)
     assert (e.value.status, e.value.param) == (400, "continue_final_message")
+
+
+def test_a_jobs_chat_row_brings_its_own_template_fields_as_a_serve_request_does(tiny_dir, tmp_path):
+    """A row's ``chat_template_kwargs`` (over the job's), ``add_generation_prompt`` and ``continue_final_message``
+    render its prompt as the same fields of a Serve request; a turns row takes the variables for each turn; an
+    output written before rows' template fields were read runs those rows again."""
+    from eagle_ray.batch.job import JobSummary, input_table, resume_output
+    from eagle_ray.batch.rows import read_input
+    from eagle_ray.engine.request import parse_row
+    from test_job_output import FS, job, write_rows
+    e = engine(str(tiny_dir), chat_template=THINKING, chat_template_kwargs={"enable_thinking": True})
+    words = e.tokenizer.convert_tokens_to_ids
+
+    def prompt_ids(row: dict) -> list[int]:
+        req = parse_row(row, SamplingParams())
+        return e.codec.encode(req.prompt if req.prompt is not None else
+                              Prompt("messages", [{"role": "user", "content": req.turns[0]}], req.variables))
+    plain = prompt_ids({"messages": CHAT})
+    assert prompt_ids({"messages": CHAT, "chat_template_kwargs": {"enable_thinking": False}}) == plain + words(
+        ["w9", "w9"])
+    assert prompt_ids({"messages": CHAT, "add_generation_prompt": False}) == plain[:-2]
+    assert prompt_ids({"messages": CHAT, "add_generation_prompt": False, "continue_final_message": True}) == \
+        e.codec.encode(Prompt("messages", CHAT, None, False, True))
+    assert prompt_ids({"turns": ["w2 w3"], "chat_template_kwargs": {"enable_thinking": False}})[-2:] == words(
+        ["w9", "w9"])
+    for row, reason in [({"prompt": "w1", "chat_template_kwargs": {"a": 1}}, "give the row as messages"),
+                        ({"messages": CHAT, "chat_template_kwargs": {"tokenize": True}}, "tokenize is not a template"),
+                        ({"messages": CHAT, "continue_final_message": True}, "add_generation_prompt must be false"),
+                        ({"turns": ["w1"], "add_generation_prompt": False}, "give the chat as messages"),
+                        ({"messages": CHAT, "add_generation_prompt": "no"}, "must be true or false")]:
+        with pytest.raises(InvalidRequestError, match=reason):
+            parse_row(row, SamplingParams())
+    rows = {"plain": json.dumps({"id": "plain", "messages": CHAT}),
+            "own": json.dumps({"id": "own", "messages": CHAT, "chat_template_kwargs": {"enable_thinking": False}})}
+    write_rows(tmp_path, rows)
+    (tmp_path / "in.jsonl").write_text("\n".join(rows.values()) + "\n")
+    old = {"target": None, "draft": None, "dtype": "auto", "speculative": True, "tool_call_parser": None}
+    (tmp_path / "_job.json").write_text(json.dumps(old))   # written before rows' template fields were read
+    recorded = check_output_identity(FS, str(tmp_path), job(out=str(tmp_path)))
+    now = input_table(read_input(str(tmp_path / "in.jsonl"), FS))
+    resumed = resume_output(FS, str(tmp_path), now, JobSummary(), unread=recorded["unread"])
+    assert resumed.changed == 1 and resumed.done.to_pylist() == ["plain"]

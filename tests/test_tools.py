@@ -448,6 +448,6 @@ def test_a_resume_of_an_output_written_before_tools_were_read_runs_its_tools_row
     old = {"target": None, "draft": None, "dtype": "auto", "speculative": True}   # before the tool settings
     (tmp_path / "_job.json").write_text(json.dumps(old))
     recorded = check_output_identity(FS, str(tmp_path), job(out=str(tmp_path)))
-    assert recorded["tools_unread"] is True
-    resumed = resume_output(FS, str(tmp_path), now, JobSummary(), tools_unread=recorded["tools_unread"])
+    assert "tool_choice" in recorded["unread"]
+    resumed = resume_output(FS, str(tmp_path), now, JobSummary(), unread=recorded["unread"])
     assert resumed.changed == 1 and resumed.done.to_pylist() == ["plain"]

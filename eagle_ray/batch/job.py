@@ -123,7 +123,7 @@ def output_identity(cfg: JobConfig) -> dict:
             "chat_template": None if m.chat_template is None else   # its digest: a template may be pages long
             "sha256:" + hashlib.sha256(m.chat_template.encode()).hexdigest()[:16],
             "chat_template_kwargs": m.chat_template_kwargs, "reasoning_parser": cfg.reasoning_parser,
-            "tool_call_parser": cfg.tool_call_parser,
+            "tool_call_parser": cfg.tool_call_parser, "row_template_fields": True,
             "max_model_len": cfg.engine.cache.max_model_len}
 
 
@@ -141,7 +141,8 @@ def check_output_identity(fs, root: str, cfg: JobConfig) -> dict | None:
         theirs.setdefault("chat_template", None)   # older than these settings: written with the tokenizer's own
         theirs.setdefault("chat_template_kwargs", {})
         theirs.setdefault("reasoning_parser", None)   # older than the settings: outputs whole, no calls read
-        theirs["tools_unread"] = "tool_call_parser" not in theirs   # and rows' tools were passed by: run again
+        # rows' fields read since (tools, chat-template fields) were passed by: the rows holding them run again
+        theirs["unread"] = "|".join(rx for since, rx in UNREAD_SINCE.items() if since not in theirs) or None
         theirs.setdefault("tool_call_parser", None)
         try:   # sampling fields added since it was written take their defaults, which it ran with
             from eagle_ray.config import SamplingParams
@@ -196,13 +197,14 @@ def samples_asked(params: pa.ChunkedArray) -> pa.Array:
 
 
 def resume_output(fs, root: str, inputs: pa.Table, summary: JobSummary, roomier_than: int | None = None,
-                  before_commit=lambda: None, tools_unread: bool = False) -> Resumed:
+                  before_commit=lambda: None, unread: str | None = None) -> Resumed:
     """One pass over the committed parts, reading only the columns it needs of each: drop (one atomic rewrite of
     the part) the rows this run does again: those that failed with the engine or on a bug, those whose id now
     stands for another input row (``inputs``: this run's ``id`` and ``payload``; an inserted row shifts every later
     ``row-<index>``, an edited prompt keeps its id) and, where ``roomier_than`` is the ``max_model_len`` the output
     was written with and this run's is larger, those it refused (``prompt_too_long``) or cut at the context's end,
-    and where ``tools_unread`` (written before rows' tools were read), the rows that hold tools; fold the rest into
+    and where ``unread`` (a pattern of the row fields the output was written before they were read: tools, chat
+    template fields), the rows whose input holds them; fold the rest into
     ``summary``. Parts are matched to the input a group at a time (up to ``RESUME_GROUP_ROWS``
     rows or ``RESUME_GROUP_BYTES``), so that the input's ids are hashed once a group, not once a part."""
     columns = ["id", "input", "sample_index", "sampling_params", *SUMMARY_COLUMNS]
@@ -212,7 +214,7 @@ def resume_output(fs, root: str, inputs: pa.Table, summary: JobSummary, roomier_
 
     def check(group: list[tuple[str, pa.Table]]) -> None:
         table = pa.concat_tables([t for _, t in group])
-        drop, why = rerun_mask(table, inputs, roomier_than is not None, tools_unread)
+        drop, why = rerun_mask(table, inputs, roomier_than is not None, unread)
         for name, mask in why.items():
             setattr(out, name, getattr(out, name) + (pc.sum(mask).as_py() or 0))
         offset = 0
@@ -267,18 +269,21 @@ def resume_output(fs, root: str, inputs: pa.Table, summary: JobSummary, roomier_
 
 
 TOOLS_IN_ROW = r'"(tools|tool_choice)": *[\[{"]'   # a row's input (JSON text) holding tools or a tool choice
+# ... or chat-template fields that change its prompt
+TEMPLATE_IN_ROW = r'"(chat_template_kwargs": *\{|add_generation_prompt": *false|continue_final_message": *true)'
+UNREAD_SINCE = {"tool_call_parser": TOOLS_IN_ROW, "row_template_fields": TEMPLATE_IN_ROW}   # recorded since read
 
 
-def rerun_mask(table: pa.Table, inputs: pa.Table, roomier: bool, tools_unread: bool = False
+def rerun_mask(table: pa.Table, inputs: pa.Table, roomier: bool, unread: str | None = None
                ) -> tuple[pa.Array, dict[str, pa.Array]]:
     """Which written rows run again (see :func:`resume_output`), and each reason's rows (counted once, in the order
-    ``retried``, ``changed``, ``roomier``; a row whose tools went unread counts as changed)."""
+    ``retried``, ``changed``, ``roomier``; a row whose tools or template fields went unread counts as changed)."""
     retry = pc.fill_null(pc.is_in(table.column("error_kind"), value_set=pa.array(RETRIED_ON_RESUME)), False)
     at = pc.index_in(table.column("id"), value_set=inputs.column("id"))
     asked_now = pc.take(inputs.column("payload"), at)
     changed = pc.and_(pc.is_valid(at), pc.fill_null(pc.not_equal(table.column("input"), asked_now), True))
-    if tools_unread:
-        changed = pc.or_(changed, pc.fill_null(pc.match_substring_regex(table.column("input"), TOOLS_IN_ROW), False))
+    if unread:
+        changed = pc.or_(changed, pc.fill_null(pc.match_substring_regex(table.column("input"), unread), False))
     why = {"retried": retry, "changed": pc.and_(changed, pc.invert(retry))}
     drop = pc.or_(retry, changed)
     if roomier:
@@ -509,7 +514,7 @@ def run_leased(cfg: JobConfig, inputs: pa.Table, out_fs, out_root: str, lease: O
     was = (recorded or {}).get("max_model_len")
     roomier_than = was if isinstance(was, int) and was < mine["max_model_len"] else None
     resumed = resume_output(out_fs, out_root, inputs.select(["id", "payload"]), summary, roomier_than, lease.check,
-                            bool((recorded or {}).get("tools_unread"))) if cfg.resume else Resumed.nothing()
+                            (recorded or {}).get("unread")) if cfg.resume else Resumed.nothing()
     if recorded is not None and recorded != mine:   # now that the rows it no longer binds are dropped
         lease.check()
         put_atomic(out_fs, f"{out_root}/{JOB_FILE}", json.dumps(mine, indent=1).encode())

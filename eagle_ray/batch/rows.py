@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from eagle_ray.engine.request import (CONTINUATION_KEYS, MAX_NESTING, PROMPT_KINDS, SAMPLING_KEYS, TOOL_KEYS,
-                                     nesting_depth, storable)
+from eagle_ray.engine.request import (CONTINUATION_KEYS, MAX_NESTING, PROMPT_KINDS, SAMPLING_KEYS, TEMPLATE_KEYS,
+                                     TOOL_KEYS, nesting_depth, storable)
 from eagle_ray.errors import ConfigError, EngineDeadError, InvalidRequestError, PromptTooLongError
 
 # error kinds (the ``error_kind`` column and summary.json's ``error_kinds`` keys)
@@ -260,7 +260,7 @@ def is_batch_line(rec) -> bool:
 
 # the fields a row's request is read from (:func:`eagle_ray.engine.request.parse_row`, or a batch line's)
 READ_FIELDS = ("id", *PROMPT_KINDS, *SAMPLING_KEYS, *CONTINUATION_KEYS, *TOOL_KEYS, "parallel_tool_calls",
-               *BATCH_LINE_KEYS)
+               *TEMPLATE_KEYS, *BATCH_LINE_KEYS)
 
 
 def parquet_row(index: int, rec: dict, path: str) -> InputRow:

@@ -32,7 +32,7 @@ from eagle_ray.batch.openai_batch import answer_columns, batch_response, parse_l
 from eagle_ray.batch.rows import (ENGINE_FAILED, INTERNAL_ERROR, empty_row, error_kind, is_batch_line,
                                   logprob_columns, stop_text, to_table)
 from eagle_ray.engine.reasoning import markers_of, mode_for, split_reasoning
-from eagle_ray.engine.request import RowRequest, parse_row
+from eagle_ray.engine.request import Prompt, RowRequest, parse_row
 from eagle_ray.errors import EagleError, EngineStalledError
 from eagle_ray.serve.answer import api_error, final_body, prepare_request, run_all, run_whole, token_counter
 from eagle_ray.serve.choices import merged_stats
@@ -403,7 +403,7 @@ class GenerateStage:
         for i, turn in enumerate(turns):
             if req.kind == "turns":
                 messages.append({"role": "user", "content": turn})
-                prompt = list(messages)
+                prompt = Prompt("messages", list(messages), req.variables)
             else:
                 prompt = req.prompt
             try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from eagle_ray.config import GUIDED_FIELDS, JSON_OBJECT, SamplingParams
+from eagle_ray.config import GUIDED_FIELDS, JSON_OBJECT, SamplingParams, engine_arguments_in
 from eagle_ray.engine.reasoning import keeps_special_text
 from eagle_ray.engine.tools import ToolError, ToolPlan, forced_call_refusal, tool_plan
 from eagle_ray.errors import ConfigError, InvalidRequestError
@@ -301,6 +301,7 @@ class RowRequest:
     asked_tokens: int | None = None   # the row's own max_new_tokens (None: the defaults' limit, cut at the context)
     continuations: list[str] | None = None   # scored after the prompt, nothing generated (engine/scoring.py)
     tools: ToolPlan | None = None             # a chat's tools and how its answer is read (engine/tools.py)
+    variables: dict | None = None             # its chat-template variables (each turn's too), over the engine's
 
 
 SAMPLING_KEYS = ("sampling_params", "sampling")
@@ -363,6 +364,7 @@ def parse_row(rec, defaults: SamplingParams, tool_parser: str | None = None,
     asked = params.max_new_tokens if isinstance(overrides, dict) and any(overrides.get(k) is not None
                                                                          for k in limits) else None
     continuations = parse_continuations(rec, kind, params)
+    template = row_template(rec, kind)
     if kind == "turns":
         if params.n != 1:
             raise InvalidRequestError("sampling_params.n: samples of a conversation answered turn by turn are not "
@@ -373,7 +375,7 @@ def parse_row(rec, defaults: SamplingParams, tool_parser: str | None = None,
         if any(rec.get(k) is not None for k in TOOL_KEYS):
             raise InvalidRequestError("tools: a conversation answered turn by turn calls none; give the chat as "
                                       "messages")
-        return RowRequest(kind, None, parse_turns(value), params, asked)
+        return RowRequest(kind, None, parse_turns(value), params, asked, variables=template.get("variables"))
     if kind == "prompt":
         if not isinstance(value, str):
             raise InvalidRequestError(f"prompt must be a string, got {_describe(value)}")
@@ -383,11 +385,42 @@ def parse_row(rec, defaults: SamplingParams, tool_parser: str | None = None,
             raise InvalidRequestError("tools: a chat's template shows them; give the row as messages")
         return RowRequest(kind, Prompt("text", check_text(value, "prompt")), None, params, asked, continuations)
     plan, params = row_tools(rec, params, overrides, tool_parser)
-    return RowRequest(kind, Prompt("messages", parse_messages(value), tools=plan.tools if plan else None), None,
-                      params, asked, tools=plan)
+    return RowRequest(kind, Prompt("messages", parse_messages(value), tools=plan.tools if plan else None, **template),
+                      None, params, asked, tools=plan, variables=template.get("variables"))
 
 
 TOOL_KEYS = ("tools", "tool_choice")
+TEMPLATE_KEYS = ("chat_template_kwargs", "add_generation_prompt", "continue_final_message")   # vLLM's, per chat
+
+
+def row_template(rec: dict, kind: str) -> dict:
+    """A chat row's own ``chat_template_kwargs`` (over the engine's), ``add_generation_prompt`` and
+    ``continue_final_message``, as Serve takes them per request, as :class:`Prompt` fields; a ``turns`` row takes
+    the variables alone (each turn ends with the assistant's turn opened), a ``prompt`` row none."""
+    given = {k: without_nulls(rec[k]) for k in TEMPLATE_KEYS if rec.get(k) is not None}
+    if not given:
+        return {}
+    if kind == "prompt":
+        raise InvalidRequestError(f"{next(iter(given))}: a chat template's field; give the row as messages")
+    variables = given.get("chat_template_kwargs")
+    if variables is not None and not isinstance(variables, dict):
+        raise InvalidRequestError(f"chat_template_kwargs must be an object, got {_describe(variables)}")
+    taken = engine_arguments_in(variables)
+    if taken:
+        raise InvalidRequestError(f"chat_template_kwargs: {', '.join(taken)} is not a template variable (the job "
+                                  "sets it, or a field of the row does)")
+    ending = {k: given[k] for k in TEMPLATE_KEYS[1:] if k in given}
+    for key, value in ending.items():
+        if not isinstance(value, bool):
+            raise InvalidRequestError(f"{key} must be true or false, got {_describe(value)}")
+    if ending and kind == "turns":
+        raise InvalidRequestError(f"{next(iter(ending))}: each turn of a turns row ends with the assistant's turn "
+                                  "opened; give the chat as messages")
+    generation, cont = ending.get("add_generation_prompt", True), ending.get("continue_final_message", False)
+    if generation and cont:
+        raise InvalidRequestError("continue_final_message: add_generation_prompt must be false to continue the "
+                                  "final message instead of opening the assistant's turn")
+    return {"variables": variables or None, "generation_prompt": generation, "continue_final": cont}
 
 
 FORCED_CALL_CONFLICTS = (*GUIDED_FIELDS, "min_tokens", "allowed_token_ids")   # what a forced call's schema replaces

@@ -209,3 +209,25 @@ def test_a_line_of_several_choices_is_one_row_that_a_resume_finds_done(tiny_dir,
     writer.close()
     found = resume_output(FS, str(out), pa.table({"id": [row["id"]], "payload": [row["input"]]}), JobSummary())
     assert found.done.to_pylist() == [row["id"]] and found.partial.num_rows == 0
+
+
+def test_a_batch_file_in_parquet_is_read_as_its_lines(tiny_dir, tmp_path):
+    """Arrow gives every line's body the keys any line's has, as nulls (a chat's ``prompt``, a completion's
+    ``messages``): a null is absent, so each line reads as it was written."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    lines = [line("c", messages=CHAT, temperature=0, max_tokens=3),
+             line("t", "/v1/completions", prompt="w1 w2", temperature=0, max_tokens=3, logprobs=1)]
+    pq.write_table(pa.Table.from_pylist(lines), tmp_path / "batch.parquet")
+    rows = read_input(str(tmp_path / "batch.parquet"), FS)
+    assert [r.id for r in rows] == ["c", "t"] and json.loads(rows[0].payload)["body"]["prompt"] is None
+    stage = multi_turn_stage(tiny_dir, tmp_path)
+    import asyncio
+    batch = pa.Table.from_pylist([r.as_item() for r in rows])
+    try:
+        chat, text = asyncio.run(stage(batch)).to_pylist()
+    finally:
+        stage.queue.shutdown(drain=False, timeout=10)
+    assert chat["error"] is None and text["error"] is None
+    assert json.loads(chat["response"])["body"]["object"] == "chat.completion"
+    assert json.loads(text["response"])["body"]["choices"][0]["logprobs"]["tokens"]

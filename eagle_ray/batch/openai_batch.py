@@ -23,6 +23,7 @@ import uuid
 
 from eagle_ray.batch.rows import ENGINE_FAILED, INTERNAL_ERROR, INVALID_REQUEST, PROMPT_TOO_LONG, stop_text
 from eagle_ray.batch.store import put_file_atomic
+from eagle_ray.engine.request import without_nulls
 from eagle_ray.serve import responses
 from eagle_ray.serve.openai_api import ApiError, ParsedRequest, parse_body
 
@@ -48,6 +49,7 @@ def parse_line(rec: dict, default_max_tokens: int, tool_parser: str | None, reas
     body = rec.get("body")
     if not isinstance(body, dict):
         raise ApiError(400, "body: the request's JSON object is required", param="body")
+    body = without_nulls(body)   # a null means absent: Arrow fills the keys one line's body lacks with nulls
     if body.get("stream"):
         raise ApiError(400, "stream: a batch line's answer is written whole, not streamed", param="stream")
     model = body.get("model")

@@ -21,10 +21,13 @@ import os
 import tempfile
 import uuid
 
-from eagle_ray.batch.rows import ENGINE_FAILED, INTERNAL_ERROR, INVALID_REQUEST, PROMPT_TOO_LONG, stop_text
+from eagle_ray.batch.rows import (ENGINE_FAILED, INTERNAL_ERROR, INVALID_REQUEST, PROMPT_TOO_LONG, error_kind,
+                                  stop_text)
 from eagle_ray.batch.store import put_file_atomic
 from eagle_ray.engine.request import without_nulls
+from eagle_ray.errors import EagleError
 from eagle_ray.serve import responses
+from eagle_ray.serve.answer import api_error
 from eagle_ray.serve.openai_api import ApiError, ParsedRequest, parse_body
 
 URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/responses": "responses"}
@@ -69,13 +72,18 @@ def batch_response(status: int, body: dict) -> str:
                       ensure_ascii=False)
 
 
-def refusal_kind(e: ApiError) -> str:
-    """A refused line's ``error_kind``: what the job calls the same failure of any row."""
+def refusal(e: ApiError | EagleError) -> tuple[str, ApiError]:
+    """A refused or failed line's ``error_kind`` (what the job calls the same failure of any row) and the HTTP
+    error Serve would answer (a bug: 500, and the row runs again on resume)."""
+    if isinstance(e, EagleError):
+        kind = error_kind(e)
+        return kind, ApiError(500, f"{type(e).__name__}: {e}", "server_error") if kind == INTERNAL_ERROR else \
+            api_error(e)
     if e.code == "context_length_exceeded":
-        return PROMPT_TOO_LONG
+        return PROMPT_TOO_LONG, e
     if e.status == 503:
-        return ENGINE_FAILED
-    return INVALID_REQUEST if e.status < 500 else INTERNAL_ERROR
+        return ENGINE_FAILED, e
+    return INVALID_REQUEST if e.status < 500 else INTERNAL_ERROR, e
 
 
 def answer_columns(kind: str, body: dict, outs: list) -> dict:

@@ -28,13 +28,13 @@ from datetime import datetime, timezone
 import pyarrow as pa
 
 from eagle_ray.batch.config import ProcessorConfig
-from eagle_ray.batch.openai_batch import answer_columns, batch_response, parse_line, refusal_kind
+from eagle_ray.batch.openai_batch import answer_columns, batch_response, parse_line, refusal
 from eagle_ray.batch.rows import (ENGINE_FAILED, INTERNAL_ERROR, empty_row, error_kind, is_batch_line,
                                   logprob_columns, stop_text, to_table)
 from eagle_ray.engine.reasoning import markers_of, mode_for, split_reasoning
 from eagle_ray.engine.request import Prompt, RowRequest, parse_row
 from eagle_ray.errors import EagleError, EngineStalledError
-from eagle_ray.serve.answer import api_error, final_body, prepare_request, run_all, run_whole, token_counter
+from eagle_ray.serve.answer import final_body, prepare_request, run_all, run_whole, token_counter
 from eagle_ray.serve.choices import merged_stats
 from eagle_ray.serve.logprobs import TokenText
 from eagle_ray.serve.openai_api import ApiError
@@ -334,19 +334,17 @@ class GenerateStage:
                                             self.cfg.speculative, self.token_text)
             body, outs = await run_whole(self.queue, ready, req.body.model)
         except (ApiError, EagleError) as e:
-            kind = error_kind(e) if isinstance(e, EagleError) else refusal_kind(e)
-            refusal = e if isinstance(e, ApiError) else api_error(e) if kind != INTERNAL_ERROR else \
-                ApiError(500, f"{type(e).__name__}: {e}", "server_error")   # a bug: run again on resume
-            row.update(error=refusal.message, error_kind=kind, response=batch_response(refusal.status, refusal.body()))
+            kind, err = refusal(e)
+            row.update(error=err.message, error_kind=kind, response=batch_response(err.status, err.body()))
             return
         row.update(**answer_columns(ready.kind, body, outs), **stat_columns(merged_stats(outs)),
                    response=batch_response(200, final_body(ready, body, self.count_tokens)))
 
     def answer(self, out, req: RowRequest) -> dict:
         """An output's ``output`` (and ``turn_outputs``), ``reasoning``, ``tool_calls``, ``finish_reason`` and
-        ``stop_reason`` columns: with a reasoning parser, its thinking apart (``engine/reasoning.py``: its mode read from the end of
-        the prompt; no answer is ""); with tools, its calls read as Serve reads them (``engine/tools.py``), as
-        OpenAI's JSON list."""
+        ``stop_reason`` columns: with a reasoning parser, its thinking apart (``engine/reasoning.py``: its mode read
+        from the end of the prompt; no answer is ""); with tools, its calls read as Serve reads them
+        (``engine/tools.py``), as OpenAI's JSON list."""
         thought, text = None, out.text
         if self.cfg.reasoning_parser is not None:
             mode = mode_for(self.cfg.reasoning_parser, self.engine.tokenizer, out.prompt_token_ids,
@@ -360,17 +358,13 @@ class GenerateStage:
                 "stop_reason": stop_text(out.stop_reason),
                 "tool_calls": json.dumps(calls, ensure_ascii=False) if calls else None}
 
-    async def outputs(self, seqs) -> list:
-        """Every sequence's output; where one fails, the others are cancelled and its error raised."""
-        return await run_all(self.queue, seqs)
-
     async def run_samples(self, req: RowRequest, row: dict, rid: str) -> list[dict]:
         """``n`` samples of the row's prompt (its prefill shared: ``engine/samples.py``): per sample, what its
         output row holds besides the row's own columns."""
         seqs = await asyncio.to_thread(self.engine.make_samples, req.prompt, req.params,
                                        f"{rid}/{uuid.uuid4().hex[:8]}", self.cfg.speculative)
         self.engine.check_room(len(seqs[0].prompt_ids), req.asked_tokens)
-        outs = await self.outputs(seqs)
+        outs = await run_all(self.queue, seqs)
         # the prompt's values, from the sample that ran all of it (the others copied its first tokens' K/V)
         prompt = max((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), key=len, default=None)
         return [{"output_token_ids": o.token_ids, **self.answer(o, req),
@@ -386,7 +380,7 @@ class GenerateStage:
         from eagle_ray.engine.scoring import score_of, scoring_sequences
         seqs = await asyncio.to_thread(scoring_sequences, self.engine, req.prompt.value, req.continuations,
                                        f"{rid}/{uuid.uuid4().hex[:8]}")
-        outs = await self.outputs(seqs)
+        outs = await run_all(self.queue, seqs)
         scores = [score_of(o.prompt_logprobs, o.prompt_token_ids) for o in outs]
         stats = RequestStats()
         for o in outs:

@@ -234,8 +234,13 @@ def test_a_jobs_chat_row_brings_its_own_template_fields_as_a_serve_request_does(
                         ({"messages": CHAT, "add_generation_prompt": "no"}, "must be true or false")]:
         with pytest.raises(InvalidRequestError, match=reason):
             parse_row(row, SamplingParams())
+    # a column filled for every row holds the values that change nothing on the rows that are not chats
+    for row in ({"prompt": "w1", "add_generation_prompt": True, "continue_final_message": False,
+                 "chat_template_kwargs": {}}, {"turns": ["w1"], "add_generation_prompt": True}):
+        assert parse_row(row, SamplingParams()).variables is None
     rows = {"plain": json.dumps({"id": "plain", "messages": CHAT}),
-            "own": json.dumps({"id": "own", "messages": CHAT, "chat_template_kwargs": {"enable_thinking": False}})}
+            "own": json.dumps({"id": "own", "messages": CHAT, "chat_template_kwargs": {"enable_thinking": False}}),
+            "line": json.dumps({"custom_id": "line", "url": "/v1/completions", "body": {"prompt": "w1"}})}
     write_rows(tmp_path, rows)
     (tmp_path / "in.jsonl").write_text("\n".join(rows.values()) + "\n")
     old = {"target": None, "draft": None, "dtype": "auto", "speculative": True, "tool_call_parser": None}
@@ -243,4 +248,7 @@ def test_a_jobs_chat_row_brings_its_own_template_fields_as_a_serve_request_does(
     recorded = check_output_identity(FS, str(tmp_path), job(out=str(tmp_path)))
     now = input_table(read_input(str(tmp_path / "in.jsonl"), FS))
     resumed = resume_output(FS, str(tmp_path), now, JobSummary(), unread=recorded["unread"])
-    assert resumed.changed == 1 and resumed.done.to_pylist() == ["plain"]
+    assert resumed.unread == 2 and resumed.done.to_pylist() == ["plain"]   # and a batch line read as a row
+    from eagle_ray.batch.job import output_identity   # a job's priority orders its work, answers alike
+    (tmp_path / "_job.json").write_text(json.dumps(output_identity(job(out=str(tmp_path)))))
+    check_output_identity(FS, str(tmp_path), job(out=str(tmp_path), sampling={"priority": 5}))

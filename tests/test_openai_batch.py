@@ -78,6 +78,12 @@ def test_a_bad_line_is_an_error_row_holding_the_http_error_serve_gives(tiny_dir,
     assert row["output"] is None and row["output_token_ids"] is None
 
 
+def test_a_responses_line_takes_its_priority():
+    from eagle_ray.batch.openai_batch import parse_line
+    kind, req = parse_line(line("r", "/v1/responses", input="w1", priority=-5), 8, None, None)
+    assert (kind, req.params.priority) == ("responses", -5)
+
+
 def test_a_lines_id_is_its_custom_id_and_a_row_with_a_url_column_stays_a_row(tmp_path):
     from eagle_ray.batch.rows import is_batch_line
     path = tmp_path / "batch.jsonl"

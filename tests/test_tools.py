@@ -450,4 +450,4 @@ def test_a_resume_of_an_output_written_before_tools_were_read_runs_its_tools_row
     recorded = check_output_identity(FS, str(tmp_path), job(out=str(tmp_path)))
     assert "tool_choice" in recorded["unread"]
     resumed = resume_output(FS, str(tmp_path), now, JobSummary(), unread=recorded["unread"])
-    assert resumed.changed == 1 and resumed.done.to_pylist() == ["plain"]
+    assert resumed.unread == 1 and resumed.changed == 0 and resumed.done.to_pylist() == ["plain"]

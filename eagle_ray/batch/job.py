@@ -119,12 +119,17 @@ def output_identity(cfg: JobConfig) -> dict:
     values would mix answers of two configurations (``max_model_len`` may grow: see :func:`check_output_identity`)."""
     m = cfg.engine.model
     return {"target": m.target, "draft": m.draft, "dtype": m.dtype, "speculative": cfg.speculative,
-            "sampling": cfg.sampling.model_dump(mode="json"), "split_special_tokens": cfg.split_special_tokens,
+            "sampling": answer_sampling(cfg.sampling), "split_special_tokens": cfg.split_special_tokens,
             "chat_template": None if m.chat_template is None else   # its digest: a template may be pages long
             "sha256:" + hashlib.sha256(m.chat_template.encode()).hexdigest()[:16],
             "chat_template_kwargs": m.chat_template_kwargs, "reasoning_parser": cfg.reasoning_parser,
-            "tool_call_parser": cfg.tool_call_parser, "row_template_fields": True,
+            "tool_call_parser": cfg.tool_call_parser, "row_fields_read": True,
             "max_model_len": cfg.engine.cache.max_model_len}
+
+
+def answer_sampling(p) -> dict:
+    """The sampling defaults an output's answers depend on: all but ``priority``, which orders the work alone."""
+    return p.model_dump(mode="json", exclude={"priority"})
 
 
 def check_output_identity(fs, root: str, cfg: JobConfig) -> dict | None:
@@ -146,7 +151,7 @@ def check_output_identity(fs, root: str, cfg: JobConfig) -> dict | None:
         theirs.setdefault("tool_call_parser", None)
         try:   # sampling fields added since it was written take their defaults, which it ran with
             from eagle_ray.config import SamplingParams
-            theirs["sampling"] = SamplingParams(**theirs["sampling"]).model_dump(mode="json")
+            theirs["sampling"] = answer_sampling(SamplingParams(**theirs["sampling"]))
         except (ConfigError, TypeError, KeyError):
             pass
         changed = [k for k in STRICT_IDENTITY if k in theirs and theirs[k] != mine[k]]
@@ -173,6 +178,7 @@ class Resumed:
     ids: pa.Array
     retried: int = 0        # failed with the engine or on a bug
     changed: int = 0        # their id now stands for another input row
+    unread: int = 0         # they hold fields the code that wrote them passed by
     roomier: int = 0        # refused or cut by a smaller max_model_len than this run's
 
     @classmethod
@@ -204,7 +210,7 @@ def resume_output(fs, root: str, inputs: pa.Table, summary: JobSummary, roomier_
     ``row-<index>``, an edited prompt keeps its id) and, where ``roomier_than`` is the ``max_model_len`` the output
     was written with and this run's is larger, those it refused (``prompt_too_long``) or cut at the context's end,
     and where ``unread`` (a pattern of the row fields the output was written before they were read: tools, chat
-    template fields), the rows whose input holds them; fold the rest into
+    template fields, OpenAI batch lines), the rows whose input holds them; fold the rest into
     ``summary``. Parts are matched to the input a group at a time (up to ``RESUME_GROUP_ROWS``
     rows or ``RESUME_GROUP_BYTES``), so that the input's ids are hashed once a group, not once a part."""
     columns = ["id", "input", "sample_index", "sampling_params", *SUMMARY_COLUMNS]
@@ -269,23 +275,27 @@ def resume_output(fs, root: str, inputs: pa.Table, summary: JobSummary, roomier_
 
 
 TOOLS_IN_ROW = r'"(tools|tool_choice)": *[\[{"]'   # a row's input (JSON text) holding tools or a tool choice
-# ... or chat-template fields that change its prompt
-TEMPLATE_IN_ROW = r'"(chat_template_kwargs": *\{|add_generation_prompt": *false|continue_final_message": *true)'
-UNREAD_SINCE = {"tool_call_parser": TOOLS_IN_ROW, "row_template_fields": TEMPLATE_IN_ROW}   # recorded since read
+# ... or chat-template fields, or is an OpenAI batch line
+TEMPLATE_IN_ROW = r'"(chat_template_kwargs|add_generation_prompt|continue_final_message)": *[^n]'
+BATCH_LINE_IN_ROW = r'"custom_id": *[^n]|"url": *"/v1/'
+UNREAD_SINCE = {"tool_call_parser": TOOLS_IN_ROW,   # the identity key recorded since those fields are read
+                "row_fields_read": f"{TEMPLATE_IN_ROW}|{BATCH_LINE_IN_ROW}"}
 
 
 def rerun_mask(table: pa.Table, inputs: pa.Table, roomier: bool, unread: str | None = None
                ) -> tuple[pa.Array, dict[str, pa.Array]]:
     """Which written rows run again (see :func:`resume_output`), and each reason's rows (counted once, in the order
-    ``retried``, ``changed``, ``roomier``; a row whose tools or template fields went unread counts as changed)."""
+    ``retried``, ``changed``, ``unread``, ``roomier``)."""
     retry = pc.fill_null(pc.is_in(table.column("error_kind"), value_set=pa.array(RETRIED_ON_RESUME)), False)
     at = pc.index_in(table.column("id"), value_set=inputs.column("id"))
     asked_now = pc.take(inputs.column("payload"), at)
     changed = pc.and_(pc.is_valid(at), pc.fill_null(pc.not_equal(table.column("input"), asked_now), True))
-    if unread:
-        changed = pc.or_(changed, pc.fill_null(pc.match_substring_regex(table.column("input"), unread), False))
     why = {"retried": retry, "changed": pc.and_(changed, pc.invert(retry))}
     drop = pc.or_(retry, changed)
+    if unread:
+        passed_by = pc.fill_null(pc.match_substring_regex(table.column("input"), unread), False)
+        why["unread"] = pc.and_(passed_by, pc.invert(drop))
+        drop = pc.or_(drop, passed_by)
     if roomier:
         cut = pc.and_(pc.equal(table.column("finish_reason"), "length"),
                       pc.less(pc.list_value_length(table.column("output_token_ids")), table.column("max_new_tokens")))
@@ -522,7 +532,8 @@ def run_leased(cfg: JobConfig, inputs: pa.Table, out_fs, out_root: str, lease: O
     todo = inputs.filter(pc.invert(pc.is_in(inputs.column("id"), value_set=done))) if len(done) else inputs
     unmatched = pc.count_distinct(ids.filter(pc.invert(pc.is_in(ids, value_set=inputs.column("id"))))).as_py() \
         if len(ids) else 0
-    again = ", ".join(f"{n} {why}" for n, why in ((resumed.retried, "failed rows to retry"),
+    again = ", ".join(f"{n} {why}" for n, why in ((resumed.retried, "failed rows to retry"), (resumed.unread,
+                                                   "rows with fields read since they were written"),
                                                   (resumed.roomier, f"rows refused or cut by max_model_len {was}"))
                       if n)
     print_fn(f"eagle-ray job: {inputs.num_rows} input rows, {inputs.num_rows - todo.num_rows} already in "

@@ -379,7 +379,7 @@ class GenerateStage:
         (``engine/scoring.py``)."""
         from eagle_ray.engine.scoring import score_of, scoring_sequences
         seqs = await asyncio.to_thread(scoring_sequences, self.engine, req.prompt.value, req.continuations,
-                                       f"{rid}/{uuid.uuid4().hex[:8]}")
+                                       f"{rid}/{uuid.uuid4().hex[:8]}", req.params.priority)
         outs = await run_all(self.queue, seqs)
         scores = [score_of(o.prompt_logprobs, o.prompt_token_ids) for o in outs]
         stats = RequestStats()

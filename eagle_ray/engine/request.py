@@ -391,6 +391,12 @@ def parse_row(rec, defaults: SamplingParams, tool_parser: str | None = None,
 
 TOOL_KEYS = ("tools", "tool_choice")
 TEMPLATE_KEYS = ("chat_template_kwargs", "add_generation_prompt", "continue_final_message")   # vLLM's, per chat
+TEMPLATE_DEFAULTS = {"chat_template_kwargs": {}, "add_generation_prompt": True, "continue_final_message": False}
+
+
+def changes_nothing(value, harmless) -> bool:
+    """``value`` is ``harmless``: equal, and a bool only where a bool is meant (``true == 1`` in Python)."""
+    return value == harmless and isinstance(value, bool) == isinstance(harmless, bool)
 
 
 def row_template(rec: dict, kind: str) -> dict:
@@ -398,6 +404,7 @@ def row_template(rec: dict, kind: str) -> dict:
     ``continue_final_message``, as Serve takes them per request, as :class:`Prompt` fields; a ``turns`` row takes
     the variables alone (each turn ends with the assistant's turn opened), a ``prompt`` row none."""
     given = {k: without_nulls(rec[k]) for k in TEMPLATE_KEYS if rec.get(k) is not None}
+    given = {k: v for k, v in given.items() if not changes_nothing(v, TEMPLATE_DEFAULTS[k])}   # a filled column's
     if not given:
         return {}
     if kind == "prompt":

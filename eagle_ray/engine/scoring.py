@@ -103,7 +103,8 @@ def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], 
     return ctx, whole[len(ctx):]
 
 
-def scoring_sequences(engine, context: str, continuations: list[str], request_id: str) -> list[Sequence]:
+def scoring_sequences(engine, context: str, continuations: list[str], request_id: str, priority: int = 0
+                      ) -> list[Sequence]:
     """One sequence per continuation, ``<id>/<i>``: the context's ids and the continuation's, run as a prompt with
     nothing generated, scored from the continuation's first token with the top alternative (the greedy test); all
     share the context's K/V (``engine/samples.py``)."""
@@ -116,12 +117,11 @@ def scoring_sequences(engine, context: str, continuations: list[str], request_id
     ctx = pairs[0][0]
     if not ctx:
         raise InvalidRequestError("prompt encodes to no tokens: a continuation needs a context to follow")
-    seqs = []
+    seqs, params = [], SamplingParams(max_new_tokens=1, priority=priority)
     for i, (c, cont) in enumerate(pairs):
         if not cont:
             raise InvalidRequestError(f"continuation {i} encodes to no tokens after the prompt")
-        seq = engine.make_sequence(ctx + cont, SamplingParams(max_new_tokens=1), f"{request_id}/{i}",
-                                   speculative=False)
+        seq = engine.make_sequence(ctx + cont, params, f"{request_id}/{i}", speculative=False)
         seq.prompt_only, seq.prompt_logprobs_k, seq.prompt_logprobs_from = True, 1, len(ctx)
         seq.prompt_logprobs = TokenLogprobs()
         seqs.append(seq)

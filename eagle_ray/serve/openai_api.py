@@ -25,8 +25,8 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valid
                       model_validator)
 
 from eagle_ray.config import GUIDED_FIELDS, JSON_OBJECT, SamplingParams, checked_schema, engine_arguments_in
-from eagle_ray.engine.request import (MAX_NESTING, Prompt, nesting_depth, parse_messages, parse_prompt,
-                                     sampling_params, storable)
+from eagle_ray.engine.request import (MAX_NESTING, Prompt, changes_nothing, nesting_depth, parse_messages,
+                                     parse_prompt, sampling_params, storable)
 from eagle_ray.engine.reasoning import keeps_special_text
 from eagle_ray.engine.request import structured_output_fields as request_structured_outputs
 from eagle_ray.engine.tools import ToolError, ToolPlan, forced_call_refusal, tool_plan
@@ -73,11 +73,6 @@ def template_variables(v: dict | None) -> dict | None:
         raise ValueError(f"{', '.join(taken)}: not a template variable (the server sets it, or a field of the "
                          "request does)")
     return v or None
-
-
-def changes_nothing(value, harmless) -> bool:
-    """``value`` is ``harmless``: equal, and a bool only where a bool is meant (``true == 1`` in Python)."""
-    return value == harmless and isinstance(value, bool) == isinstance(harmless, bool)
 
 
 class StreamOptions(BaseModel):

@@ -29,7 +29,7 @@ LOGPROBS = "message.output_text.logprobs"   # the one ``include`` this server an
 PASSED = ("model", "temperature", "top_p", "stream", "parallel_tool_calls", "user", "seed", "top_k", "min_p",
           "stop", "min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
           "ignore_eos", "chat_template_kwargs", "include_reasoning", "skip_special_tokens", "bad_words",
-          "allowed_token_ids", "stop_token_ids", "truncate_prompt_tokens")   # as a chat takes them (vLLM's too)
+          "allowed_token_ids", "stop_token_ids", "truncate_prompt_tokens", "priority")   # as a chat takes them
 TEXT_PARTS = ("input_text", "output_text", "text")
 
 

@@ -252,3 +252,27 @@ def test_a_jobs_chat_row_brings_its_own_template_fields_as_a_serve_request_does(
     from eagle_ray.batch.job import output_identity   # a job's priority orders its work, answers alike
     (tmp_path / "_job.json").write_text(json.dumps(output_identity(job(out=str(tmp_path)))))
     check_output_identity(FS, str(tmp_path), job(out=str(tmp_path), sampling={"priority": 5}))
+
+
+def test_a_chat_requests_documents_reach_a_retrieval_template_and_one_that_ignores_them_is_refused(tiny_dir):
+    """vLLM's ``documents`` (Command-R's and Granite's retrieval templates read them): shown to the model by a
+    template that renders them; a template that would drop them refuses the request, as one that drops tools."""
+    from eagle_ray.serve.openai_api import ApiError, parse_body
+    docs = PLAIN.replace("{% if add_generation_prompt %}", "{% for d in documents or [] %}{{ d['text'] }} "
+                                                            "{% endfor %}{% if add_generation_prompt %}")
+    e, own = engine(str(tiny_dir), chat_template=docs), engine(str(tiny_dir))
+    words = e.tokenizer.convert_tokens_to_ids
+
+    def chat(**fields):
+        return parse_body(json.dumps({"model": "m", "messages": CHAT, **fields}).encode(), "chat", "m", 16, 8).prompt
+    asked = chat(documents=[{"title": "w4", "text": "w5 w6"}])
+    assert e.codec.encode(asked) == e.codec.encode(CHAT)[:-2] + words(["w5", "w6", "assistant", ":"])
+    with pytest.raises(InvalidRequestError, match="documents: this model's chat template does not show documents"):
+        own.codec.encode(asked)
+    for bad in ([{"text": 5}], ["w1"], [{}]):
+        with pytest.raises(ApiError, match="each document is an object of strings"):
+            chat(documents=bad)
+    assert chat(documents=[]).documents is None
+    with pytest.raises(ApiError, match="documents"):
+        parse_body(json.dumps({"model": "m", "prompt": "w1", "documents": [{"text": "w5"}]}).encode(), "completion",
+                   "m", 16, 8)

@@ -32,6 +32,7 @@ class Prompt:
     continue_final: bool = False    # or with its final message left open, to be continued
                                     # (``continue_final_message``: an answer's prefill)
     tools: tuple | None = None      # function tools the template shows the model (Serve's ``tools``)
+    documents: tuple | None = None  # documents a retrieval template shows the model (vLLM's ``documents``)
 
 
 def check_text(text: str, field: str) -> str:

@@ -101,14 +101,16 @@ class TextCodec:
                 raise InvalidRequestError("chat_template_kwargs: a value holds special-token text, which the "
                                           "template would render as control tokens; remove that text")
             if self.split_special_tokens and self._special_text_in(
-                    [list(p.tools or []), [{k: v for k, v in m.items() if k not in ("role", "content")}
-                                           for m in p.value]]):
-                raise InvalidRequestError("tools or tool calls hold special-token text, which the template would "
-                                          "render as control tokens; remove that text")
+                    [list(p.tools or []), list(p.documents or []),
+                     [{k: v for k, v in m.items() if k not in ("role", "content")} for m in p.value]]):
+                raise InvalidRequestError("tools, tool calls or documents hold special-token text, which the "
+                                          "template would render as control tokens; remove that text")
             if p.tools:
                 options["tools"] = [dict(t) for t in p.tools]
+            if p.documents:
+                options["documents"] = [dict(d) for d in p.documents]
             shown = None
-            if p.tools or any("tool_calls" in m for m in p.value):
+            if p.tools or p.documents or any("tool_calls" in m for m in p.value):
                 shown = self._check_shows_tools(p.value, options)
             if self.split_special_tokens and self._forges_special_tokens(p.value):
                 return self._chat_with_plain_content(p.value, options)
@@ -135,9 +137,10 @@ class TextCodec:
         def text(msgs, opts) -> str:
             return self.tokenizer.apply_chat_template(msgs, tokenize=False, **opts)
         shown = text(messages, options)
-        if "tools" in options and shown == text(messages, {k: v for k, v in options.items() if k != "tools"}):
-            raise InvalidRequestError("tools: this model's chat template does not show tools to the model; give "
-                                      "the deployment a template that does (model.chat_template)")
+        for given in ("tools", "documents"):
+            if given in options and shown == text(messages, {k: v for k, v in options.items() if k != given}):
+                raise InvalidRequestError(f"{given}: this model's chat template does not show {given} to the model; "
+                                          "give the deployment a template that does (model.chat_template)")
         if any("tool_calls" in m for m in messages) and shown == text(
                 [{k: v for k, v in m.items() if k != "tool_calls"} for m in messages], options):
             raise InvalidRequestError("messages: this model's chat template does not show earlier tool calls to the "

@@ -7,8 +7,8 @@ request parser, the same one the batch job uses. Unknown fields are ignored (cli
 explicit ``null`` (OpenAI's fields are nullable: clients send unset options as ``null``); unsupported ones that
 would change what is generated or returned (``n`` above the server's cap, ``echo`` on chat, ``best_of``,
 ``suffix``, the legacy ``functions``, vLLM's beam search and ``length_penalty``, ``prompt_logprobs`` on a stream,
-and its chat-template fields ``chat_template`` and ``documents``) are refused, unless they hold the value that changes
-nothing; vLLM's ``chat_template_kwargs``, ``add_generation_prompt`` and ``continue_final_message``, and ``tools``
+and its per-request ``chat_template``) are refused, unless they hold the value that changes nothing; vLLM's
+``chat_template_kwargs``, ``add_generation_prompt``, ``continue_final_message`` and ``documents``, and ``tools``
 with ``tool_choice`` (``engine/tools.py``), are taken on chat. Types are strict where lax parsing would change the
 request: ``"stream": "yes"`` or ``"max_tokens": true`` are refused, not read as true and 1.
 """
@@ -54,12 +54,12 @@ UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""),
                "audio": (None,), "web_search_options": (None,),
                "length_penalty": (None, 1.0), "use_beam_search": (None, False),
                "logits_processors": (None, []),
-               "chat_template": (None,), "documents": (None, [])}
+               "chat_template": (None,)}
 # chat fields that mean nothing to a completion's prompt (it is not templated), with the values that change nothing
 CHAT_ONLY = {"chat_template_kwargs": (None, {}), "add_generation_prompt": (None, True),
              "continue_final_message": (None, False), "tools": (None, []), "tool_choice": (None, "none", "auto"),
              "parallel_tool_calls": (None, True, False), "include_reasoning": (None, True),
-             "reasoning_effort": (None,)}
+             "reasoning_effort": (None,), "documents": (None, [])}
 NUMBERS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n", "seed",
            "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
            "truncate_prompt_tokens", "top_logprobs", "prompt_logprobs", "priority")   # JSON true or false is none
@@ -314,11 +314,21 @@ class ChatFields(BaseModel):
     continue_final_message: StrictBool = Field(False, description="vLLM's: leave the final message open, for the "
                                                "model to continue (an answer's prefill)")
     tools: list | None = Field(None, description="function tools the template shows the model (engine/tools.py)")
+    documents: list | None = Field(None, description="vLLM's: documents a retrieval template shows the model, each "
+                                   "an object of strings (`{\"title\": ..., \"text\": ...}`)")
 
     @field_validator("chat_template_kwargs")
     @classmethod
     def _template_variables_only(cls, v):
         return template_variables(v)
+
+    @field_validator("documents")
+    @classmethod
+    def _documents_of_strings(cls, v):
+        if v and not all(isinstance(d, dict) and d and all(isinstance(k, str) and isinstance(x, str)
+                                                            for k, x in d.items()) for d in v):
+            raise ValueError("each document is an object of strings ({\"title\": ..., \"text\": ...})")
+        return v or None
 
     def check_ending(self) -> None:
         if self.continue_final_message and self.add_generation_prompt:
@@ -327,7 +337,7 @@ class ChatFields(BaseModel):
 
     def chat_prompt(self, messages, variables: dict | None, tools: tuple | None) -> Prompt:
         return Prompt("messages", parse_messages(messages, "messages"), variables, self.add_generation_prompt,
-                      self.continue_final_message, tools)
+                      self.continue_final_message, tools, tuple(self.documents) if self.documents else None)
 
 
 def checked_tools(tools, tool_choice, parallel: bool, parser: str | None) -> ToolPlan | None:

@@ -42,24 +42,29 @@ def test_the_processor_config_is_the_job_config_without_input_and_output(pair): 
 
 @pytest.mark.slow
 def test_a_user_pipeline_gives_the_jobs_rows(ray_local, pair, tmp_path):  # noqa: F811
-    """read_parquet -> filter -> processor -> write_parquet on the user's side; the job on the same rows."""
-    rows = prompts(14) + [{"id": "bad", "messages": "not a chat"}]
-    kept = [r for r in rows if r["id"] != "q3"]
+    """read_parquet -> filter -> processor -> write_parquet on the user's side; the job on the same rows (an OpenAI
+    batch line among them)."""
+    line = {"custom_id": "line", "url": "/v1/chat/completions", "body": {
+        "model": "m", "messages": [{"role": "user", "content": "w1 w2"}], "temperature": 0, "max_tokens": 6}}
+    rows = prompts(14) + [{"id": "bad", "messages": "not a chat"}, line]
+    kept = [r for r in rows if r.get("id") != "q3"]
     write_jsonl(tmp_path / "in.jsonl", kept)
     job = run_job(config(pair, str(tmp_path / "in.jsonl"), str(tmp_path / "job")))
     assert job["rows"] == len(kept)
 
     user = tmp_path / "user.parquet"   # the user's table: their own column names, one JSON column per request
-    pq.write_table(pa.table({"qid": [r["id"] for r in rows], "request": [json.dumps(r) for r in rows]}), user)
+    pq.write_table(pa.table({"qid": [r.get("id", r.get("custom_id")) for r in rows],
+                             "request": [json.dumps(r) for r in rows]}), user)
     # the actors take half a CPU each: the user's read and filter tasks need CPUs of this 2-CPU Ray too
     processor = build_processor(ProcessorConfig.of(config(pair, "x", "y", actors__num_cpus=0.5)),
                                 preprocess=lambda r: json.loads(r["request"]),
-                                postprocess=lambda r: {k: r[k] for k in SAME} | {"qid": r["request"]["id"]})
+                                postprocess=lambda r: {k: r[k] for k in SAME} | {
+                                    "qid": r["request"].get("id", r["request"].get("custom_id"))})
     ds = ray.data.read_parquet(str(user)).filter(lambda r: r["qid"] != "q3")
     processor(ds).write_parquet(str(tmp_path / "user-out"))
     mine = sorted(pq.read_table(tmp_path / "user-out").to_pylist(), key=lambda r: r["id"])
     theirs = sorted(read_output(*_local(tmp_path / "job")).to_pylist(), key=lambda r: r["id"])
-    assert [r["qid"] for r in mine] == [r["id"] for r in mine] == sorted(r["id"] for r in kept)
+    assert [r["qid"] for r in mine] == [r["id"] for r in mine] == sorted(r.get("id", "line") for r in kept)
     assert [{k: r[k] for k in SAME} for r in mine] == [{k: r[k] for k in SAME} for r in theirs]
     assert [r["error_kind"] for r in mine if r["error_kind"]] == ["invalid_request"]
 

@@ -234,9 +234,16 @@ def test_a_jobs_chat_row_brings_its_own_template_fields_as_a_serve_request_does(
                         ({"messages": CHAT, "add_generation_prompt": "no"}, "must be true or false")]:
         with pytest.raises(InvalidRequestError, match=reason):
             parse_row(row, SamplingParams())
+    docs = PLAIN.replace("{% if add_generation_prompt %}", "{% for d in documents or [] %}{{ d['text'] }} "
+                                                            "{% endfor %}{% if add_generation_prompt %}")
+    with_docs = engine(str(tiny_dir), chat_template=docs)
+    row = parse_row({"messages": CHAT, "documents": [{"text": "w5 w6"}]}, SamplingParams())
+    assert with_docs.codec.encode(row.prompt)[-4:] == words(["w5", "w6", "assistant", ":"])
+    with pytest.raises(InvalidRequestError, match="documents: each document is an object of strings"):
+        parse_row({"messages": CHAT, "documents": ["w5"]}, SamplingParams())
     # a column filled for every row holds the values that change nothing on the rows that are not chats
     for row in ({"prompt": "w1", "add_generation_prompt": True, "continue_final_message": False,
-                 "chat_template_kwargs": {}}, {"turns": ["w1"], "add_generation_prompt": True}):
+                 "chat_template_kwargs": {}, "documents": []}, {"turns": ["w1"], "add_generation_prompt": True}):
         assert parse_row(row, SamplingParams()).variables is None
     rows = {"plain": json.dumps({"id": "plain", "messages": CHAT}),
             "own": json.dumps({"id": "own", "messages": CHAT, "chat_template_kwargs": {"enable_thinking": False}}),

@@ -60,7 +60,7 @@ def filesystem(uri: str, cfg: JobConfig):
     return LocalFileSystem(), os.path.abspath(os.path.expanduser(path))
 
 
-def prepare_output(fs, root: str, uri: str) -> None:
+def prepare_output(fs, root: str, uri: str, name: str = "output.uri") -> None:
     """Make the output folder where folders exist; on S3 the bucket must exist already: writing into a missing one
     would create it (in the store's default region, with its default policies), so it fails here, naming it."""
     if isinstance(fs, LocalFileSystem):
@@ -70,7 +70,7 @@ def prepare_output(fs, root: str, uri: str) -> None:
     try:
         fs.info(bucket)
     except FileNotFoundError:
-        raise ConfigError(f"output.uri {uri}: the bucket {bucket!r} does not exist (or these credentials cannot "
+        raise ConfigError(f"{name} {uri}: the bucket {bucket!r} does not exist (or these credentials cannot "
                           "see it); create it, with the region and policies it needs, or name another") from None
 
 
@@ -133,11 +133,13 @@ def answer_sampling(p) -> dict:
 
 
 def check_output_identity(fs, root: str, cfg: JobConfig) -> dict | None:
-    """Refuse to resume into an output written with another target, head, dtype, speculation, sampling defaults,
-    ``split_special_tokens`` or chat template and its variables, or a smaller ``max_model_len`` (rows answered with
+    """Refuse to resume into an output written with another target, head, dtype, speculation, sampling defaults
+    (``priority`` aside), ``split_special_tokens``, chat template and its variables, parsers, or a smaller
+    ``max_model_len`` (rows answered with
     more room than this run has would sit beside rows refused or cut for the lack of it); record them for the first
     run. A larger ``max_model_len`` resumes: the rows the smaller one refused or cut run again
-    (:func:`resume_output`). Returns the identity the output records (None for a first run). A record from before a
+    (:func:`resume_output`). Returns the identity the output records, with ``unread``: the pattern of the rows that
+    hold fields the writing code passed by (None for a first run). A record from before a
     field was recorded binds nothing for that field, but for the chat template and its variables, which a run before
     they could be set had as the tokenizer's own."""
     path, mine = f"{root}/{JOB_FILE}", output_identity(cfg)
@@ -276,7 +278,7 @@ def resume_output(fs, root: str, inputs: pa.Table, summary: JobSummary, roomier_
 
 TOOLS_IN_ROW = r'"(tools|tool_choice)": *[\[{"]'   # a row's input (JSON text) holding tools or a tool choice
 # ... or chat-template fields, or is an OpenAI batch line
-TEMPLATE_IN_ROW = r'"(chat_template_kwargs|add_generation_prompt|continue_final_message)": *[^n]'
+TEMPLATE_IN_ROW = r'"(chat_template_kwargs|add_generation_prompt|continue_final_message|documents)": *[^n]'
 BATCH_LINE_IN_ROW = r'"custom_id": *[^n]|"url": *"/v1/'
 UNREAD_SINCE = {"tool_call_parser": TOOLS_IN_ROW,   # the identity key recorded since those fields are read
                 "row_fields_read": f"{TEMPLATE_IN_ROW}|{BATCH_LINE_IN_ROW}"}
@@ -607,7 +609,7 @@ def check_openai_batch_file(cfg: JobConfig) -> None:
     fs, path = filesystem(uri, cfg)
     if fs.isdir(path):
         raise ConfigError(f"output.openai_batch_file {uri} is a folder; name the file to write")
-    prepare_output(fs, path.rstrip("/").rsplit("/", 1)[0] if "/" in path else ".", uri)
+    prepare_output(fs, path.rstrip("/").rsplit("/", 1)[0] if "/" in path else ".", uri, "output.openai_batch_file")
 
 
 def check_written(cfg: JobConfig, batch_file: dict | None) -> None:

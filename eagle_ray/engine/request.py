@@ -391,8 +391,9 @@ def parse_row(rec, defaults: SamplingParams, tool_parser: str | None = None,
 
 
 TOOL_KEYS = ("tools", "tool_choice")
-TEMPLATE_KEYS = ("chat_template_kwargs", "add_generation_prompt", "continue_final_message")   # vLLM's, per chat
-TEMPLATE_DEFAULTS = {"chat_template_kwargs": {}, "add_generation_prompt": True, "continue_final_message": False}
+TEMPLATE_KEYS = ("chat_template_kwargs", "add_generation_prompt", "continue_final_message", "documents")   # vLLM's
+TEMPLATE_DEFAULTS = {"chat_template_kwargs": {}, "add_generation_prompt": True, "continue_final_message": False,
+                     "documents": []}
 
 
 def changes_nothing(value, harmless) -> bool:
@@ -401,9 +402,10 @@ def changes_nothing(value, harmless) -> bool:
 
 
 def row_template(rec: dict, kind: str) -> dict:
-    """A chat row's own ``chat_template_kwargs`` (over the engine's), ``add_generation_prompt`` and
-    ``continue_final_message``, as Serve takes them per request, as :class:`Prompt` fields; a ``turns`` row takes
-    the variables alone (each turn ends with the assistant's turn opened), a ``prompt`` row none."""
+    """A chat row's own ``chat_template_kwargs`` (over the engine's), ``add_generation_prompt``,
+    ``continue_final_message`` and ``documents``, as Serve takes them per request, as :class:`Prompt` fields; a
+    ``turns`` row takes the variables alone (each turn ends with the assistant's turn opened), a ``prompt`` row
+    none."""
     given = {k: without_nulls(rec[k]) for k in TEMPLATE_KEYS if rec.get(k) is not None}
     given = {k: v for k, v in given.items() if not changes_nothing(v, TEMPLATE_DEFAULTS[k])}   # a filled column's
     if not given:
@@ -417,7 +419,14 @@ def row_template(rec: dict, kind: str) -> dict:
     if taken:
         raise InvalidRequestError(f"chat_template_kwargs: {', '.join(taken)} is not a template variable (the job "
                                   "sets it, or a field of the row does)")
-    ending = {k: given[k] for k in TEMPLATE_KEYS[1:] if k in given}
+    documents = given.get("documents")
+    if documents is not None and not (isinstance(documents, list) and all(
+            isinstance(d, dict) and d and all(isinstance(x, str) for x in d.values()) for d in documents)):
+        raise InvalidRequestError("documents: each document is an object of strings ({\"title\": ..., "
+                                  "\"text\": ...})")
+    if documents and kind == "turns":
+        raise InvalidRequestError("documents: a turns row's chat is made turn by turn; give the chat as messages")
+    ending = {k: given[k] for k in ("add_generation_prompt", "continue_final_message") if k in given}
     for key, value in ending.items():
         if not isinstance(value, bool):
             raise InvalidRequestError(f"{key} must be true or false, got {_describe(value)}")
@@ -428,7 +437,8 @@ def row_template(rec: dict, kind: str) -> dict:
     if generation and cont:
         raise InvalidRequestError("continue_final_message: add_generation_prompt must be false to continue the "
                                   "final message instead of opening the assistant's turn")
-    return {"variables": variables or None, "generation_prompt": generation, "continue_final": cont}
+    return {"variables": variables or None, "generation_prompt": generation, "continue_final": cont,
+            "documents": tuple(documents) if documents else None}
 
 
 FORCED_CALL_CONFLICTS = (*GUIDED_FIELDS, "min_tokens", "allowed_token_ids")   # what a forced call's schema replaces

@@ -196,6 +196,11 @@ def test_eos_stops_and_nothing_follows(tiny_dir, tiny_hf, tiny_head):
         assert out.token_ids == ref
         assert out.finish_reason == ("stop" if ref[-1] == 1 else "length")
         assert out.stop_reason is None   # EOS, as vLLM says it
+    ended = next(i for i, (out, prompt) in enumerate(zip(outs, prompts)) if out.finish_reason == "stop")
+    listed = engine.generate([prompts[ended]], SamplingParams(max_new_tokens=60, stop_token_ids=[1]))[0]
+    assert listed.token_ids == outs[ended].token_ids and listed.stop_reason is None   # EOS first, as vLLM checks
+    kept = engine.generate([prompts[ended]], SamplingParams(max_new_tokens=60, stop_token_ids=[1], ignore_eos=True))
+    assert kept[0].token_ids == outs[ended].token_ids and kept[0].stop_reason == 1   # ignored EOS, named: its id
 
 
 def test_stop_token_ids_and_max_new_tokens_never_overshoot(tiny_dir, tiny_hf, tiny_head):

@@ -174,7 +174,8 @@ class EagleEngine:
             if ids and max(ids) >= self.target.vocab_size:
                 raise InvalidRequestError(f"{name}: token id {max(ids)} is not in the vocabulary (ids 0 to "
                                           f"{self.target.vocab_size - 1})")
-        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
+        stopping_eos = frozenset() if params.ignore_eos else frozenset(self.eos_ids)   # as vLLM: its reason none
+        stop = set(params.stop_token_ids) | stopping_eos
         # what min_tokens bars: the stop ids and EOS, ignored or not (as vLLM bars it)
         barred = frozenset(stop | set(self.eos_ids)) if params.min_tokens else frozenset()
         bad_words = tuple(map(tuple, self.codec.bad_word_ids(params.bad_words or [])))
@@ -192,7 +193,8 @@ class EagleEngine:
                         logprobs=TokenLogprobs() if params.logprobs is not None else None,
                         prompt_logprobs=TokenLogprobs() if params.prompt_logprobs is not None else None,
                         prompt_logprobs_k=params.prompt_logprobs or 0,
-                        bad_words=bad_words, prediction=self._prediction_ids(params.prediction))
+                        bad_words=bad_words, prediction=self._prediction_ids(params.prediction),
+                        reason_ids=frozenset(params.stop_token_ids) - stopping_eos)
 
     def _prediction_ids(self, prediction: str | None) -> np.ndarray | None:
         """A predicted output's token ids (as the output would spell it: no special tokens added)."""

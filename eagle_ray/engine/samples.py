@@ -98,7 +98,7 @@ def sibling(seq: Sequence, request_id: str, seed: int, index: int, prompt_ids: l
                     prompt_logprobs_from=seq.prompt_logprobs_from,
                     prompt_logprobs=TokenLogprobs() if seq.prompt_logprobs is not None else None,
                     guide=seq.guide.fresh() if seq.guide is not None else None, min_barred=seq.min_barred,
-                    bad_words=seq.bad_words, prediction=seq.prediction)
+                    bad_words=seq.bad_words, prediction=seq.prediction, reason_ids=seq.reason_ids)
 
 
 def prefill_end(seq: Sequence) -> int:

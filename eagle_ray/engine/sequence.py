@@ -77,6 +77,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None        # vLLM's: the stop string or stop_token_ids id that ended it
+    reason_ids: frozenset[int] = frozenset()    # the stop ids a stop_reason names (EOS that stops it names none)
     prefilled: int = 0                          # prompt tokens whose K/V are in the target cache
     pending: PendingPairs = field(default_factory=PendingPairs)   # the head's unconsumed inputs
     draft_hidden: torch.Tensor | None = None    # the head's output at the last pair it consumed: the tree's root
@@ -134,7 +135,7 @@ class Sequence:
             self.output_ids.append(tok)
             if tok in self.stop_ids or (self.guide is not None and self.guide.finished()):
                 self.finish_reason = "stop"    # a stop token, or a grammar that can take nothing more
-                self.stop_reason = tok if tok in self.params.stop_token_ids else None   # EOS alone: None
+                self.stop_reason = tok if tok in self.reason_ids else None
                 return n
             if len(self.output_ids) >= self.params.max_new_tokens:
                 self.finish_reason = "length"

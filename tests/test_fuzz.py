@@ -1,4 +1,5 @@
-"""Fuzzing the two front doors: the batch job's row reader/parser and the Serve app's request parser.
+"""Fuzzing the two front doors: the batch job's row reader/parser (OpenAI batch lines among its rows) and the Serve
+app's request parser.
 
 Thousands of generated rows and bodies (random JSON shapes, wrong types, huge and tiny numbers, unicode with lone
 surrogates, deep nesting, raw bytes) go through the same code the job and the server run, with the tiny model's
@@ -66,7 +67,16 @@ def mutated(draw, base: dict, fields: dict) -> dict:
     return out
 
 
-valid_row = st.one_of(st.fixed_dictionaries({"id": words, "prompt": words.filter(str.strip)}),
+chat_line = st.fixed_dictionaries({"custom_id": words.filter(bool), "method": st.just("POST"),
+                                   "url": st.just("/v1/chat/completions"),
+                                   "body": st.fixed_dictionaries({"model": st.just("m"), "messages": st.lists(
+                                       st.fixed_dictionaries({"role": st.just("user"), "content": words.filter(bool)}),
+                                       min_size=1, max_size=2), "max_tokens": st.integers(1, 4)})})
+text_line = st.fixed_dictionaries({"custom_id": words.filter(bool), "url": st.sampled_from(
+    ["/v1/completions", "/v1/responses", "/v1/embeddings"]), "body": st.fixed_dictionaries(
+    {"model": st.just("m"), "prompt": words.filter(str.strip), "input": words.filter(str.strip),
+     "n": st.integers(1, 2), "max_tokens": st.integers(1, 4), "max_output_tokens": st.integers(16, 20)})})
+valid_row = st.one_of(st.fixed_dictionaries({"id": words, "prompt": words.filter(str.strip)}), chat_line, text_line,
                       st.fixed_dictionaries({"messages": st.lists(st.fixed_dictionaries(
                           {"role": st.sampled_from(["user", "system"]), "content": words.filter(bool)}), min_size=1,
                           max_size=2)}),
@@ -79,7 +89,13 @@ ROW_FIELDS = {"id": st.one_of(st.integers(), words), "prompt": words, "messages"
                                 max_size=2),
               "tool_choice": st.sampled_from(["none", "auto", "required", 3, {"type": "function",
                                                                               "function": {"name": "w5"}}]),
-              "parallel_tool_calls": st.one_of(st.booleans(), words)}
+              "parallel_tool_calls": st.one_of(st.booleans(), words),
+              "custom_id": st.one_of(st.integers(), words), "method": st.sampled_from(["POST", "GET"]),
+              "url": st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/x", "https://w1"]),
+              "body": st.fixed_dictionaries({}, optional={"model": maybe(st.just("m")), "messages": st.lists(message),
+                                                          "prompt": maybe(words), "stream": maybe(st.booleans()),
+                                                          "n": maybe(st.integers(-1, 3)), "input": maybe(words),
+                                                          "max_tokens": maybe(st.integers(-1, 10**7))})}
 
 
 @st.composite
@@ -179,6 +195,9 @@ REQUEST_FIELDS = {
     "tool_choice": st.sampled_from(["none", "auto", "required", 5, {"type": "x"},
                                     {"type": "function", "function": {"name": "w5"}}]),
     "parallel_tool_calls": st.booleans(), "prompt_logprobs": st.integers(-2, 25),
+    "priority": st.integers(-2**33, 2**33), "return_token_ids": st.booleans(),
+    "return_tokens_as_token_ids": st.booleans(), "documents": st.lists(maybe(st.dictionaries(
+        st.sampled_from(["title", "text"]), maybe(words), max_size=2)), max_size=2),
     "prediction": st.one_of(st.fixed_dictionaries({"type": st.just("content"), "content": words}),
                             st.fixed_dictionaries({"type": words, "content": any_json})),
     "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "json_schema"},

@@ -59,6 +59,7 @@ def test_a_completion_lines_choices_are_one_row_and_a_responses_line_is_a_respon
 @pytest.mark.parametrize("bad,status,kind,reason", [
     (line("a", "/v1/embeddings", input="w1"), 400, "invalid_request", "url: '/v1/embeddings' is not answered"),
     (line("a", messages=CHAT) | {"method": "GET"}, 400, "invalid_request", "method: only POST"),
+    (line("a", messages=CHAT) | {"url": []}, 400, "invalid_request", "url: [] is not answered"),   # found by fuzzing
     ({k: v for k, v in line("a", messages=CHAT).items() if k != "custom_id"}, 400, "invalid_request",
      "custom_id: a non-empty string"),
     (line("a", messages=CHAT, stream=True), 400, "invalid_request", "stream: a batch line's answer is written whole"),

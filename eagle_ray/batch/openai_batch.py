@@ -45,10 +45,11 @@ def parse_line(rec: dict, default_max_tokens: int, tool_parser: str | None, reas
         raise ApiError(400, "custom_id: a non-empty string is required on a batch request line", param="custom_id")
     method = rec.get("method", "POST")
     if method != "POST":
-        raise ApiError(400, f"method: only POST is supported, got {method!r}", param="method")
+        raise ApiError(400, f"method: only POST is supported, got {_shown(method)}", param="method")
     url = rec.get("url")
-    if url not in URLS:
-        raise ApiError(400, f"url: {url!r} is not answered by this job; it answers {', '.join(URLS)}", param="url")
+    if not isinstance(url, str) or url not in URLS:
+        raise ApiError(400, f"url: {_shown(url)} is not answered by this job; it answers {', '.join(URLS)}",
+                       param="url")
     body = rec.get("body")
     if not isinstance(body, dict):
         raise ApiError(400, "body: the request's JSON object is required", param="body")
@@ -64,6 +65,11 @@ def parse_line(rec: dict, default_max_tokens: int, tool_parser: str | None, reas
     if kind == "responses":
         return kind, responses.parse_request(raw, functools.partial(parse, kind="chat"))
     return kind, parse(raw, kind)
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def batch_response(status: int, body: dict) -> str:

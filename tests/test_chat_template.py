@@ -283,3 +283,20 @@ def test_a_chat_requests_documents_reach_a_retrieval_template_and_one_that_ignor
     with pytest.raises(ApiError, match="documents"):
         parse_body(json.dumps({"model": "m", "prompt": "w1", "documents": [{"text": "w5"}]}).encode(), "completion",
                    "m", 16, 8)
+
+
+def test_a_trusting_server_renders_a_chat_with_the_requests_own_template(tiny_dir):
+    """vLLM's ``--trust-request-chat-template``: off, a request's ``chat_template`` is a 400; on, its chat is
+    rendered with it as an engine configured with that template renders it (a broken one is the request's 400)."""
+    from eagle_ray.serve.config import ServeConfig
+    from eagle_ray.serve.openai_api import ApiError, parse_body
+    body = json.dumps({"model": "m", "messages": CHAT, "chat_template": PLAIN}).encode()
+    with pytest.raises(ApiError, match="chat_template: this server does not take") as e:
+        parse_body(body, "chat", "m", 16, 8)
+    assert e.value.param == "chat_template" and ServeConfig().trust_request_chat_template is False
+    own, given = engine(str(tiny_dir)), engine(str(tiny_dir), chat_template=PLAIN)
+    assert own.codec.encode(parse_body(body, "chat", "m", 16, 8, trust_template=True).prompt) == \
+        given.codec.encode(CHAT) != own.codec.encode(CHAT)
+    broken = json.dumps({"model": "m", "messages": CHAT, "chat_template": "{% for %}"}).encode()
+    with pytest.raises(InvalidRequestError, match="cannot tokenize the prompt"):
+        own.codec.encode(parse_body(broken, "chat", "m", 16, 8, trust_template=True).prompt)

@@ -362,8 +362,7 @@ def test_the_serve_parser_refuses_vllm_fields_it_would_ignore_and_reads_types_st
         return parse_body(json.dumps({"model": "m", "prompt": "w1", **body}).encode(), kind, "m", 100, 16)
     for field, value in [("length_penalty", 2.0),
                          ("function_call", "required"), ("logits_processors", ["x"]),
-                         ("use_beam_search", True), ("best_of", True),
-                         ("chat_template", "{{ x }}")]:
+                         ("use_beam_search", True), ("best_of", True)]:
         with pytest.raises(ApiError, match=f"^{field} is not supported") as e:
             parse({field: value})
         assert e.value.status == 400 and e.value.param == field
@@ -371,7 +370,7 @@ def test_the_serve_parser_refuses_vllm_fields_it_would_ignore_and_reads_types_st
         parse({"top_logprobs": 2})
     assert e.value.status == 400 and e.value.param == "top_logprobs"
     for field, value in [("chat_template_kwargs", {"enable_thinking": False}), ("continue_final_message", True),
-                         ("add_generation_prompt", False)]:   # chat takes them
+                         ("add_generation_prompt", False), ("chat_template", "{{ x }}")]:   # chat takes them
         with pytest.raises(ApiError, match=f"^{field} is a chat field") as e:
             parse({field: value})
         assert e.value.status == 400 and e.value.param == field

@@ -222,6 +222,7 @@ def test_tokenize_and_detokenize_as_vllm_answers_them(server, client):
             ("/tokenize", {"prompt": "w1", "messages": chat}, 400, "give one of prompt and messages"),
             ("/tokenize", {"messages": chat, "add_special_tokens": True}, 400, "add_special_tokens"),
             ("/tokenize", {"prompt": [1, 99]}, 400, "outside the vocabulary"),
+            ("/tokenize", {"messages": chat, "chat_template": "{{ x }}"}, 400, "does not take a request's own"),
             ("/detokenize", {"tokens": [5, 64]}, 400, "ids [64] are outside the vocabulary"),
             ("/detokenize", {"tokens": "w1"}, 400, "tokens: Input should be a valid list"),
             ("/detokenize", {"model": "gpt-5", "tokens": [5]}, 404, "does not exist")]:

@@ -358,9 +358,11 @@ def test_tokenize_takes_vllms_body():
     from eagle_ray.serve.tokens import parse_tokens_body
     req = parse_tokens_body(b'{"prompt": ""}', "tokenize", "m")
     assert req.model is None and req.to_prompt() is None
-    with pytest.raises(ApiError, match="chat_template: Value error, the deployment sets the chat template") as e:
-        parse_tokens_body(json.dumps({"messages": USER, "chat_template": "{{ x }}"}).encode(), "tokenize", "m")
-    assert e.value.status == 400
+    own = json.dumps({"messages": USER, "chat_template": "{{ x }}"}).encode()
+    with pytest.raises(ApiError, match="chat_template: this server does not take a request's own template") as e:
+        parse_tokens_body(own, "tokenize", "m")
+    assert e.value.status == 400 and e.value.param == "chat_template"
+    assert parse_tokens_body(own, "tokenize", "m", trust_template=True).to_prompt().template == "{{ x }}"
     with pytest.raises(ApiError, match="does not exist") as e:
         parse_tokens_body(b'{"model": "other", "tokens": [1]}', "detokenize", "m")
     assert e.value.status == 404

@@ -33,6 +33,7 @@ class Prompt:
                                     # (``continue_final_message``: an answer's prefill)
     tools: tuple | None = None      # function tools the template shows the model (Serve's ``tools``)
     documents: tuple | None = None  # documents a retrieval template shows the model (vLLM's ``documents``)
+    template: str | None = None     # this request's own chat template (a server that trusts requests' templates)
 
 
 def check_text(text: str, field: str) -> str:

@@ -89,7 +89,7 @@ class TextCodec:
     def _tokenize(self, p: Prompt) -> list[int]:
         """Tokenizer and chat-template failures (a template that requires alternating roles, say) are the
         request's fault: reported as such instead of failing the batch."""
-        if p.kind != "text" and not self.tokenizer.chat_template:
+        if p.kind != "text" and not (self.tokenizer.chat_template or p.template):
             raise InvalidRequestError("the target's tokenizer has no chat template: send the prompt as text or "
                                       "token ids, or give the engine one (model.chat_template)")
         try:
@@ -109,6 +109,8 @@ class TextCodec:
                 options["tools"] = [dict(t) for t in p.tools]
             if p.documents:
                 options["documents"] = [dict(d) for d in p.documents]
+            if p.template:   # a trusted request's own, in transformers' sandboxed Jinja
+                options["chat_template"] = p.template
             shown = None
             if p.tools or p.documents or any("tool_calls" in m for m in p.value):
                 shown = self._check_shows_tools(p.value, options)

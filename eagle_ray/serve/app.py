@@ -121,10 +121,12 @@ class EagleServer:
             raise ApiError(400, "the client disconnected before the request body ended") from None
         # parsed in a worker thread: a body of megabytes takes a second, which must not stall running streams
         if kind in ("tokenize", "detokenize"):
-            return await asyncio.to_thread(parse_tokens_body, bytes(raw), kind, self.cfg.model_name)
+            return await asyncio.to_thread(parse_tokens_body, bytes(raw), kind, self.cfg.model_name,
+                                           self.cfg.trust_request_chat_template)
         parse = functools.partial(parse_body, model_name=self.cfg.model_name, max_tokens_cap=self.cfg.max_tokens_cap,
                                   default_max_tokens=self.cfg.default_max_tokens, max_n=self.cfg.max_n,
-                                  tool_parser=self.cfg.tool_call_parser, reasoning_parser=self.cfg.reasoning_parser)
+                                  tool_parser=self.cfg.tool_call_parser, reasoning_parser=self.cfg.reasoning_parser,
+                                  trust_template=self.cfg.trust_request_chat_template)
         if kind == "responses":   # read as the chat it amounts to
             return await asyncio.to_thread(responses.parse_request, bytes(raw), functools.partial(parse, kind="chat"))
         return await asyncio.to_thread(parse, bytes(raw), kind)

@@ -42,6 +42,9 @@ class ServeConfig(StrictModel):
         None, description="a reasoning model's thinking (<think> ... </think>) returned apart from its answer, in "
         "a chat message's reasoning_content, as vLLM's --reasoning-parser: qwen3, deepseek_r1 (and its distills) or "
         "mistral (Magistral's [THINK] ... [/THINK])")
+    trust_request_chat_template: bool = Field(False, description="vLLM's --trust-request-chat-template: a chat "
+                                              "request may bring its own chat_template (Jinja, run in transformers' "
+                                              "sandbox); false: such a request is a 400")
     s3: S3Options = Field(default_factory=S3Options)
     stall_floor_s: float = Field(120.0, gt=0, description="an engine step may run this long at least before it "
                                  "counts as stalled")

@@ -7,10 +7,11 @@ request parser, the same one the batch job uses. Unknown fields are ignored (cli
 explicit ``null`` (OpenAI's fields are nullable: clients send unset options as ``null``); unsupported ones that
 would change what is generated or returned (``n`` above the server's cap, ``echo`` on chat, ``best_of``,
 ``suffix``, the legacy ``functions``, vLLM's beam search and ``length_penalty``, ``prompt_logprobs`` on a stream,
-and its per-request ``chat_template``) are refused, unless they hold the value that changes nothing; vLLM's
-``chat_template_kwargs``, ``add_generation_prompt``, ``continue_final_message`` and ``documents``, and ``tools``
-with ``tool_choice`` (``engine/tools.py``), are taken on chat. Types are strict where lax parsing would change the
-request: ``"stream": "yes"`` or ``"max_tokens": true`` are refused, not read as true and 1.
+and a chat's own ``chat_template`` where the server does not trust requests' templates) are refused, unless they
+hold the value that changes nothing; vLLM's ``chat_template_kwargs``, ``add_generation_prompt``,
+``continue_final_message`` and ``documents``, and ``tools`` with ``tool_choice`` (``engine/tools.py``), are taken
+on chat. Types are strict where lax parsing would change the request: ``"stream": "yes"`` or ``"max_tokens": true``
+are refused, not read as true and 1.
 """
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator,
-                      model_validator)
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError,
+                      field_validator, model_validator)
 
 from eagle_ray.config import GUIDED_FIELDS, JSON_OBJECT, SamplingParams, checked_schema, engine_arguments_in
 from eagle_ray.engine.request import (MAX_NESTING, Prompt, changes_nothing, nesting_depth, parse_messages,
@@ -54,12 +55,12 @@ UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""),
                "audio": (None,), "web_search_options": (None,),
                "length_penalty": (None, 1.0), "use_beam_search": (None, False),
                "logits_processors": (None, []),
-               "chat_template": (None,)}
+               }
 # chat fields that mean nothing to a completion's prompt (it is not templated), with the values that change nothing
 CHAT_ONLY = {"chat_template_kwargs": (None, {}), "add_generation_prompt": (None, True),
              "continue_final_message": (None, False), "tools": (None, []), "tool_choice": (None, "none", "auto"),
              "parallel_tool_calls": (None, True, False), "include_reasoning": (None, True),
-             "reasoning_effort": (None,), "documents": (None, [])}
+             "reasoning_effort": (None,), "documents": (None, []), "chat_template": (None,)}
 NUMBERS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n", "seed",
            "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
            "truncate_prompt_tokens", "top_logprobs", "prompt_logprobs", "priority")   # JSON true or false is none
@@ -316,6 +317,8 @@ class ChatFields(BaseModel):
     tools: list | None = Field(None, description="function tools the template shows the model (engine/tools.py)")
     documents: list | None = Field(None, description="vLLM's: documents a retrieval template shows the model, each "
                                    "an object of strings (`{\"title\": ..., \"text\": ...}`)")
+    chat_template: StrictStr | None = Field(None, description="vLLM's: the request's own chat template, taken where "
+                                            "the server trusts requests' templates (trust_request_chat_template)")
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -330,6 +333,12 @@ class ChatFields(BaseModel):
             raise ValueError("each document is an object of strings ({\"title\": ..., \"text\": ...})")
         return v or None
 
+    def check_template(self, trusted: bool) -> None:
+        if self.chat_template is not None and not trusted:   # as vLLM without --trust-request-chat-template
+            raise ApiError(400, "chat_template: this server does not take a request's own template "
+                           "(trust_request_chat_template: false); it renders chats with engine.model.chat_template",
+                           param="chat_template")
+
     def check_ending(self) -> None:
         if self.continue_final_message and self.add_generation_prompt:
             raise ApiError(400, "continue_final_message: add_generation_prompt must be false to continue the final "
@@ -337,7 +346,8 @@ class ChatFields(BaseModel):
 
     def chat_prompt(self, messages, variables: dict | None, tools: tuple | None) -> Prompt:
         return Prompt("messages", parse_messages(messages, "messages"), variables, self.add_generation_prompt,
-                      self.continue_final_message, tools, tuple(self.documents) if self.documents else None)
+                      self.continue_final_message, tools, tuple(self.documents) if self.documents else None,
+                      self.chat_template or None)
 
 
 def checked_tools(tools, tool_choice, parallel: bool, parser: str | None) -> ToolPlan | None:
@@ -430,8 +440,8 @@ class ParsedRequest:
 
 
 def parse_body(raw: bytes, kind: str, model_name: str, max_tokens_cap: int, default_max_tokens: int,
-               max_n: int = 16, tool_parser: str | None = None, reasoning_parser: str | None = None
-               ) -> ParsedRequest:
+               max_n: int = 16, tool_parser: str | None = None, reasoning_parser: str | None = None,
+               trust_template: bool = False) -> ParsedRequest:
     """Validate one request body (``kind``: "completion" or "chat"); raises :class:`ApiError`. ``tool_parser``:
     how a chat's answers are read for tool calls where the model chooses (``tool_choice: auto``);
     ``reasoning_parser``: how a chat's thinking is told from its answer (``engine/reasoning.py``)."""
@@ -448,6 +458,7 @@ def parse_body(raw: bytes, kind: str, model_name: str, max_tokens_cap: int, defa
     try:
         if kind != "chat":
             return ParsedRequest(req, req.to_prompts(), req.sampling(default_max_tokens))
+        req.check_template(trust_template)
         plan = req.tool_plan(tool_parser)
         params = req.sampling(default_max_tokens, plan.guided_json() if plan else None)
         if plan is not None and plan.keeps_special_text or keeps_special_text(reasoning_parser):

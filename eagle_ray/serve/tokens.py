@@ -6,7 +6,7 @@ handling (``split_special_tokens``) included.
 """
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
 
 from eagle_ray.engine.request import Prompt, parse_prompt
 from eagle_ray.errors import InvalidRequestError
@@ -20,14 +20,6 @@ class TokenizeRequest(ChatFields):
     messages: list | None = None
     add_special_tokens: StrictBool | None = None
     return_token_strs: StrictBool = False
-    chat_template: object = None
-
-    @field_validator("chat_template")
-    @classmethod
-    def _deployments_template(cls, v):
-        if v is not None:   # refused, as on chat completions
-            raise ValueError("the deployment sets the chat template (engine.model.chat_template)")
-        return v
 
     def to_prompt(self) -> Prompt | None:
         """The prompt as the engine takes it (None: an empty one, which holds no tokens)."""
@@ -52,9 +44,13 @@ class DetokenizeRequest(BaseModel):
     tokens: list[StrictInt]
 
 
-def parse_tokens_body(raw: bytes, kind: str, model_name: str) -> TokenizeRequest | DetokenizeRequest:
-    """``kind``: "tokenize" or "detokenize"; raises :class:`ApiError` naming the field."""
+def parse_tokens_body(raw: bytes, kind: str, model_name: str, trust_template: bool = False
+                      ) -> TokenizeRequest | DetokenizeRequest:
+    """``kind``: "tokenize" or "detokenize"; raises :class:`ApiError` naming the field (a request's own
+    ``chat_template`` as chat completions does)."""
     req = read_body(raw, TokenizeRequest if kind == "tokenize" else DetokenizeRequest)
+    if kind == "tokenize":
+        req.check_template(trust_template)
     if req.model is not None and req.model != model_name:
         raise ApiError(404, f"model {req.model!r} does not exist; this server serves {model_name!r}",
                        param="model", code="model_not_found")

@@ -633,9 +633,8 @@ def write_openai_batch(cfg: JobConfig, fs, root: str, inputs: pa.Table, interrup
         counts = write_output_file(parts, *filesystem(uri, cfg))
     except (OSError, ConfigError) as e:
         return {"uri": uri, "error": f"{type(e).__name__}: {e}"}
-    print_fn(f"eagle-ray job: {counts['lines']} lines in {cfg.output.openai_batch_file}, {counts['answered']} "
-             "of them answered")
-    return {"uri": cfg.output.openai_batch_file, **counts}
+    print_fn(f"eagle-ray job: {counts['lines']} lines in {uri}, {counts['answered']} of them answered")
+    return {"uri": uri, **counts}
 
 
 def _main_thread() -> bool:

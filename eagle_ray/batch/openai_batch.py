@@ -24,7 +24,7 @@ import uuid
 from eagle_ray.batch.rows import (ENGINE_FAILED, INTERNAL_ERROR, INVALID_REQUEST, PROMPT_TOO_LONG, error_kind,
                                   stop_text)
 from eagle_ray.batch.store import put_file_atomic
-from eagle_ray.engine.request import without_nulls
+from eagle_ray.engine.request import shown, without_nulls
 from eagle_ray.errors import EagleError
 from eagle_ray.serve import responses
 from eagle_ray.serve.answer import api_error
@@ -45,10 +45,10 @@ def parse_line(rec: dict, default_max_tokens: int, tool_parser: str | None, reas
         raise ApiError(400, "custom_id: a non-empty string is required on a batch request line", param="custom_id")
     method = rec.get("method", "POST")
     if method != "POST":
-        raise ApiError(400, f"method: only POST is supported, got {_shown(method)}", param="method")
+        raise ApiError(400, f"method: only POST is supported, got {shown(method, 60)}", param="method")
     url = rec.get("url")
     if not isinstance(url, str) or url not in URLS:
-        raise ApiError(400, f"url: {_shown(url)} is not answered by this job; it answers {', '.join(URLS)}",
+        raise ApiError(400, f"url: {shown(url, 60)} is not answered by this job; it answers {', '.join(URLS)}",
                        param="url")
     body = rec.get("body")
     if not isinstance(body, dict):
@@ -65,11 +65,6 @@ def parse_line(rec: dict, default_max_tokens: int, tool_parser: str | None, reas
     if kind == "responses":
         return kind, responses.parse_request(raw, functools.partial(parse, kind="chat"))
     return kind, parse(raw, kind)
-
-
-def _shown(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def batch_response(status: int, body: dict) -> str:

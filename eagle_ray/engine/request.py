@@ -80,7 +80,7 @@ def parse_messages(value, field: str = "messages") -> list[dict]:
             raise InvalidRequestError(f"{where} must be an object with role and content")
         role = m.get("role")
         if role not in CHAT_ROLES:
-            raise InvalidRequestError(f"{where}.role must be one of {list(CHAT_ROLES)}, got {_show(role)}")
+            raise InvalidRequestError(f"{where}.role must be one of {list(CHAT_ROLES)}, got {shown(role)}")
         calls = _tool_calls(m.get("tool_calls"), f"{where}.tool_calls") if role == "assistant" else None
         if m.get("tool_calls") and calls is None:
             raise InvalidRequestError(f"{where}.tool_calls: only an assistant message makes tool calls")
@@ -402,6 +402,12 @@ def changes_nothing(value, harmless) -> bool:
     return value == harmless and isinstance(value, bool) == isinstance(harmless, bool)
 
 
+def documents_of_strings(value) -> bool:
+    """vLLM's ``documents``: a list of non-empty objects of strings (``{"title": ..., "text": ...}``)."""
+    return isinstance(value, list) and all(isinstance(d, dict) and d and all(
+        isinstance(k, str) and isinstance(x, str) for k, x in d.items()) for d in value)
+
+
 def row_template(rec: dict, kind: str) -> dict:
     """A chat row's own ``chat_template_kwargs`` (over the engine's), ``add_generation_prompt``,
     ``continue_final_message`` and ``documents``, as Serve takes them per request, as :class:`Prompt` fields; a
@@ -421,8 +427,7 @@ def row_template(rec: dict, kind: str) -> dict:
         raise InvalidRequestError(f"chat_template_kwargs: {', '.join(taken)} is not a template variable (the job "
                                   "sets it, or a field of the row does)")
     documents = given.get("documents")
-    if documents is not None and not (isinstance(documents, list) and all(
-            isinstance(d, dict) and d and all(isinstance(x, str) for x in d.values()) for d in documents)):
+    if documents is not None and not documents_of_strings(documents):
         raise InvalidRequestError("documents: each document is an object of strings ({\"title\": ..., "
                                   "\"text\": ...})")
     if documents and kind == "turns":
@@ -490,6 +495,7 @@ def _describe(value) -> str:
     return type(value).__name__
 
 
-def _show(value) -> str:
+def shown(value, width: int = 40) -> str:
+    """``value`` as an error message quotes it: its repr, cut to ``width`` characters."""
     text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
+    return text if len(text) <= width else text[:width - 3] + "..."

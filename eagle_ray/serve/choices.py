@@ -212,7 +212,7 @@ def usage(prompts: list[PromptChoices], outs: list) -> dict:
     p = sum(len(c.prompt_ids) for c in prompts)
     c = sum(o if isinstance(o, int) else len(o.token_ids) for o in outs)
     out = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-    seqs = [s for c in prompts for s in c.seqs]
+    seqs = [s for prompt in prompts for s in prompt.seqs]
     counts = [prediction_tokens(s.prediction, o.token_ids) for s, o in zip(seqs, outs)
               if not isinstance(o, int) and getattr(s, "prediction", None) is not None]
     if counts:

@@ -26,8 +26,8 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, Stric
                       field_validator, model_validator)
 
 from eagle_ray.config import GUIDED_FIELDS, JSON_OBJECT, SamplingParams, checked_schema, engine_arguments_in
-from eagle_ray.engine.request import (MAX_NESTING, Prompt, changes_nothing, nesting_depth, parse_messages,
-                                     parse_prompt, sampling_params, storable)
+from eagle_ray.engine.request import (MAX_NESTING, Prompt, changes_nothing, documents_of_strings, nesting_depth,
+                                     parse_messages, parse_prompt, sampling_params, storable)
 from eagle_ray.engine.reasoning import keeps_special_text
 from eagle_ray.engine.request import structured_output_fields as request_structured_outputs
 from eagle_ray.engine.tools import ToolError, ToolPlan, forced_call_refusal, tool_plan
@@ -328,8 +328,7 @@ class ChatFields(BaseModel):
     @field_validator("documents")
     @classmethod
     def _documents_of_strings(cls, v):
-        if v and not all(isinstance(d, dict) and d and all(isinstance(k, str) and isinstance(x, str)
-                                                            for k, x in d.items()) for d in v):
+        if v and not documents_of_strings(v):
             raise ValueError("each document is an object of strings ({\"title\": ..., \"text\": ...})")
         return v or None
 

@@ -7,8 +7,9 @@ and one logical GPU each, one engine per node (``actors.num_gpus: 1``, one threa
     python bench/cluster_job.py bad_start node_loss --target DIR --draft DIR --workdir DIR
 
 ``node_loss``
-    Two actors, 48 rows. Once rows are committed, the node of the actor that wrote the first one is killed (its
-    raylet and workers, no goodbye: a lost or preempted machine). Reports whether the job finished, every id's
+    Two actors, 48 rows. Rows past the first 16 wait until those 16 are committed and the node of an actor holding
+    some of the others is killed (its raylet and workers, no goodbye: a lost or preempted machine), so that the
+    loss comes mid-job however fast the machine. Reports whether the job finished, every id's
     count, the first row any actor finished after the loss (``first_row_after_loss_s``) and the first row the lost
     actor's restarted process started and finished on the spare node (``lost_actor_started_s``,
     ``lost_actor_back_s``).
@@ -51,13 +52,20 @@ def job_config(target: str, head: str, inp: str, out: str, n_actors: int):
 
 
 MARKER = "fail-next-start"   # bad_start's file: the engine start that renames it fails
+HOLD = "hold"   # node_loss's file: while it exists, only the first block's rows run
+HOLD_FROM = 16   # the first row held (a block of the job is 4 batches of 4)
+COMMIT_WAIT_S = 60   # for the first block's rows to be committed once a batch is held
+HOLD_MAX_S = 120   # a hold never lifted (the node was not lost) lets the job end, and the result say why
 
 
-def fail_first_start(marker: str):
-    """A worker setup hook: the first GenerateStage to start (the one that takes ``marker``) raises."""
+def worker_hooks(marker: str, hold: str):
+    """A worker setup hook. The first GenerateStage to start (the one that takes ``marker``) raises. While ``hold``
+    exists, a batch of rows past the first ``HOLD_FROM`` waits, its actor named in ``hold.<pid>``: ``lose_a_node``
+    removes the node of an actor with rows still to run however fast the machine, then ``hold``."""
     def hook():
+        import asyncio
         from eagle_ray.batch import stage
-        start = stage.GenerateStage.__init__
+        start, call = stage.GenerateStage.__init__, stage.GenerateStage.__call__
 
         def init(self, *args, **kwargs):
             try:
@@ -65,7 +73,15 @@ def fail_first_start(marker: str):
             except FileNotFoundError:
                 return start(self, *args, **kwargs)
             raise RuntimeError("this engine cannot start (simulated bad device)")
-        stage.GenerateStage.__init__ = init
+
+        async def held_call(self, batch):
+            t0 = time.time()
+            if os.path.exists(hold) and batch.num_rows and min(batch.column("row_index").to_pylist()) >= HOLD_FROM:
+                Path(f"{hold}.{os.getpid()}").write_text(self.worker_id)
+                while os.path.exists(hold) and time.time() - t0 < HOLD_MAX_S:
+                    await asyncio.sleep(0.05)
+            return await call(self, batch)
+        stage.GenerateStage.__init__, stage.GenerateStage.__call__ = init, held_call
     return hook
 
 
@@ -98,9 +114,9 @@ def main(scenarios: list[str], target: str, head: str, workdir: str) -> dict[str
     for _ in range(3):
         cluster.add_node(num_cpus=1, num_gpus=1)
     cluster.wait_for_nodes()
-    marker = Path(workdir) / "bad_start" / MARKER   # put there as bad_start begins
-    runtime_env = {"worker_process_setup_hook": fail_first_start(str(marker))} if "bad_start" in scenarios else {}
-    ray.init(address=cluster.address, runtime_env=runtime_env, log_to_driver=False)
+    work = Path(workdir)   # the marker and the hold are put there as their scenarios begin
+    hook = worker_hooks(str(work / "bad_start" / MARKER), str(work / "node_loss" / HOLD))
+    ray.init(address=cluster.address, runtime_env={"worker_process_setup_hook": hook}, log_to_driver=False)
     try:
         return {name: run_scenario(name, cluster, target, head, Path(workdir) / name) for name in scenarios}
     finally:
@@ -115,25 +131,32 @@ def run_scenario(scenario: str, cluster, target: str, head: str, work: Path) -> 
     n_rows = {"node_loss": 48, "bad_start": 24}[scenario]
     (work / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows(n_rows)))
     out = work / "out"
-    if scenario == "bad_start":
-        (work / MARKER).touch()
+    (work / {"bad_start": MARKER, "node_loss": HOLD}[scenario]).touch()
     cfg = job_config(target, head, str(work / "in.jsonl"), str(out), 2)
     result: dict = {"scenario": scenario, "rows": n_rows}
     stop = threading.Event()
 
     def lose_a_node():
-        while not stop.is_set():
-            done = committed(out)
-            if done:
-                worker = done[0]["worker_id"]   # host:pid:actor
-                pid = int(worker.split(":")[1])
-                node = node_of(cluster, pid)
-                result["removed_at"] = datetime.now(timezone.utc).isoformat()
-                result["rows_before"] = len(done)
-                result["lost_worker"] = worker
-                cluster.remove_node(node, allow_graceful=False)
-                return
-            time.sleep(0.05)
+        try:
+            first_held = None
+            while not stop.is_set():
+                held = sorted(work.glob(f"{HOLD}.*"))
+                first_held = first_held or (held and time.time())
+                # the first block's rows committed while the others are held (or, where they never are, a while)
+                if held and (len(committed(out)) >= HOLD_FROM or time.time() - first_held > COMMIT_WAIT_S):
+                    worker = held[0].read_text()   # host:pid:actor
+                    node = node_of(cluster, int(worker.split(":")[1]))
+                    result["removed_at"] = datetime.now(timezone.utc).isoformat()
+                    result["rows_before"] = len(committed(out))
+                    result["lost_worker"] = worker
+                    cluster.remove_node(node, allow_graceful=False)
+                    return
+                time.sleep(0.05)
+            result["killer"] = "the job ended before any batch was held"
+        except BaseException as e:  # noqa: BLE001 - said in the result, not lost in a thread
+            result["killer"] = f"{type(e).__name__}: {e}"
+        finally:
+            (work / HOLD).unlink(missing_ok=True)   # the batches held go on
 
     killer = threading.Thread(target=lose_a_node, daemon=True) if scenario == "node_loss" else None
     if killer:
@@ -147,6 +170,8 @@ def run_scenario(scenario: str, cluster, target: str, head: str, work: Path) -> 
         result["exit"] = f"{type(e).__name__}: {str(e)[:500]}"
     finally:
         stop.set()
+        if killer:
+            killer.join(timeout=60)
     result["wall_s"] = round(time.time() - t0, 1)
     written = committed(out)
     result["ids"] = [r["id"] for r in written]

@@ -575,7 +575,8 @@ def run_leased(cfg: JobConfig, inputs: pa.Table, out_fs, out_root: str, lease: O
             from_blocks = getattr(ray.data, "from_blocks", ray.data.from_arrow)
             ds = Processor(ProcessorConfig.of(cfg)).generate(from_blocks(blocks))
             progress = Progress(runnable.num_rows, cfg.progress_every_s, print_fn)
-            for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+            # no prefetch: with it, Ray Data hands on a finished block only once the next one has finished too
+            for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0):
                 progress.add(writer.add(batch))
     except JobInterrupted:
         interrupted = True

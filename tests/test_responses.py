@@ -81,6 +81,7 @@ def test_a_responses_body_is_the_chat_it_amounts_to():
      "input[1].role must be one of"),
     ({"instructions": "hi", "input": [{"role": "wizard", "content": "b"}]}, "input[0].role", "input[0].role"),
     ({"model": "other"}, "model", "does not exist"),
+    ({"include_reasoning": "no"}, "include_reasoning", "must be a boolean"),
 ])
 def test_a_bad_responses_body_is_a_400_naming_the_responses_field(body, param, message):
     with pytest.raises(ApiError) as e:
@@ -165,7 +166,7 @@ def test_a_chat_stream_is_the_responses_events_and_adds_up_to_the_completed_resp
     assert all(i["status"] == "completed" for i in done["output"])
 
 
-def replayed(chunks: list[dict]) -> list[dict]:
+def replayed(chunks: list[dict], shown: bool = True) -> list[dict]:
     """The Responses events of chat chunks given as they are."""
     async def lines():
         for c in chunks:
@@ -173,28 +174,34 @@ def replayed(chunks: list[dict]) -> list[dict]:
         yield "data: [DONE]\n\n"
 
     async def collect():
-        return [line async for line in ResponseEvents(base(), words).translate(lines())]
+        return [line async for line in ResponseEvents(base(), words, shown=shown).translate(lines())]
     return [json.loads(line.split("\n", 1)[1].removeprefix("data: ")) for line in asyncio.run(collect())]
 
 
+def tok(text):
+    return {"token": text, "logprob": -0.5, "bytes": list(text.encode()), "top_logprobs": []}
+
+
+ENTRIES = [tok("<think>"), tok("hm"), tok("."), tok("</think>"), tok("Hi"), tok("!")]   # a thinking, an answer
+THOUGHT_CHUNKS = [
+    {"choices": [{"index": 0, "delta": {"role": "assistant", "reasoning": "hm."},
+                  "logprobs": {"content": ENTRIES[:3]}, "finish_reason": None}]},
+    {"choices": [{"index": 0, "delta": {"content": "Hi"}, "logprobs": {"content": ENTRIES[3:5]},
+                  "finish_reason": None}]},
+    {"choices": [{"index": 0, "delta": {"content": "!"}, "logprobs": {"content": ENTRIES[5:]}, "finish_reason": None}]},
+    {"choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length",
+                  "eagle": {"cached_prompt_tokens": 0}}]},
+    {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 6}}]
+THOUGHT_WHOLE = {"choices": [{"finish_reason": "length", "logprobs": {"content": ENTRIES},
+                              "message": {"role": "assistant", "reasoning": "hm.", "content": "Hi!"}}],
+                 "usage": {"prompt_tokens": 3, "completion_tokens": 6}}
+
+
 def test_an_answers_logprobs_are_its_own_tokens_streamed_or_whole_and_a_cut_item_is_incomplete():
-    def tok(text):
-        return {"token": text, "logprob": -0.5, "bytes": list(text.encode()), "top_logprobs": []}
-    entries = [tok("<think>"), tok("hm"), tok("."), tok("</think>"), tok("Hi"), tok("!")]
-    chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "reasoning": "hm."},
-                            "logprobs": {"content": entries[:3]}, "finish_reason": None}]},
-              {"choices": [{"index": 0, "delta": {"content": "Hi"}, "logprobs": {"content": entries[3:5]},
-                            "finish_reason": None}]},
-              {"choices": [{"index": 0, "delta": {"content": "!"}, "logprobs": {"content": entries[5:]},
-                            "finish_reason": None}]},
-              {"choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length",
-                            "eagle": {"cached_prompt_tokens": 0}}]},
-              {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 6}}]
+    entries, chunks = ENTRIES, THOUGHT_CHUNKS
     got = replayed(chunks)
     streamed = got[-1]["response"]
-    whole = response_body({"choices": [{"finish_reason": "length", "logprobs": {"content": entries},
-                                        "message": {"role": "assistant", "reasoning": "hm.", "content": "Hi!"}}],
-                           "usage": {"prompt_tokens": 3, "completion_tokens": 6}}, base(), words)
+    whole = response_body(THOUGHT_WHOLE, base(), words)
     for response in (streamed, whole):
         assert response["status"] == "incomplete" and [i["status"] for i in response["output"]] == [
             "completed", "incomplete"]
@@ -206,6 +213,17 @@ def test_an_answers_logprobs_are_its_own_tokens_streamed_or_whole_and_a_cut_item
     held.append({"choices": [dict(chunks[3]["choices"][0], logprobs={"content": entries})]})   # values come last
     at_end = replayed(held + chunks[4:])[-1]["response"]
     assert [e["token"] for e in at_end["output"][1]["content"][0]["logprobs"]] == ["Hi", "!"]
+
+
+def test_include_reasoning_false_leaves_the_reasoning_item_out_and_keeps_the_answers_logprobs_its_own():
+    got = replayed(THOUGHT_CHUNKS, shown=False)
+    assert not [e for e in got if "reasoning" in e["type"] or e.get("item", {}).get("type") == "reasoning"]
+    for response in (got[-1]["response"], response_body(THOUGHT_WHOLE, base(), words, shown=False)):
+        assert [i["type"] for i in response["output"]] == ["message"]
+        assert [e["token"] for e in response["output"][0]["content"][0]["logprobs"]] == ["Hi", "!"]
+        assert response["usage"]["output_tokens_details"] == {"reasoning_tokens": 1}   # "hm." is one word
+    req = parsed({"input": "w1", "include_reasoning": False})
+    assert req.body.include_reasoning is True   # the chat behind it keeps the thinking; the response leaves it out
 
 
 def test_an_error_mid_stream_fails_the_response_with_what_was_sent():

@@ -25,6 +25,7 @@ class Prepared:
     shape: ChoiceShape
     base: dict | None            # a Responses request's own response fields (serve/responses.py); None otherwise
     close: str                   # the marker that closes a thinking
+    shown: bool = True           # a Responses request's thinking is an output item (include_reasoning)
 
     @property
     def seqs(self) -> list:
@@ -61,7 +62,8 @@ def prepare_request(engine, req: ParsedRequest, kind: str, model: str, speculati
                         getattr(req.body, "include_reasoning", True), req.body.prompt_logprobs,
                         req.body.return_token_ids)
     base = responses.response_base(answers, rid, now(), model) if answers is not None else None
-    return Prepared(kind, rid, prompts, shape, base, markers_of(req.reasoning)[1])
+    return Prepared(kind, rid, prompts, shape, base, markers_of(req.reasoning)[1],
+                    answers is None or responses.shows_reasoning(answers))
 
 
 async def run_all(queue, seqs: list) -> list:
@@ -95,7 +97,7 @@ async def run_whole(queue, p: Prepared, model: str) -> tuple[dict, list]:
 def final_body(p: Prepared, body: dict, count_tokens) -> dict:
     """The body a client gets: the chat's, or for a Responses request the response it amounts to
     (``count_tokens``: a text's token count, for the thinking's)."""
-    return body if p.base is None else responses.response_body(body, p.base, count_tokens, p.close)
+    return body if p.base is None else responses.response_body(body, p.base, count_tokens, p.close, p.shown)
 
 
 def token_counter(tokenizer):

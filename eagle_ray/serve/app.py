@@ -142,7 +142,7 @@ class EagleServer:
         if req.stream:
             sse = self._sse(req.body, p.prompts, p.shape, p.rid)
             if p.base is not None:   # a Responses request's events
-                sse = responses.ResponseEvents(p.base, self.count_tokens, p.close).translate(sse)
+                sse = responses.ResponseEvents(p.base, self.count_tokens, p.close, p.shown).translate(sse)
             return StreamingResponse(sse, media_type="text/event-stream")
         try:
             body, _ = await run_whole(self.queue, p, self.cfg.model_name)

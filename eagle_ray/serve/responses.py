@@ -28,7 +28,7 @@ REFUSED = {"previous_response_id": (None,), "background": (None, False), "conver
 LOGPROBS = "message.output_text.logprobs"   # the one ``include`` this server answers
 PASSED = ("model", "temperature", "top_p", "stream", "parallel_tool_calls", "user", "seed", "top_k", "min_p",
           "stop", "min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
-          "ignore_eos", "chat_template_kwargs", "include_reasoning", "skip_special_tokens", "bad_words",
+          "ignore_eos", "chat_template_kwargs", "skip_special_tokens", "bad_words",
           "allowed_token_ids", "stop_token_ids", "truncate_prompt_tokens", "priority")   # as a chat takes them
 TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -49,6 +49,8 @@ def chat_body(data: dict) -> tuple[dict, "Origins"]:
             raise ApiError(400, f"{key} is not supported by this server (it keeps no responses)"
                            if key in ("previous_response_id", "background", "conversation")
                            else f"{key} is not supported by this server", param=key)
+    if data.get("include_reasoning") is not None and not isinstance(data["include_reasoning"], bool):
+        raise ApiError(400, "include_reasoning must be a boolean", param="include_reasoning")
     messages, origin = _messages(data)
     chat = {k: data[k] for k in PASSED if data.get(k) is not None} | {"messages": messages}
     if data.get("max_output_tokens") is not None:
@@ -67,6 +69,12 @@ def chat_body(data: dict) -> tuple[dict, "Origins"]:
     if data.get("stream") is True:
         chat["stream_options"] = {"include_usage": True}   # the usage of response.completed
     return chat, origin
+
+
+def shows_reasoning(data: dict) -> bool:
+    """vLLM's ``include_reasoning``: false leaves the ``reasoning`` item out. The chat behind the response keeps
+    its thinking all the same, so that the answer's logprobs and ``reasoning_tokens`` stay right."""
+    return data.get("include_reasoning") is not False
 
 
 def parse_request(raw: bytes, parse_chat) -> ParsedRequest:
@@ -288,13 +296,13 @@ def finished(base: dict, output: list, finish: str | None, usage: dict | None, e
     return out | ({"eagle": eagle} if eagle is not None else {})
 
 
-def response_body(chat: dict, base: dict, count_tokens, close: str = THINK_CLOSE) -> dict:
+def response_body(chat: dict, base: dict, count_tokens, close: str = THINK_CLOSE, shown: bool = True) -> dict:
     """A chat completion's answer as a response (``count_tokens``: a text's token count, for the thinking's;
-    ``close``: the marker that closes a thinking)."""
+    ``close``: the marker that closes a thinking; ``shown``: the thinking is an output item)."""
     choice = chat["choices"][0]
     message = choice["message"]
     output = []
-    if message.get("reasoning"):
+    if message.get("reasoning") and shown:
         output.append(reasoning_item(message["reasoning"]))
     if message.get("content") is not None:
         entries = (choice.get("logprobs") or {}).get("content")
@@ -340,8 +348,10 @@ class ResponseEvents:
     deltas, their ``done`` events and ``output_item.done``, and last ``response.completed`` (``incomplete`` where
     cut) carrying the whole response; an error in the stream ends it with ``error`` and ``response.failed``."""
 
-    def __init__(self, base: dict, count_tokens, close: str = THINK_CLOSE):
+    def __init__(self, base: dict, count_tokens, close: str = THINK_CLOSE, shown: bool = True):
         self.base, self.count_tokens = base, count_tokens
+        self.shown = shown                 # the thinking is an output item (include_reasoning)
+        self.hidden = ""                   # ... or, where it is not, its text (for reasoning_tokens)
         self.seq = 0
         self.output: list[dict] = []       # items, in order
         self.open: dict | None = None      # the text item being written (reasoning or message)
@@ -384,8 +394,10 @@ class ResponseEvents:
 
     def choice(self, choice: dict):
         delta = choice.get("delta") or {}
-        if delta.get("reasoning"):
+        if delta.get("reasoning") and self.shown:
             yield from self.text("reasoning", delta["reasoning"])
+        elif delta.get("reasoning"):
+            self.hidden += delta["reasoning"]
         answering = bool(delta.get("content")) or any(i["type"] == "message" for i in self.output)
         logprobs = self.logprobs.add((choice.get("logprobs") or {}).get("content"), bool(delta.get("reasoning")),
                                      answering)
@@ -456,5 +468,5 @@ class ResponseEvents:
             yield self.event("response.output_item.done", output_index=index, item=item)
 
     def reasoning_tokens(self) -> int:
-        thought = "".join(i["content"][0]["text"] for i in self.output if i["type"] == "reasoning")
+        thought = self.hidden + "".join(i["content"][0]["text"] for i in self.output if i["type"] == "reasoning")
         return self.count_tokens(thought) if thought else 0

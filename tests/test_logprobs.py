@@ -227,7 +227,7 @@ def test_more_samples_than_slots_still_share_the_prompt(tiny_dir, tiny_head):
     ({"top_logprobs": 21, "logprobs": True}, "chat", "top_logprobs", "less than or equal to 20"),
     ({"top_logprobs": 3}, "chat", "top_logprobs", "logprobs must be true"),
     ({"logprobs": 3}, "chat", "logprobs", "valid boolean"),
-    ({"echo": True}, "chat", "echo", "not supported on chat"),
+    ({"echo": "yes"}, "chat", "echo", "valid boolean"),
     ({"max_tokens": 0}, "chat", "max_tokens", "at least 1 token"),
     ({"n": 0}, "chat", "n", "greater than or equal to 1"),
 ])

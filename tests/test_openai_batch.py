@@ -203,6 +203,20 @@ def test_return_token_ids_and_tokens_as_ids_are_vllms(tiny_dir, tmp_path):
     assert set(choice["logprobs"]["top_logprobs"][0]) == {f"token_id:{completion['output_token_ids'][0]}"}
 
 
+def test_a_chat_lines_echo_starts_its_answer_with_the_last_message_as_vllms_does(tiny_dir, tmp_path):
+    """vLLM's chat ``echo``: the last message's text first, where it has the answer's role (an assistant's prefill,
+    continued); a user's last message, with the assistant's turn opened, is not echoed."""
+    prefilled = CHAT + [{"role": "assistant", "content": "w7 w8"}]
+    cont = {"add_generation_prompt": False, "continue_final_message": True, "temperature": 0, "max_tokens": 4}
+    plain, echoed, opened = run_rows(multi_turn_stage(tiny_dir, tmp_path), [
+        line("p", messages=prefilled, **cont), line("e", messages=prefilled, echo=True, **cont),
+        line("u", messages=CHAT, echo=True, temperature=0, max_tokens=4)])
+    content = [json.loads(r["response"])["body"]["choices"][0]["message"]["content"] for r in (plain, echoed, opened)]
+    assert plain["output"] == content[0] and echoed["output"] == content[1] == "w7 w8" + plain["output"]
+    assert echoed["output_token_ids"] == plain["output_token_ids"]   # the tokens made, as the usage counts them
+    assert content[2] == opened["output"]
+
+
 def test_a_line_of_several_choices_is_one_row_that_a_resume_finds_done(tiny_dir, tmp_path):
     import pyarrow as pa
 

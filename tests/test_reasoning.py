@@ -126,9 +126,9 @@ class Prompted:
 
 
 def shape_for(prompt: str = QWEN3_PROMPT, tools=None, parser="qwen3", constrained=False, include=True,
-              markers=False, token_ids=False):
-    return ChoiceShape("chat", False, None, SimpleNamespace(tokenizer=Prompted(prompt, markers)), tools, True,
-                       parser, constrained, include, token_ids=token_ids)
+              markers=False, token_ids=False, prefix=""):
+    return ChoiceShape("chat", bool(prefix), None, SimpleNamespace(tokenizer=Prompted(prompt, markers)), tools, True,
+                       parser, constrained, include, token_ids=token_ids, prefix=prefix)
 
 
 def output(text: str) -> RequestOutput:
@@ -189,6 +189,28 @@ def sse_chunks(pieces: list[str], tools=None, stream_options=None, reason: str =
     lines = asyncio.run(collect())
     assert lines[-1] == "data: [DONE]\n\n"
     return [json.loads(line[len("data: "):]) for line in lines[:-1]]
+
+
+def test_a_chat_echo_streams_the_last_message_first_and_answers_whole_with_it_in_front():
+    chunks = sse_chunks(["Sun", "ny."], parser=None, prefix="It is")
+    assert [c["choices"][0]["delta"] for c in chunks] == [{"role": "assistant", "content": "It is"},
+                                                          {"content": "Sun"}, {"content": "ny."}, {}]
+    seqs = [SimpleNamespace(prompt_ids=[1, 2])]
+    whole = shape_for(parser=None, prefix="It is").choice(0, PromptChoices(seqs, ""), output("Sunny."), "stop")
+    assert whole["message"] == {"role": "assistant", "content": "It isSunny."}
+
+
+def test_vllms_chat_echo_takes_the_last_message_where_it_has_the_answers_role():
+    from functools import partial
+
+    from eagle_ray.serve.openai_api import ChatRequest
+    chat = partial(ChatRequest, model="m")
+    user = {"role": "user", "content": "w1"}
+    prefill = {"role": "assistant", "content": [{"type": "text", "text": "Hi"}]}
+    assert chat(messages=[user, prefill], echo=True).echoed() == "Hi"
+    assert chat(messages=[user], echo=True).echoed() == ""   # the assistant's turn opened: no echo
+    assert chat(messages=[user], echo=True, add_generation_prompt=False).echoed() == "w1"   # its own role
+    assert chat(messages=[user, prefill]).echoed() == ""
 
 
 def test_a_stream_names_its_stop_and_with_return_token_ids_its_prompts_and_outputs_ids():

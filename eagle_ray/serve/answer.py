@@ -56,11 +56,12 @@ def prepare_request(engine, req: ParsedRequest, kind: str, model: str, speculati
             engine.check_room(len(p.prompt_ids), req.body.limit(), limit_name)
     except PromptTooLongError as e:
         raise ApiError(400, str(e), param=limit_name, code="context_length_exceeded") from None
-    shape = ChoiceShape(kind, req.body.echo_prompt, req.body.top(),
+    prefix = req.body.echoed() if kind == "chat" and answers is None else ""
+    shape = ChoiceShape(kind, req.body.echo_prompt or bool(prefix), req.body.top(),
                         TokenIds(token_text) if req.body.return_tokens_as_token_ids else token_text, req.tools,
                         req.params.skip_special_tokens, req.reasoning, req.params.guided is not None,
                         getattr(req.body, "include_reasoning", True), req.body.prompt_logprobs,
-                        req.body.return_token_ids)
+                        req.body.return_token_ids, prefix)
     base = responses.response_base(answers, rid, now(), model) if answers is not None else None
     return Prepared(kind, rid, prompts, shape, base, markers_of(req.reasoning)[1],
                     answers is None or responses.shows_reasoning(answers))

@@ -189,7 +189,10 @@ class EagleServer:
                     continue
                 st, seq = states[index], items[index][1]
                 chunk.made[index] = len(d.output.token_ids) if d.finished else d.num_tokens
-                if shape.echo and not st.echoed:
+                if shape.echo and not st.echoed and kind == "chat":   # the last message's text, as its own delta
+                    st.echoed, st.first = True, False
+                    yield f"data: {json.dumps(chunk(index, shape.prefix, None, True))}\n\n"
+                elif shape.echo and not st.echoed:
                     text, lp = shape.echo_part(prompts[index // n])
                     st.echoed, st.first = True, False
                     st.offset = len(text)

@@ -62,7 +62,7 @@ def prepare(engine, parsed, request_id: str, speculative: bool) -> list[PromptCh
 class ChoiceShape:
     """How one choice is written: chat or completion, echo, and ``k`` (None: no logprobs)."""
     kind: str
-    echo: bool
+    echo: bool                      # a completion's: its prompt first; a chat's: ``prefix`` first
     k: int | None
     text: TokenText
     tools: ToolPlan | None = None   # a chat's tools: its answers are read for calls unless tool_choice is none
@@ -72,6 +72,7 @@ class ChoiceShape:
     include_reasoning: bool = True  # vLLM's include_reasoning: false leaves the thinking out
     prompt_k: int | None = None     # vLLM's prompt_logprobs: alternatives per prompt token (None: not asked)
     token_ids: bool = False         # vLLM's return_token_ids: the prompt's and the output's ids beside the text
+    prefix: str = ""                # a chat's echo: the last message's text (ChatRequest.echoed)
 
     def thinking(self, prompt: PromptChoices) -> str:
         """This prompt's thinking mode (``engine/reasoning.py``: read from the end of its templated prompt)."""
@@ -130,6 +131,8 @@ class ChoiceShape:
             message = {"role": "assistant", "content": text}
             if self.reads_calls and text is not None:
                 message, reason = self.tools.message(text, reason)
+            if self.echo:
+                message["content"] = self.prefix + (message["content"] or "")
             message |= self.reasoning_fields(thought)
             return {"index": index, "message": message, "finish_reason": reason, "stop_reason": out.stop_reason,
                     "logprobs": self.output_logprobs(out.logprobs, out.token_ids, 0, prompt.prompt_ids),

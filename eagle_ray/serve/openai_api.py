@@ -377,12 +377,16 @@ class ChatRequest(_Request, ChatFields):
                              "echo)")
         return v
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v):
-        if v:
-            raise ValueError("echo is not supported on chat completions (it scores a prompt: use /v1/completions)")
-        return v
+    def echoed(self) -> str:
+        """vLLM's chat ``echo``: the last message's text, which each answer then starts with, where that message
+        has the role the answer is written in (the assistant's; without ``add_generation_prompt``, its own)."""
+        last = self.messages[-1] if self.echo and isinstance(self.messages[-1], dict) else {}
+        if last.get("role") != ("assistant" if self.add_generation_prompt else last.get("role")):
+            return ""
+        content = last.get("content")
+        if isinstance(content, list):   # text parts
+            content = "".join(p.get("text") or "" for p in content if isinstance(p, dict))
+        return content if isinstance(content, str) else ""
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):

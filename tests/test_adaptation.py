@@ -14,8 +14,12 @@ def own(head):
 
 
 def adapting(engine, **cfg):
+    """An adapter; without a ``time_share``, one that trains after every engine step however long its steps take
+    against the engine's (above the config's bound: the rounds and swaps counted do not depend on the machine)."""
     from eagle_ray.train.online import Adapter
     engine.adapter = Adapter(engine.draft, engine.target.lm_head_weight, AdaptationConfig(enabled=True, **cfg))
+    if "time_share" not in cfg:
+        engine.adapter.cfg = engine.adapter.cfg.model_copy(update={"time_share": 1e9})
     return engine.adapter
 
 
@@ -35,7 +39,7 @@ def test_swapping_heads_every_round_leaves_every_token_the_targets(tiny_dir, tin
     """Every candidate replaces the live head, several times over the run."""
     monkeypatch.setattr("eagle_ray.train.online.MIN_SCORED", 0)
     engine = tiny_engine(tiny_dir, own(tiny_head), max_batch_size=4)
-    adapter = adapting(engine, time_share=1.0, round_steps=2, batch_tokens=64, hold_back=2, lr=1e-3)
+    adapter = adapting(engine, round_steps=2, batch_tokens=64, hold_back=2, lr=1e-3)
     swaps_every_round(adapter)
     prompts = mixed_prompts(24, seed=13)
     seqs = run(engine, prompts, SamplingParams(max_new_tokens=24, ignore_eos=True))
@@ -53,7 +57,7 @@ def test_seeded_sampling_through_swaps_is_the_same_as_without(tiny_dir, tiny_hea
     plain = tiny_engine(tiny_dir, own(tiny_head), max_batch_size=4)
     want = [list(s.output_ids) for s in run(plain, prompts, params)]
     engine = tiny_engine(tiny_dir, own(tiny_head), max_batch_size=4)
-    adapter = adapting(engine, time_share=1.0, round_steps=2, batch_tokens=64, hold_back=2, lr=1e-3)
+    adapter = adapting(engine, round_steps=2, batch_tokens=64, hold_back=2, lr=1e-3)
     swaps_every_round(adapter)
     assert [list(s.output_ids) for s in run(engine, prompts, params)] == want
     assert adapter.state.version >= 2
@@ -64,7 +68,7 @@ def test_a_broken_candidate_never_replaces_the_live_head(tiny_dir, tiny_head):
     discarded; the live head's weights stay as loaded. (Training on shuffled tokens or random features is not
     bad enough on a 64-token random target: even noise teaches which tokens its lm_head favours.)"""
     engine = tiny_engine(tiny_dir, own(tiny_head), max_batch_size=4)
-    adapter = adapting(engine, time_share=1.0, round_steps=4, batch_tokens=128, hold_back=2)
+    adapter = adapting(engine, round_steps=4, batch_tokens=128, hold_back=2)
     step, g = adapter.train_step, torch.Generator().manual_seed(0)
 
     def breaks_it():

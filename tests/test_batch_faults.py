@@ -4,6 +4,7 @@ rest of its batch is answered, and a step that never returns fails the engine wi
 The job's actor is ``GenerateStage``; here it runs in this process (no Ray), exactly as an actor calls it."""
 import asyncio
 import json
+import threading
 import time
 
 import pyarrow as pa
@@ -82,22 +83,25 @@ def test_the_restarted_engine_answers_as_a_fresh_one(tiny_dir, tmp_path):
 
 def test_a_stalled_step_fails_the_engine_within_its_bound(tiny_dir):
     engine = EagleEngine.from_pretrained(str(tiny_dir), "random", dtype="float32", max_batch_size=2)
-    step, calls = engine.step, []
+    step, calls, stalled_at, release = engine.step, [], [], threading.Event()
 
     def stalls():
         calls.append(1)
         if len(calls) == 4:
-            time.sleep(8)   # a kernel that does not return within the bound
+            stalled_at.append(time.monotonic())
+            release.wait(30)   # a kernel that does not return within the bound
         return step()
 
     engine.step = stalls
-    queue = RequestQueue(engine, StallBound(floor_s=0.5, factor=10))
-    t0 = time.monotonic()
+    queue = RequestQueue(engine, StallBound(floor_s=1.0, factor=0))   # 1 s, however long the steps before took
     future = queue.submit([5, 6, 7], SamplingParams(max_new_tokens=32, ignore_eos=True))
-    with pytest.raises(EngineDeadError, match="past its bound"):
-        future.result(timeout=20)
-    assert time.monotonic() - t0 < 5 and not queue.healthy and isinstance(queue.dead, EngineStalledError)
-    assert "engine step 4" in str(queue.dead)
+    try:
+        with pytest.raises(EngineDeadError, match="past its bound"):
+            future.result(timeout=30)
+        assert time.monotonic() - stalled_at[0] < 5 and not queue.healthy
+    finally:
+        release.set()
+    assert isinstance(queue.dead, EngineStalledError) and "engine step 4" in str(queue.dead)
 
 
 def test_the_stall_bound_follows_the_slowest_step():

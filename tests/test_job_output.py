@@ -16,6 +16,7 @@ from eagle_ray.batch.job import (OutputLease, PartWriter, check_output_identity,
                                  read_output, resume_output, run_job)
 from eagle_ray.batch.summary import JobSummary
 from eagle_ray.batch.rows import empty_row, read_input
+from eagle_ray.batch.store import put_atomic
 from eagle_ray.errors import ConfigError
 
 FS = LocalFileSystem()
@@ -125,7 +126,8 @@ def test_a_run_whose_output_was_taken_over_commits_nothing_more(tmp_path):
     writer = PartWriter(FS, str(tmp_path), 2, 10, before_commit=lease.check)
     writer.add([empty_row({"id": f"r{i}", "row_index": i, "payload": "{}"}) for i in range(2)])   # one part
     taken = {"run": "run-b", "host": "elsewhere", "pid": 1, "heartbeat": time.time()}
-    (tmp_path / "_lease.json").write_text(json.dumps(taken))
+    with lease._lock:   # between two renewals, whole, as another run's takeover writes it
+        put_atomic(FS, str(tmp_path / "_lease.json"), json.dumps(taken).encode())
     with pytest.raises(LeaseLostError, match="taken over by run run-b on elsewhere"):
         writer.add([empty_row({"id": f"r{i}", "row_index": i, "payload": "{}"}) for i in range(2, 4)])
     writer.close()
@@ -140,12 +142,14 @@ def test_the_lease_is_replaced_whole_never_rewritten_in_place(tmp_path):
     lease = OutputLease(FS, str(tmp_path), "run-a", stale_s=0.4)
     lease.acquire()
     with open(tmp_path / "_lease.json") as reader:   # a reader holding the lease as it was
-        time.sleep(0.35)   # a few renewals
+        deadline = time.time() + 30
+        while os.fstat(reader.fileno()).st_nlink and time.time() < deadline:   # until a renewal
+            time.sleep(0.05)
         assert os.fstat(reader.fileno()).st_nlink == 0   # replaced by a new file, not truncated and rewritten
         assert json.loads(reader.read())["run"] == "run-a"
     assert json.loads((tmp_path / "_lease.json").read_text())["heartbeat"] > 0
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]
     lease.release()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]
 
 
 @pytest.mark.parametrize("folder", ["my data [final]", "runs?", "in[1]"])

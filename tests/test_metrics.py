@@ -48,8 +48,20 @@ def test_a_cancelled_request_counts_as_abort_with_the_tokens_it_made(tiny_dir, t
     the tokens it had made count (they used to be missing: nothing moved)."""
     from eagle_ray.engine.queue import RequestQueue
     engine = tiny_engine(tiny_dir, tiny_head, TreeConfig(total_tokens=8, depth=3, top_k=3), max_batch_size=3)
+    import threading
     metrics = ServeMetrics("tiny")
     queue = RequestQueue(engine, on_finish=metrics.record)
+    cancel, step, cancelled = queue.cancel, engine.step, threading.Event()
+
+    def cancel_seen(rid):
+        cancelled.set()
+        return cancel(rid)
+
+    def held_step():   # past 5 tokens, the engine waits for the consumer's cancel, however slow that thread is
+        if any(len(s.output_ids) >= 5 for s in engine.scheduler.running):
+            cancelled.wait(30)
+        return step()
+    queue.cancel, engine.step = cancel_seen, held_step
     try:
         made = 0
         for delta in queue.stream([5, 6, 7], SamplingParams(max_new_tokens=100, ignore_eos=True)):

@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import ray
-from test_job import config, prompts, write_jsonl
+from test_job import both_up, config, prompts, write_jsonl
 
 from eagle_ray.batch.config import ActorsConfig, JobConfig, ProcessorConfig
 from eagle_ray.batch.job import read_output, run_job
@@ -70,9 +70,10 @@ def test_a_user_pipeline_gives_the_jobs_rows(ray_local, pair, tmp_path):  # noqa
 
 
 @pytest.mark.slow
-def test_two_engines_share_one_gpu_at_half_a_gpu_each(ray_local, pair, tmp_path):  # noqa: F811
+def test_two_engines_share_one_gpu_at_half_a_gpu_each(ray_local, pair, tmp_path, monkeypatch):  # noqa: F811
     """Ray counts the GPU (this CPU machine's Ray is started with one logical GPU): two actors at 0.5 run at once
     on it, each engine planning its memory from half of it."""
+    both_up(monkeypatch)
     cfg = config(pair, "x", "y", actors__num_gpus=0.5, actors__num_actors=2, actors__num_cpus=0.5,
                  actors__batch_size=2, actors__max_concurrent_batches=1)
     out = build_processor(ProcessorConfig.of(cfg))(ray.data.from_items(prompts(24), override_num_blocks=12)).take_all()

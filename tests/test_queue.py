@@ -169,32 +169,34 @@ def test_abandoning_agenerate_cancels_the_request(engine):
 def test_generate_from_two_threads_refuses_the_second_caller_and_answers_the_first_right(tiny_dir, tiny_head):
     """One engine is stepped by one caller: a second thread's generate() gets a clear error pointing to
     RequestQueue (it used to corrupt the first caller's output)."""
-    import threading
-
     from eagle_ray.errors import InvalidRequestError
     engine = tiny_engine(tiny_dir, tiny_head)
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     expected = engine.generate([[5, 9, 12]], params)[0].token_ids
     results, errors = [], []
-    started = threading.Event()
+    inside, tried = threading.Event(), threading.Event()
     step = engine.step
 
-    def slow_step():
-        started.set()
+    def paused_step():   # the first caller waits inside its first step while the second one tries
+        if not inside.is_set():
+            inside.set()
+            tried.wait(60)
         return step()
 
-    engine.step = slow_step
+    engine.step = paused_step
 
     def first():
         results.append(engine.generate([[5, 9, 12]], params)[0].token_ids)
 
     t = threading.Thread(target=first)
     t.start()
-    started.wait(10)
+    assert inside.wait(60)
     try:
         engine.generate([[5, 9, 13]], params)
     except InvalidRequestError as e:
         errors.append(str(e))
+    finally:
+        tried.set()
     t.join(60)
     assert results == [expected] and len(errors) == 1 and "RequestQueue" in errors[0]
     queue = RequestQueue(engine)

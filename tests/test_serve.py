@@ -336,7 +336,7 @@ def test_disconnects_leak_no_slots(server, client):
             t.join()
     deadline = time.time() + 30
     while time.time() < deadline:
-        stats = httpx.get(base + "/stats").json()
+        stats = httpx.get(base + "/stats", timeout=60).json()
         if stats["free_slots"] == 4 and stats["pending"] == 0:
             break
         time.sleep(0.2)
@@ -378,10 +378,10 @@ def test_metrics_add_up_to_what_the_responses_report(server, client):
     histogram: one whose first sampled token ended it would run no verify step."""
     from test_metrics import samples
     base = server[0]
-    before = samples(httpx.get(base + "/metrics").content)
+    before = samples(httpx.get(base + "/metrics", timeout=60).content)
     resps = [client.completions.create(model=MODEL, prompt=p, max_tokens=12, extra_body={"ignore_eos": True})
              for p in PROMPTS]
-    after = samples(httpx.get(base + "/metrics").content)
+    after = samples(httpx.get(base + "/metrics", timeout=60).content)
 
     def grew(name):
         return after.get((name, ()), 0) - before.get((name, ()), 0)
@@ -453,6 +453,8 @@ def test_every_scrape_of_a_two_replica_app_reads_its_totals(two_replicas):
         r = httpx.post(base + "/v1/completions", json={"model": "two", "prompt": f"w{i} w2", "max_tokens": 4,
                                                       "ignore_eos": True}, timeout=120)
         assert r.status_code == 200, r.text
-    time.sleep(PUSH_EVERY_S + 2)   # each replica has sent its counts since
+    deadline = time.time() + 6 * PUSH_EVERY_S   # until each replica has sent its counts (a push may be late)
+    while scrape(base).get(key, 0) - before != 8 and time.time() < deadline:
+        time.sleep(0.5)
     seen = [scrape(base).get(key, 0) - before for _ in range(10)]
     assert seen == [8] * 10, seen

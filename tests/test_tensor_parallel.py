@@ -167,7 +167,7 @@ from eagle_ray.batch.processor import pool_options
 
 class Devices:   # stands in for the engine's actor: reports what Ray reserved for it
     def __call__(self, batch):
-        time.sleep(0.2)   # long enough that both actors take batches
+        time.sleep(0.2)
         ids = ",".join(str(g) for g in ray.get_gpu_ids())
         return {"gpus": [ids] * len(batch["id"]), "visible": [os.environ.get("CUDA_VISIBLE_DEVICES", "")] * len(batch["id"])}
 
@@ -177,6 +177,7 @@ cfg = ProcessorConfig(engine={"tensor_parallel": 2}, actors={"num_actors": 2, "n
                                                             "batch_size": 1})
 options = pool_options(cfg.actors)
 options["batch_format"] = "numpy"
+ray.data.DataContext.get_current().wait_for_min_actors_s = 300   # both actors up before any row: both take rows
 rows = ray.data.range(40, override_num_blocks=8).map(lambda r: {"id": r["id"]}).map_batches(Devices, **options).take_all()
 print(json.dumps(sorted({(r["gpus"], r["visible"]) for r in rows})))
 """

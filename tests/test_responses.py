@@ -17,10 +17,10 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "the weathe
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
 
 
-def parsed(body: dict, parser: str | None = "hermes"):
+def parsed(body: dict, parser: str | None = "hermes", kept=None):
     def parse_chat(raw):
         return parse_body(raw, "chat", "m", 100, 16, tool_parser=parser, reasoning_parser="qwen3")
-    return parse_request(json.dumps({"model": "m", **body}).encode(), parse_chat)
+    return parse_request(json.dumps({"model": "m", **body}).encode(), parse_chat, kept)
 
 
 def test_a_responses_body_is_the_chat_it_amounts_to():
@@ -166,7 +166,7 @@ def test_a_chat_stream_is_the_responses_events_and_adds_up_to_the_completed_resp
     assert all(i["status"] == "completed" for i in done["output"])
 
 
-def replayed(chunks: list[dict], shown: bool = True) -> list[dict]:
+def replayed(chunks: list[dict], shown: bool = True, on_done=None) -> list[dict]:
     """The Responses events of chat chunks given as they are."""
     async def lines():
         for c in chunks:
@@ -174,7 +174,7 @@ def replayed(chunks: list[dict], shown: bool = True) -> list[dict]:
         yield "data: [DONE]\n\n"
 
     async def collect():
-        return [line async for line in ResponseEvents(base(), words, shown=shown).translate(lines())]
+        return [line async for line in ResponseEvents(base(), words, shown=shown, on_done=on_done).translate(lines())]
     return [json.loads(line.split("\n", 1)[1].removeprefix("data: ")) for line in asyncio.run(collect())]
 
 
@@ -224,6 +224,44 @@ def test_include_reasoning_false_leaves_the_reasoning_item_out_and_keeps_the_ans
         assert response["usage"]["output_tokens_details"] == {"reasoning_tokens": 1}   # "hm." is one word
     req = parsed({"input": "w1", "include_reasoning": False})
     assert req.body.include_reasoning is True   # the chat behind it keeps the thinking; the response leaves it out
+
+
+def test_a_follow_up_continues_the_kept_conversation_and_the_newest_responses_are_kept():
+    """``previous_response_id``: the kept response's conversation (its input and output items), then the new input;
+    its instructions are not carried over (OpenAI's rule). The store keeps the newest ``responses_kept``."""
+    from eagle_ray.serve.response_store import KeptResponses
+    kept = KeptResponses(2, "test")   # outside Ray: this process's own
+    first = parsed({"instructions": "Be brief.", "input": "Paris?", "tools": [WEATHER]}, kept=kept)
+    assert first.conversation == [{"role": "user", "content": "Paris?"}]
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "P"}'}}
+    answer = response_body({"choices": [{"finish_reason": "tool_calls", "message": {
+        "role": "assistant", "content": "Checking.", "tool_calls": [call]}}], "usage": {"prompt_tokens": 9,
+                                                                                     "completion_tokens": 12}},
+                           base(), words)
+    kept.put(answer, first.conversation + answer["output"])
+    result = {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}
+    follow = parsed({"previous_response_id": "resp_1", "input": [result], "tools": [WEATHER]}, kept=kept)
+    whole = parsed({"input": [{"role": "user", "content": "Paris?"}, *answer["output"], result], "tools": [WEATHER]})
+    assert follow.prompt == whole.prompt and follow.conversation == first.conversation + answer["output"] + [result]
+    assert follow.responses["previous_response_id"] == "resp_1"
+    for rid in ("resp_2", "resp_3"):   # two newer ones: the first is dropped
+        kept.put(answer | {"id": rid}, [])
+    with pytest.raises(ApiError) as e:
+        parsed({"previous_response_id": "resp_1", "input": "more"}, kept=kept)
+    assert (e.value.status, e.value.code, e.value.param) == (404, "previous_response_not_found",
+                                                             "previous_response_id")
+    with pytest.raises(ApiError, match="responses_kept is 0") as e:
+        parsed({"previous_response_id": "resp_3", "input": "more"}, kept=KeptResponses(0, "none"))
+    assert (kept.get("resp_3")[0]["id"], kept.delete("resp_3"), kept.delete("resp_3")) == ("resp_3", True, False)
+
+
+def test_a_streamed_response_is_kept_whole_before_its_last_event():
+    done = []
+
+    async def keep(response):
+        done.append(response)
+    last = replayed(THOUGHT_CHUNKS, on_done=keep)[-1]
+    assert done == [last["response"]] and [i["type"] for i in done[0]["output"]] == ["reasoning", "message"]
 
 
 def test_an_error_mid_stream_fails_the_response_with_what_was_sent():

@@ -94,7 +94,8 @@ def embedded_server(ray_local):
     cfg = ServeConfig(engine={"dtype": "float32", "max_batch_size": 4, "max_model_len": 1024, "tree": {},
                               "chat_template": template},
                       model_name="smol", port=port, num_cpus=1, default_max_tokens=128, tool_call_parser="hermes",
-                      reasoning_parser="qwen3")   # SmolLM2 does not think: every answer is content
+                      reasoning_parser="qwen3",   # SmolLM2 does not think: every answer is content
+                      responses_kept=8)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(json.loads(cfg.model_dump_json())), name="eagle-structured", route_prefix="/",
               blocking=False)
@@ -220,6 +221,18 @@ def test_the_responses_api_calls_a_tool_and_reads_its_output(embedded_server):
                                           "output": '{"temperature": 21, "sky": "clear"}'}])
     assert [i.type for i in answer.output] == ["message"] and answer.output_text
     assert answer.usage.input_tokens > r.usage.input_tokens + 20   # the call and its output were shown
+    # the same turn as a follow-up of the kept response, streamed: the same answer; then kept in its turn
+    events = list(client.responses.create(model="smol", tools=[flat], temperature=0, max_output_tokens=48,
+                                          tool_choice="none", previous_response_id=r.id, stream=True, input=[
+                                              {"type": "function_call_output", "call_id": call.call_id,
+                                               "output": '{"temperature": 21, "sky": "clear"}'}]))
+    follow = events[-1].response
+    assert events[-1].type == "response.completed" and follow.output_text == answer.output_text
+    assert (follow.previous_response_id, follow.store, r.store) == (r.id, True, True)
+    assert client.responses.retrieve(follow.id).output_text == answer.output_text
+    client.responses.delete(follow.id)
+    with pytest.raises(openai.NotFoundError, match="not found"):
+        client.responses.retrieve(follow.id)
     schema = SCHEMAS["enums"][0]
     typed = client.responses.create(model="smol", input=PROMPTS["enums"][0], temperature=0, max_output_tokens=160,
                                     text={"format": {"type": "json_schema", "name": "review", "schema": schema}})

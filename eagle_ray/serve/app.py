@@ -23,6 +23,7 @@ from eagle_ray.engine.tools import CallReader
 from eagle_ray.errors import EagleError
 from eagle_ray.serve import responses
 from eagle_ray.serve.answer import api_error, final_body, prepare_request, run_whole, token_counter
+from eagle_ray.serve.response_store import KeptResponses
 from eagle_ray.serve.choices import ChoiceShape, Chunks, Interleaved, StreamState, usage
 from eagle_ray.serve.config import ServeConfig
 from eagle_ray.serve.logprobs import TokenText
@@ -90,6 +91,7 @@ class EagleServer:
                                   on_finish=self.metrics.record)
         context = serve.get_replica_context()   # /metrics answers the app's totals over its replicas
         self.totals = ReplicaMetrics(self.metrics, self.engine, context.app_name, context.replica_tag)
+        self.kept = KeptResponses(self.cfg.responses_kept, context.app_name)   # for previous_response_id
         self.token_text = TokenText(self.engine.tokenizer)   # token texts and bytes of logprobs, decoded once
         self.count_tokens = token_counter(self.engine.tokenizer)   # a Responses answer's thinking tokens
 
@@ -128,7 +130,8 @@ class EagleServer:
                                   tool_parser=self.cfg.tool_call_parser, reasoning_parser=self.cfg.reasoning_parser,
                                   trust_template=self.cfg.trust_request_chat_template)
         if kind == "responses":   # read as the chat it amounts to
-            return await asyncio.to_thread(responses.parse_request, bytes(raw), functools.partial(parse, kind="chat"))
+            return await asyncio.to_thread(responses.parse_request, bytes(raw), functools.partial(parse, kind="chat"),
+                                           self.kept)
         return await asyncio.to_thread(parse, bytes(raw), kind)
 
     async def _handle(self, request: Request, kind: str):
@@ -139,10 +142,17 @@ class EagleServer:
                                         self.cfg.speculative, self.token_text)
         except ApiError as e:
             return JSONResponse(e.body(), status_code=e.status)
+        keep = p.base is not None and self.kept.limit and req.responses.get("store") is not False
+        if keep:
+            p.base["store"] = True
+
+        async def kept(response: dict) -> None:   # before the answer goes out: a follow-up may come at once
+            await asyncio.to_thread(self.kept.put, response, req.conversation + response["output"])
         if req.stream:
             sse = self._sse(req.body, p.prompts, p.shape, p.rid)
             if p.base is not None:   # a Responses request's events
-                sse = responses.ResponseEvents(p.base, self.count_tokens, p.close, p.shown).translate(sse)
+                sse = responses.ResponseEvents(p.base, self.count_tokens, p.close, p.shown,
+                                               kept if keep else None).translate(sse)
             return StreamingResponse(sse, media_type="text/event-stream")
         try:
             body, _ = await run_whole(self.queue, p, self.cfg.model_name)
@@ -150,7 +160,10 @@ class EagleServer:
             return _engine_error(e)
         except Exception as e:  # noqa: BLE001 - a bug answers 500, with the reason
             return _err(500, f"{type(e).__name__}: {e}", "server_error")
-        return JSONResponse(final_body(p, body, self.count_tokens))
+        out = final_body(p, body, self.count_tokens)
+        if keep:
+            await kept(out)
+        return JSONResponse(out)
 
     async def _sse(self, req, prompts, shape: ChoiceShape, rid: str):
         kind = shape.kind
@@ -310,6 +323,27 @@ class EagleServer:
     async def create_response(self, request: Request):
         """OpenAI's Responses API, answered by the chat path (serve/responses.py)."""
         return await self._handle(request, "responses")
+
+    @api.get("/v1/responses/{response_id}")
+    async def retrieve_response(self, response_id: str, request: Request):
+        """A kept response (``responses_kept``), as it was answered."""
+        return await self._kept_response(request, response_id, "get")
+
+    @api.delete("/v1/responses/{response_id}")
+    async def delete_response(self, response_id: str, request: Request):
+        return await self._kept_response(request, response_id, "delete")
+
+    async def _kept_response(self, request: Request, rid: str, action: str):
+        if not self._authorized(request):
+            return _unauthorized()
+        try:
+            found = await asyncio.to_thread(getattr(self.kept, action), rid)
+        except Exception as e:  # noqa: BLE001 - the store's actor did not answer
+            return _err(503, f"the response store did not answer ({type(e).__name__})", "server_error")
+        if not found:
+            why = "" if self.kept.limit else " (this server keeps no responses: responses_kept is 0)"
+            return _err(404, f"Response with id {rid!r} not found{why}")
+        return found[0] if action == "get" else {"id": rid, "object": "response", "deleted": True}
 
     def __del__(self):
         totals = getattr(self, "totals", None)

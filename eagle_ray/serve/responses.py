@@ -10,8 +10,11 @@ text as a ``message`` with one ``output_text`` part, each call as a ``function_c
 become the Responses events (:class:`ResponseEvents`). Errors name the Responses fields (``input[2].content``,
 ``max_output_tokens``, ``text.format``).
 
-Nothing is stored: ``store`` is answered as false, and what needs a stored response (``previous_response_id``,
-``background``, ``conversation``) is a 400, as are OpenAI's hosted tools and non-text input.
+With ``ServeConfig.responses_kept`` the server keeps its newest responses (``serve/response_store.py``): a
+request's ``previous_response_id`` continues that one's conversation (its items, then the request's ``input``; its
+``instructions`` are not carried over, as OpenAI's are not). Otherwise nothing is kept, ``store`` is answered as
+false and ``previous_response_id`` is a 400; ``background`` and ``conversation`` are a 400 either way, as are
+OpenAI's hosted tools and non-text input.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 from eagle_ray.engine.reasoning import CLOSE as THINK_CLOSE
 from eagle_ray.serve.openai_api import ApiError, ParsedRequest, changes_nothing, load_object
 
-REFUSED = {"previous_response_id": (None,), "background": (None, False), "conversation": (None,), "prompt": (None,),
+REFUSED = {"background": (None, False), "conversation": (None,), "prompt": (None,),
            "truncation": (None, "disabled"), "max_tool_calls": (None,)}   # what this server does not keep or do
 LOGPROBS = "message.output_text.logprobs"   # the one ``include`` this server answers
 PASSED = ("model", "temperature", "top_p", "stream", "parallel_tool_calls", "user", "seed", "top_k", "min_p",
@@ -41,17 +44,18 @@ def new_response_id() -> str:
     return _item_id("resp")
 
 
-def chat_body(data: dict) -> tuple[dict, "Origins"]:
-    """The chat request a Responses request amounts to, and per chat message the Responses field it came from
-    (to name it in errors); raises :class:`ApiError` naming the Responses field."""
+def chat_body(data: dict, earlier: list | None = None) -> tuple[dict, "Origins"]:
+    """The chat request a Responses request amounts to (``earlier``: the items of the conversation it continues),
+    and per chat message the Responses field it came from (to name it in errors); raises :class:`ApiError` naming
+    the Responses field."""
     for key, harmless in REFUSED.items():
         if key in data and not any(changes_nothing(data[key], h) for h in harmless):
             raise ApiError(400, f"{key} is not supported by this server (it keeps no responses)"
-                           if key in ("previous_response_id", "background", "conversation")
+                           if key in ("background", "conversation")
                            else f"{key} is not supported by this server", param=key)
     if data.get("include_reasoning") is not None and not isinstance(data["include_reasoning"], bool):
         raise ApiError(400, "include_reasoning must be a boolean", param="include_reasoning")
-    messages, origin = _messages(data)
+    messages, origin = _messages(data, earlier or [])
     chat = {k: data[k] for k in PASSED if data.get(k) is not None} | {"messages": messages}
     if data.get("max_output_tokens") is not None:
         chat["max_completion_tokens"] = data["max_output_tokens"]
@@ -77,20 +81,52 @@ def shows_reasoning(data: dict) -> bool:
     return data.get("include_reasoning") is not False
 
 
-def parse_request(raw: bytes, parse_chat) -> ParsedRequest:
+def input_items(data: dict) -> list:
+    """The request's ``input`` as items (a string is one user message)."""
+    items = data.get("input")
+    return [{"role": "user", "content": items}] if isinstance(items, str) else items
+
+
+def conversation_before(data: dict, kept) -> list:
+    """The items of the conversation ``previous_response_id`` names (``kept``: the server's
+    :class:`~eagle_ray.serve.response_store.KeptResponses`, None where nothing is kept)."""
+    rid = data.get("previous_response_id")
+    if rid is None:
+        return []
+    if kept is None or not kept.limit:
+        raise ApiError(400, "previous_response_id: this server keeps no responses (Serve's responses_kept is 0; a "
+                       "batch job keeps none): send the whole conversation as input", param="previous_response_id")
+    if not isinstance(rid, str):
+        raise ApiError(400, "previous_response_id must be a string", param="previous_response_id")
+    try:
+        found = kept.get(rid)
+    except Exception as e:  # noqa: BLE001 - the store's actor did not answer
+        raise ApiError(503, f"previous_response_id: the response store did not answer ({type(e).__name__})",
+                       "server_error") from None
+    if found is None:
+        raise ApiError(404, f"Previous response with id {rid!r} not found (kept: the newest "
+                       f"{kept.limit} with store not false)", param="previous_response_id",
+                       code="previous_response_not_found")
+    return found[1]
+
+
+def parse_request(raw: bytes, parse_chat, kept=None) -> ParsedRequest:
     """A Responses body read as the chat request it amounts to (``parse_chat``: the server's chat parser of a
-    body's bytes); errors name the Responses fields."""
+    body's bytes; ``kept``: the responses a ``previous_response_id`` may name); errors name the Responses
+    fields."""
     data = load_object(raw)
-    chat, origin = chat_body(data)
+    earlier = conversation_before(data, kept)
+    chat, origin = chat_body(data, earlier)
     try:
         parsed = parse_chat(json.dumps(chat).encode())
     except ApiError as e:
         raise renamed(e, origin) from None
     parsed.responses = data
+    parsed.conversation = earlier + input_items(data)
     return parsed
 
 
-def _messages(data: dict) -> tuple[list[dict], "Origins"]:
+def _messages(data: dict, earlier: list) -> tuple[list[dict], "Origins"]:
     messages, origin, calls_from = [], [], {}
     instructions = data.get("instructions")
     if instructions is not None:
@@ -103,8 +139,8 @@ def _messages(data: dict) -> tuple[list[dict], "Origins"]:
         items = [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
         raise ApiError(400, "input must be a string or a non-empty list of items", param="input")
-    for i, item in enumerate(items):
-        where = f"input[{i}]"
+    for i, item in enumerate(earlier + items):
+        where = f"input[{i - len(earlier)}]" if i >= len(earlier) else "previous_response_id"
         if not isinstance(item, dict):
             raise ApiError(400, f"{where} must be an object (a message, function_call or function_call_output)",
                            param=where)
@@ -259,8 +295,8 @@ def response_base(data: dict, rid: str, created: int, model: str) -> dict:
             "parallel_tool_calls": data.get("parallel_tool_calls", True),
             "text": {"format": text.get("format") or {"type": "text"}},
             "reasoning": data.get("reasoning") or {"effort": None, "summary": None}, "store": False,
-            "previous_response_id": None, "metadata": data.get("metadata") or {}, "user": data.get("user"),
-            "output": [], "usage": None}
+            "previous_response_id": data.get("previous_response_id"), "metadata": data.get("metadata") or {},
+            "user": data.get("user"), "output": [], "usage": None}
 
 
 def reasoning_item(text: str, item_id: str | None = None, status: str = "completed") -> dict:
@@ -348,8 +384,9 @@ class ResponseEvents:
     deltas, their ``done`` events and ``output_item.done``, and last ``response.completed`` (``incomplete`` where
     cut) carrying the whole response; an error in the stream ends it with ``error`` and ``response.failed``."""
 
-    def __init__(self, base: dict, count_tokens, close: str = THINK_CLOSE, shown: bool = True):
+    def __init__(self, base: dict, count_tokens, close: str = THINK_CLOSE, shown: bool = True, on_done=None):
         self.base, self.count_tokens = base, count_tokens
+        self.on_done = on_done             # awaited with the whole response before its last event (to keep it)
         self.shown = shown                 # the thinking is an output item (include_reasoning)
         self.hidden = ""                   # ... or, where it is not, its text (for reasoning_tokens)
         self.seq = 0
@@ -389,6 +426,8 @@ class ResponseEvents:
         for text in self.close_all():
             yield text
         whole = finished(self.base, self.output, self.finish, self.usage, self.eagle, self.reasoning_tokens())
+        if self.on_done is not None:
+            await self.on_done(whole)
         yield self.event("response.incomplete" if whole["status"] == "incomplete" else "response.completed",
                          response=whole)
 

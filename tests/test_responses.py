@@ -82,6 +82,7 @@ def test_a_responses_body_is_the_chat_it_amounts_to():
     ({"instructions": "hi", "input": [{"role": "wizard", "content": "b"}]}, "input[0].role", "input[0].role"),
     ({"model": "other"}, "model", "does not exist"),
     ({"include_reasoning": "no"}, "include_reasoning", "must be a boolean"),
+    ({"store": "yes"}, "store", "must be a boolean"),
 ])
 def test_a_bad_responses_body_is_a_400_naming_the_responses_field(body, param, message):
     with pytest.raises(ApiError) as e:
@@ -246,6 +247,8 @@ def test_a_follow_up_continues_the_kept_conversation_and_the_newest_responses_ar
     assert follow.responses["previous_response_id"] == "resp_1"
     for rid in ("resp_2", "resp_3"):   # two newer ones: the first is dropped
         kept.put(answer | {"id": rid}, [])
+    kept._store.resize(1)   # a redeployment keeping fewer: the oldest go
+    assert kept.get("resp_2") is None and kept.get("resp_3") is not None
     with pytest.raises(ApiError) as e:
         parsed({"previous_response_id": "resp_1", "input": "more"}, kept=kept)
     assert (e.value.status, e.value.code, e.value.param) == (404, "previous_response_not_found",

@@ -25,7 +25,12 @@ class ResponseStore:
     def put(self, rid: str, response: dict, items: list) -> None:
         self.kept[rid] = (response, items)
         self.kept.move_to_end(rid)
-        while len(self.kept) > self.limit:
+        self.resize(self.limit)
+
+    def resize(self, limit: int) -> None:
+        """The app's ``responses_kept`` as its newest replica has it (the actor outlives a redeployment)."""
+        self.limit = limit
+        while len(self.kept) > limit:
             self.kept.popitem(last=False)
 
     def get(self, rid: str) -> tuple[dict, list] | None:
@@ -46,6 +51,8 @@ class KeptResponses:
             self._store = ray.remote(ResponseStore).options(
                 name=self.name, namespace="eagle_ray", get_if_exists=True, lifetime="detached",
                 num_cpus=0).remote(limit) if ray.is_initialized() else ResponseStore(limit)
+            if not isinstance(self._store, ResponseStore):
+                self._store.resize.remote(limit)   # found, not made: it may hold an earlier deployment's bound
 
     def _call(self, method: str, *args):
         """The store's answer (blocking: call it off the event loop)."""

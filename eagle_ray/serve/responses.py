@@ -53,8 +53,9 @@ def chat_body(data: dict, earlier: list | None = None) -> tuple[dict, "Origins"]
             raise ApiError(400, f"{key} is not supported by this server (it keeps no responses)"
                            if key in ("background", "conversation")
                            else f"{key} is not supported by this server", param=key)
-    if data.get("include_reasoning") is not None and not isinstance(data["include_reasoning"], bool):
-        raise ApiError(400, "include_reasoning must be a boolean", param="include_reasoning")
+    for key in ("include_reasoning", "store"):
+        if data.get(key) is not None and not isinstance(data[key], bool):
+            raise ApiError(400, f"{key} must be a boolean", param=key)
     messages, origin = _messages(data, earlier or [])
     chat = {k: data[k] for k in PASSED if data.get(k) is not None} | {"messages": messages}
     if data.get("max_output_tokens") is not None:

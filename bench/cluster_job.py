@@ -54,7 +54,7 @@ def job_config(target: str, head: str, inp: str, out: str, n_actors: int):
 MARKER = "fail-next-start"   # bad_start's file: the engine start that renames it fails
 HOLD = "hold"   # node_loss's file: while it exists, only the first block's rows run
 HOLD_FROM = 16   # the first row held (a block of the job is 4 batches of 4)
-HOLD_MAX_S = 120   # a hold never lifted (the node was not lost) lets the job end, and the result say why
+HOLD_MAX_S = 600   # a hold never lifted (the node was not lost) lets the job end, and the result say why
 
 
 def worker_hooks(marker: str, hold: str):
@@ -76,7 +76,8 @@ def worker_hooks(marker: str, hold: str):
         async def held_call(self, batch):
             t0 = time.time()
             if os.path.exists(hold) and batch.num_rows and min(batch.column("row_index").to_pylist()) >= HOLD_FROM:
-                Path(f"{hold}.{os.getpid()}").write_text(self.worker_id)
+                Path(f"{hold}.tmp{os.getpid()}").write_text(self.worker_id)
+                os.replace(f"{hold}.tmp{os.getpid()}", f"{hold}.{os.getpid()}")   # whole, for the killer to read
                 while os.path.exists(hold) and time.time() - t0 < HOLD_MAX_S:
                     await asyncio.sleep(0.05)
             return await call(self, batch)
@@ -130,6 +131,8 @@ def run_scenario(scenario: str, cluster, target: str, head: str, work: Path) -> 
     n_rows = {"node_loss": 48, "bad_start": 24}[scenario]
     (work / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows(n_rows)))
     out = work / "out"
+    for stale in work.glob(f"{HOLD}.*"):   # an earlier run's in this folder
+        stale.unlink()
     (work / {"bad_start": MARKER, "node_loss": HOLD}[scenario]).touch()
     cfg = job_config(target, head, str(work / "in.jsonl"), str(out), 2)
     result: dict = {"scenario": scenario, "rows": n_rows}
@@ -138,7 +141,7 @@ def run_scenario(scenario: str, cluster, target: str, head: str, work: Path) -> 
     def lose_a_node():
         try:
             while not stop.is_set():
-                held = sorted(work.glob(f"{HOLD}.*"))
+                held = sorted(work.glob(f"{HOLD}.[0-9]*"))
                 if held and len(committed(out)) >= HOLD_FROM:   # the first block's rows committed, the others held
                     worker = held[0].read_text()   # host:pid:actor
                     node = node_of(cluster, int(worker.split(":")[1]))

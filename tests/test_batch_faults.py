@@ -98,6 +98,7 @@ def test_a_stalled_step_fails_the_engine_within_its_bound(tiny_dir):
     try:
         with pytest.raises(EngineDeadError, match="past its bound"):
             future.result(timeout=30)
+        assert stalled_at, f"an earlier step was failed: {queue.dead!r}"
         assert time.monotonic() - stalled_at[0] < 5 and not queue.healthy
     finally:
         release.set()

@@ -36,7 +36,7 @@ def test_a_worker_node_lost_mid_job_costs_no_row_and_its_actor_comes_back_on_the
     r = results["node_loss"]
     assert "rows_before" in r, r.get("killer")   # the node was lost ...
     assert r["first_row_after_loss_s"] is not None   # ... mid-job: rows past the first 16 waited for the loss
-    assert r["rows_before"] == 16   # the first 16 were committed while the others ran (not once a next block is done)
+    assert r["rows_before"] == 16, r   # the first 16 committed while the others ran (not once a next block is done)
     print(f"\nnode lost after {r['rows_before']} rows: rows flowing again {r['first_row_after_loss_s']} s after; "
           f"the lost actor's first row on the spare node started {r['lost_actor_started_s']} s and finished "
           f"{r['lost_actor_back_s']} s after; job {r['wall_s']} s")

@@ -11,16 +11,23 @@ from test_reasoning import THOUGHT, ReplayQueue, output, shape_for
 from eagle_ray.engine.queue import StreamDelta
 from eagle_ray.serve.choices import PromptChoices
 from eagle_ray.serve.openai_api import ApiError, parse_body
-from eagle_ray.serve.responses import ResponseEvents, chat_body, parse_request, response_base, response_body
+from eagle_ray.serve.responses import (ResponseEvents, chat_body, check_fields, continued, parse_data, parse_request,
+                                       response_base, response_body)
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "the weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
 
 
 def parsed(body: dict, parser: str | None = "hermes", kept=None):
+    """``body`` read as Serve reads it (``kept``: the responses its ``previous_response_id`` may name)."""
     def parse_chat(raw):
         return parse_body(raw, "chat", "m", 100, 16, tool_parser=parser, reasoning_parser="qwen3")
-    return parse_request(json.dumps({"model": "m", **body}).encode(), parse_chat, kept)
+    data = {"model": "m", **body}
+    if kept is None:
+        return parse_request(json.dumps(data).encode(), parse_chat)
+    check_fields(data)
+    rid = continued(data, kept.limit)
+    return parse_data(data, parse_chat, asyncio.run(kept.conversation(rid)) if rid else [])
 
 
 def test_a_responses_body_is_the_chat_it_amounts_to():
@@ -63,7 +70,7 @@ def test_a_responses_body_is_the_chat_it_amounts_to():
 
 @pytest.mark.parametrize("body, param, message", [
     ({"previous_response_id": "resp_1"}, "previous_response_id", "keeps no responses"),
-    ({"background": True}, "background", "keeps no responses"),
+    ({"background": True}, "background", "not supported"),
     ({"include": ["reasoning.encrypted_content"]}, "include", "only 'message.output_text.logprobs'"),
     ({"top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
     ({"truncation": "auto"}, "truncation", "not supported"),
@@ -228,8 +235,9 @@ def test_include_reasoning_false_leaves_the_reasoning_item_out_and_keeps_the_ans
 
 
 def test_a_follow_up_continues_the_kept_conversation_and_the_newest_responses_are_kept():
-    """``previous_response_id``: the kept response's conversation (its input and output items), then the new input;
-    its instructions are not carried over (OpenAI's rule). The store keeps the newest ``responses_kept``."""
+    """``previous_response_id``: the kept chain's items (each response's input, then its output), then the new
+    input; its instructions are not carried over (OpenAI's rule). The store keeps the newest ``responses_kept``; a
+    conversation whose earlier response was dropped is a 404, as OpenAI's."""
     from eagle_ray.serve.response_store import KeptResponses
     kept = KeptResponses(2, "test")   # outside Ray: this process's own
     first = parsed({"instructions": "Be brief.", "input": "Paris?", "tools": [WEATHER]}, kept=kept)
@@ -239,23 +247,27 @@ def test_a_follow_up_continues_the_kept_conversation_and_the_newest_responses_ar
         "role": "assistant", "content": "Checking.", "tool_calls": [call]}}], "usage": {"prompt_tokens": 9,
                                                                                      "completion_tokens": 12}},
                            base(), words)
-    kept.put(answer, first.conversation + answer["output"])
+    asyncio.run(kept.put(answer, first.conversation + answer["output"], None))
     result = {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}
     follow = parsed({"previous_response_id": "resp_1", "input": [result], "tools": [WEATHER]}, kept=kept)
     whole = parsed({"input": [{"role": "user", "content": "Paris?"}, *answer["output"], result], "tools": [WEATHER]})
-    assert follow.prompt == whole.prompt and follow.conversation == first.conversation + answer["output"] + [result]
-    assert follow.responses["previous_response_id"] == "resp_1"
-    for rid in ("resp_2", "resp_3"):   # two newer ones: the first is dropped
-        kept.put(answer | {"id": rid}, [])
-    kept._store.resize(1)   # a redeployment keeping fewer: the oldest go
-    assert kept.get("resp_2") is None and kept.get("resp_3") is not None
-    with pytest.raises(ApiError) as e:
-        parsed({"previous_response_id": "resp_1", "input": "more"}, kept=kept)
-    assert (e.value.status, e.value.code, e.value.param) == (404, "previous_response_not_found",
-                                                             "previous_response_id")
+    assert follow.prompt == whole.prompt and follow.conversation == [result]
+    asyncio.run(kept.put(answer | {"id": "resp_2"}, follow.conversation, "resp_1"))
+    third = parsed({"previous_response_id": "resp_2", "input": "And Rome?"}, kept=kept)
+    rome = {"role": "user", "content": "And Rome?"}
+    assert third.prompt == parsed({"input": [*whole.responses["input"], rome]}).prompt
+    asyncio.run(kept.put(answer | {"id": "resp_3"}, [], None))   # a third kept: the first is dropped
+    for gone in ("resp_1", "resp_2"):   # resp_2 is kept, but its conversation began with resp_1
+        with pytest.raises(ApiError) as e:
+            parsed({"previous_response_id": gone, "input": "more"}, kept=kept)
+        assert (e.value.status, e.value.code, e.value.param) == (404, "previous_response_not_found",
+                                                                 "previous_response_id")
     with pytest.raises(ApiError, match="responses_kept is 0") as e:
         parsed({"previous_response_id": "resp_3", "input": "more"}, kept=KeptResponses(0, "none"))
-    assert (kept.get("resp_3")[0]["id"], kept.delete("resp_3"), kept.delete("resp_3")) == ("resp_3", True, False)
+    with pytest.raises(ApiError, match="background is not supported"):   # refused before any look-up
+        parsed({"previous_response_id": "resp_9", "input": "more", "background": True}, kept=kept)
+    assert asyncio.run(kept.response("resp_3"))["id"] == "resp_3"
+    assert (asyncio.run(kept.delete("resp_3")), asyncio.run(kept.delete("resp_3"))) == (True, False)
 
 
 def test_a_streamed_response_is_kept_whole_before_its_last_event():

@@ -339,6 +339,8 @@ class GenerateStage:
             return
         row.update(**answer_columns(ready.kind, body, outs), **stat_columns(merged_stats(outs)),
                    response=batch_response(200, final_body(ready, body, self.count_tokens)))
+        if not ready.shown:   # a Responses line's include_reasoning false: its chat kept the thinking, the row not
+            row["reasoning"] = None
 
     def answer(self, out, req: RowRequest) -> dict:
         """An output's ``output`` (and ``turn_outputs``), ``reasoning``, ``tool_calls``, ``finish_reason`` and

@@ -30,7 +30,7 @@ from eagle_ray.serve.logprobs import TokenText
 from eagle_ray.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from eagle_ray.serve.metrics import ReplicaMetrics, ServeMetrics
 from eagle_ray.serve.openai_api import (ApiError, ParsedRequest, authorized, eagle_stats, error_body, finish_reason,
-                                        now, parse_body)
+                                        load_object, now, parse_body)
 from eagle_ray.serve.tokens import DetokenizeRequest, TokenizeRequest, parse_tokens_body
 from eagle_ray.serve.tokens import answer as token_answer
 from eagle_ray.train.online import adapt
@@ -129,9 +129,12 @@ class EagleServer:
                                   default_max_tokens=self.cfg.default_max_tokens, max_n=self.cfg.max_n,
                                   tool_parser=self.cfg.tool_call_parser, reasoning_parser=self.cfg.reasoning_parser,
                                   trust_template=self.cfg.trust_request_chat_template)
-        if kind == "responses":   # read as the chat it amounts to
-            return await asyncio.to_thread(responses.parse_request, bytes(raw), functools.partial(parse, kind="chat"),
-                                           self.kept)
+        if kind == "responses":   # read as the chat it amounts to, after the conversation it continues
+            data = await asyncio.to_thread(load_object, bytes(raw))
+            responses.check_fields(data)
+            rid = responses.continued(data, self.kept.limit)
+            earlier = await self.kept.conversation(rid) if rid else []
+            return await asyncio.to_thread(responses.parse_data, data, functools.partial(parse, kind="chat"), earlier)
         return await asyncio.to_thread(parse, bytes(raw), kind)
 
     async def _handle(self, request: Request, kind: str):
@@ -147,7 +150,8 @@ class EagleServer:
             p.base["store"] = True
 
         async def kept(response: dict) -> None:   # before the answer goes out: a follow-up may come at once
-            await asyncio.to_thread(self.kept.put, response, req.conversation + response["output"])
+            await self.kept.put(response, req.conversation + response["output"],
+                                req.responses.get("previous_response_id"))
         if req.stream:
             sse = self._sse(req.body, p.prompts, p.shape, p.rid)
             if p.base is not None:   # a Responses request's events
@@ -337,13 +341,13 @@ class EagleServer:
         if not self._authorized(request):
             return _unauthorized()
         try:
-            found = await asyncio.to_thread(getattr(self.kept, action), rid)
-        except Exception as e:  # noqa: BLE001 - the store's actor did not answer
-            return _err(503, f"the response store did not answer ({type(e).__name__})", "server_error")
+            found = await (self.kept.response(rid) if action == "get" else self.kept.delete(rid))
+        except ApiError as e:   # the store did not answer
+            return JSONResponse(e.body(), status_code=e.status)
         if not found:
             why = "" if self.kept.limit else " (this server keeps no responses: responses_kept is 0)"
             return _err(404, f"Response with id {rid!r} not found{why}")
-        return found[0] if action == "get" else {"id": rid, "object": "response", "deleted": True}
+        return found if action == "get" else {"id": rid, "object": "response", "deleted": True}
 
     def __del__(self):
         totals = getattr(self, "totals", None)

@@ -384,8 +384,8 @@ class ChatRequest(_Request, ChatFields):
         if last.get("role") != ("assistant" if self.add_generation_prompt else last.get("role")):
             return ""
         content = last.get("content")
-        if isinstance(content, list):   # text parts
-            content = "".join(p.get("text") or "" for p in content if isinstance(p, dict))
+        if isinstance(content, list):   # text parts, joined as the prompt joins them (vLLM's way)
+            content = "\n".join(p.get("text") or "" for p in content if isinstance(p, dict))
         return content if isinstance(content, str) else ""
 
     @model_validator(mode="after")

@@ -1,74 +1,118 @@
 """Responses the server keeps, for OpenAI's ``previous_response_id`` and ``GET`` / ``DELETE /v1/responses/{id}``.
 
-One named Ray actor per app holds them, so that any replica answers a follow-up to a response another one made;
-the newest ``ServeConfig.responses_kept`` are kept (the oldest dropped first), in memory: an app started again
-keeps none. Each is kept with its whole conversation as Responses items (its chain's inputs and outputs, then its
-own), so that a follow-up needs that one response alone, whichever earlier ones were dropped. Outside Ray (a
-replica's class used on its own) the store is in the process.
+One named Ray actor per app holds them (``eagle-ray-responses:<app>``, namespace ``eagle_ray``), so that any replica
+answers a follow-up to a response another one made; the newest ``ServeConfig.responses_kept`` are kept (the oldest
+dropped first), in memory. Each is kept with its own items (its input, then its output) and the id of the response
+it continued: a follow-up's conversation is read back along that chain, and ends at a 404 where an earlier link was
+dropped, as OpenAI's. The actor is detached: it outlives a replica's restart and ``serve delete``, and takes the
+bound of the newest deployment (0 drops all). Outside Ray (a replica's class used on its own) the store is in the
+process. A replica awaits the actor on its event loop, never in a worker thread.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import OrderedDict
 
+from eagle_ray.serve.openai_api import ApiError
+
 log = logging.getLogger(__name__)
-WAIT_S = 30.0   # for the store's answer; past it a follow-up is a 503, a response goes unkept (said in the log)
+WAIT_S = 10.0   # for the store's answer; past it a follow-up is a 503, a response goes unkept (said in the log)
 
 
 class ResponseStore:
-    """The newest ``limit`` responses by id: each its response object and its conversation's items."""
+    """The newest ``limit`` responses by id: each its response object, its own items and the id it continued."""
 
     def __init__(self, limit: int):
         self.limit = limit
-        self.kept: OrderedDict[str, tuple[dict, list]] = OrderedDict()
+        self.kept: OrderedDict[str, tuple[dict, list, str | None]] = OrderedDict()
 
-    def put(self, rid: str, response: dict, items: list) -> None:
-        self.kept[rid] = (response, items)
+    def put(self, rid: str, response: dict, items: list, parent: str | None) -> None:
+        self.kept[rid] = (response, items, parent)
         self.kept.move_to_end(rid)
         self.resize(self.limit)
 
     def resize(self, limit: int) -> None:
-        """The app's ``responses_kept`` as its newest replica has it (the actor outlives a redeployment)."""
+        """The app's ``responses_kept`` as its newest replica has it."""
         self.limit = limit
         while len(self.kept) > limit:
             self.kept.popitem(last=False)
 
-    def get(self, rid: str) -> tuple[dict, list] | None:
-        return self.kept.get(rid)
+    def response(self, rid: str) -> dict | None:
+        found = self.kept.get(rid)
+        return found[0] if found else None
+
+    def conversation(self, rid: str) -> list | None:
+        """The items of the conversation up to and with response ``rid`` (None: it, or an earlier link, is gone)."""
+        chain, at = [], rid
+        while at is not None:
+            if at not in self.kept:
+                return None
+            _, items, at = self.kept[at]
+            chain.append(items)
+        return [item for items in reversed(chain) for item in items]
 
     def delete(self, rid: str) -> bool:
         return self.kept.pop(rid, None) is not None
 
 
 class KeptResponses:
-    """A replica's side of the app's store (``limit`` 0: nothing kept, and nothing asked of Ray)."""
+    """A replica's side of the app's store (``limit`` 0: nothing kept; an existing store of the app is emptied)."""
 
     def __init__(self, limit: int, app: str):
         self.limit, self.name = limit, f"eagle-ray-responses:{app}"
-        self._store = None
-        if limit:
-            import ray
-            self._store = ray.remote(ResponseStore).options(
-                name=self.name, namespace="eagle_ray", get_if_exists=True, lifetime="detached",
-                num_cpus=0).remote(limit) if ray.is_initialized() else ResponseStore(limit)
-            if not isinstance(self._store, ResponseStore):
+        self._store: ResponseStore | object | None = None   # the actor's handle, or this process's store
+        import ray
+        if not ray.is_initialized():
+            self._store = ResponseStore(limit) if limit else None
+        elif limit:
+            try:
+                self._store = self._actor()
                 self._store.resize.remote(limit)   # found, not made: it may hold an earlier deployment's bound
+            except Exception:  # noqa: BLE001 - made again on the first call
+                log.warning("no response store yet", exc_info=True)
+        else:
+            try:   # an earlier deployment's, if any: emptied
+                ray.get_actor(self.name, namespace="eagle_ray").resize.remote(0)
+            except ValueError:
+                pass
 
-    def _call(self, method: str, *args):
-        """The store's answer (blocking: call it off the event loop)."""
+    def _actor(self):
+        import ray
+        return ray.remote(ResponseStore).options(name=self.name, namespace="eagle_ray", get_if_exists=True,
+                                                 lifetime="detached", num_cpus=0, max_restarts=-1).remote(self.limit)
+
+    async def _call(self, method: str, *args):
+        """The store's answer, awaited on the event loop (the actor looked up again where it went away)."""
         if isinstance(self._store, ResponseStore):
             return getattr(self._store, method)(*args)
-        import ray
-        return ray.get(getattr(self._store, method).remote(*args), timeout=WAIT_S)
-
-    def get(self, rid: str) -> tuple[dict, list] | None:
-        return self._call("get", rid) if self.limit else None
-
-    def delete(self, rid: str) -> bool:
-        return bool(self.limit) and self._call("delete", rid)
-
-    def put(self, response: dict, items: list) -> None:
         try:
-            self._call("put", response["id"], response, items)
-        except Exception:  # noqa: BLE001 - the answer is out already: its follow-ups will not find it
+            if self._store is None:
+                self._store = self._actor()
+            ref = getattr(self._store, method).remote(*args)
+            return await asyncio.wait_for(asyncio.wrap_future(ref.future()), WAIT_S)
+        except Exception as e:  # noqa: BLE001 - the actor's node lost, or it is restarting: found again next time
+            self._store = None
+            raise ApiError(503, f"the response store did not answer ({type(e).__name__}); try again",
+                           "server_error") from None
+
+    async def conversation(self, rid: str) -> list:
+        """The items a follow-up of ``rid`` continues; raises :class:`ApiError` (404 where they are gone)."""
+        found = await self._call("conversation", rid)
+        if found is None:
+            raise ApiError(404, f"Previous response with id {rid!r} not found (kept: the newest {self.limit} not "
+                           "sent with store false, with every earlier response of their conversation)",
+                           param="previous_response_id", code="previous_response_not_found")
+        return found
+
+    async def response(self, rid: str) -> dict | None:
+        return await self._call("response", rid) if self.limit else None
+
+    async def delete(self, rid: str) -> bool:
+        return bool(self.limit) and await self._call("delete", rid)
+
+    async def put(self, response: dict, items: list, parent: str | None) -> None:
+        try:
+            await self._call("put", response["id"], response, items, parent)
+        except ApiError:   # the answer goes out all the same: its follow-ups will not find it
             log.warning("response %s was not kept", response.get("id"), exc_info=True)

@@ -48,14 +48,7 @@ def chat_body(data: dict, earlier: list | None = None) -> tuple[dict, "Origins"]
     """The chat request a Responses request amounts to (``earlier``: the items of the conversation it continues),
     and per chat message the Responses field it came from (to name it in errors); raises :class:`ApiError` naming
     the Responses field."""
-    for key, harmless in REFUSED.items():
-        if key in data and not any(changes_nothing(data[key], h) for h in harmless):
-            raise ApiError(400, f"{key} is not supported by this server (it keeps no responses)"
-                           if key in ("background", "conversation")
-                           else f"{key} is not supported by this server", param=key)
-    for key in ("include_reasoning", "store"):
-        if data.get(key) is not None and not isinstance(data[key], bool):
-            raise ApiError(400, f"{key} must be a boolean", param=key)
+    check_fields(data)
     messages, origin = _messages(data, earlier or [])
     chat = {k: data[k] for k in PASSED if data.get(k) is not None} | {"messages": messages}
     if data.get("max_output_tokens") is not None:
@@ -88,43 +81,49 @@ def input_items(data: dict) -> list:
     return [{"role": "user", "content": items}] if isinstance(items, str) else items
 
 
-def conversation_before(data: dict, kept) -> list:
-    """The items of the conversation ``previous_response_id`` names (``kept``: the server's
-    :class:`~eagle_ray.serve.response_store.KeptResponses`, None where nothing is kept)."""
+def check_fields(data: dict) -> None:
+    """What is refused whatever the rest holds (before a follow-up's conversation is looked up)."""
+    for key, harmless in REFUSED.items():
+        if key in data and not any(changes_nothing(data[key], h) for h in harmless):
+            raise ApiError(400, f"{key} is not supported by this server", param=key)
+    for key in ("include_reasoning", "store"):
+        if data.get(key) is not None and not isinstance(data[key], bool):
+            raise ApiError(400, f"{key} must be a boolean", param=key)
+
+
+def continued(data: dict, kept: int) -> str | None:
+    """The ``previous_response_id`` a request continues, None without one (``kept``: the responses the server
+    keeps, ``responses_kept``); raises :class:`ApiError` where nothing is kept."""
     rid = data.get("previous_response_id")
     if rid is None:
-        return []
-    if kept is None or not kept.limit:
+        return None
+    if not kept:
         raise ApiError(400, "previous_response_id: this server keeps no responses (Serve's responses_kept is 0; a "
                        "batch job keeps none): send the whole conversation as input", param="previous_response_id")
     if not isinstance(rid, str):
         raise ApiError(400, "previous_response_id must be a string", param="previous_response_id")
-    try:
-        found = kept.get(rid)
-    except Exception as e:  # noqa: BLE001 - the store's actor did not answer
-        raise ApiError(503, f"previous_response_id: the response store did not answer ({type(e).__name__})",
-                       "server_error") from None
-    if found is None:
-        raise ApiError(404, f"Previous response with id {rid!r} not found (kept: the newest "
-                       f"{kept.limit} with store not false)", param="previous_response_id",
-                       code="previous_response_not_found")
-    return found[1]
+    return rid
 
 
-def parse_request(raw: bytes, parse_chat, kept=None) -> ParsedRequest:
-    """A Responses body read as the chat request it amounts to (``parse_chat``: the server's chat parser of a
-    body's bytes; ``kept``: the responses a ``previous_response_id`` may name); errors name the Responses
-    fields."""
-    data = load_object(raw)
-    earlier = conversation_before(data, kept)
+def parse_data(data: dict, parse_chat, earlier: list) -> ParsedRequest:
+    """A Responses body (JSON read) as the chat request it amounts to (``parse_chat``: the server's chat parser of a
+    body's bytes; ``earlier``: the items of the conversation it continues); errors name the Responses fields."""
     chat, origin = chat_body(data, earlier)
     try:
         parsed = parse_chat(json.dumps(chat).encode())
     except ApiError as e:
         raise renamed(e, origin) from None
     parsed.responses = data
-    parsed.conversation = earlier + input_items(data)
+    parsed.conversation = input_items(data)
     return parsed
+
+
+def parse_request(raw: bytes, parse_chat) -> ParsedRequest:
+    """A Responses body that continues nothing (a batch file's line: nothing is kept there)."""
+    data = load_object(raw)
+    check_fields(data)
+    continued(data, 0)
+    return parse_data(data, parse_chat, [])
 
 
 def _messages(data: dict, earlier: list) -> tuple[list[dict], "Origins"]:

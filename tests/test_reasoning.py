@@ -201,16 +201,19 @@ def test_a_chat_echo_streams_the_last_message_first_and_answers_whole_with_it_in
 
 
 def test_vllms_chat_echo_takes_the_last_message_where_it_has_the_answers_role():
-    from functools import partial
+    from eagle_ray.serve.openai_api import parse_body
 
-    from eagle_ray.serve.openai_api import ChatRequest
-    chat = partial(ChatRequest, model="m")
+    def echoed(**body) -> str:
+        req = parse_body(json.dumps({"model": "m", **body}).encode(), "chat", "m", 100, 16)
+        return req.body.echoed(req.prompt.value)
     user = {"role": "user", "content": "w1"}
-    prefill = {"role": "assistant", "content": [{"type": "text", "text": "Hi"}]}
-    assert chat(messages=[user, prefill], echo=True).echoed() == "Hi"
-    assert chat(messages=[user], echo=True).echoed() == ""   # the assistant's turn opened: no echo
-    assert chat(messages=[user], echo=True, add_generation_prompt=False).echoed() == "w1"   # its own role
-    assert chat(messages=[user, prefill]).echoed() == ""
+    prefill = {"role": "assistant", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}
+    assert echoed(messages=[user, prefill], echo=True, add_generation_prompt=False,
+                  continue_final_message=True) == "Hi\nthere"   # text parts joined as the prompt joins them
+    assert echoed(messages=[user, prefill], echo=True) == "Hi\nthere"
+    assert echoed(messages=[user], echo=True) == ""   # the assistant's turn opened: no echo
+    assert echoed(messages=[user], echo=True, add_generation_prompt=False) == "w1"   # its own role
+    assert echoed(messages=[user, prefill]) == ""
 
 
 def test_a_stream_names_its_stop_and_with_return_token_ids_its_prompts_and_outputs_ids():

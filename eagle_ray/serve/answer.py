@@ -56,7 +56,7 @@ def prepare_request(engine, req: ParsedRequest, kind: str, model: str, speculati
             engine.check_room(len(p.prompt_ids), req.body.limit(), limit_name)
     except PromptTooLongError as e:
         raise ApiError(400, str(e), param=limit_name, code="context_length_exceeded") from None
-    prefix = req.body.echoed() if kind == "chat" and answers is None else ""
+    prefix = req.body.echoed(req.prompt.value) if kind == "chat" and answers is None else ""
     shape = ChoiceShape(kind, req.body.echo_prompt or bool(prefix), req.body.top(),
                         TokenIds(token_text) if req.body.return_tokens_as_token_ids else token_text, req.tools,
                         req.params.skip_special_tokens, req.reasoning, req.params.guided is not None,

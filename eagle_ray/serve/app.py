@@ -206,14 +206,14 @@ class EagleServer:
                     continue
                 st, seq = states[index], items[index][1]
                 chunk.made[index] = len(d.output.token_ids) if d.finished else d.num_tokens
-                if shape.echo and not st.echoed and kind == "chat":   # the last message's text, as its own delta
+                if shape.echo and not st.echoed:   # a chat's last message, or a completion's prompt, first
                     st.echoed, st.first = True, False
-                    yield f"data: {json.dumps(chunk(index, shape.prefix, None, True))}\n\n"
-                elif shape.echo and not st.echoed:
-                    text, lp = shape.echo_part(prompts[index // n])
-                    st.echoed, st.first = True, False
-                    st.offset = len(text)
-                    yield f"data: {json.dumps(chunk(index, text, None, logprobs=lp))}\n\n"
+                    if kind == "chat":
+                        yield f"data: {json.dumps(chunk(index, shape.prefix, None, True))}\n\n"
+                    else:
+                        text, lp = shape.echo_part(prompts[index // n])
+                        st.offset = len(text)
+                        yield f"data: {json.dumps(chunk(index, text, None, logprobs=lp))}\n\n"
                 text, calls, thought = d.text, None, None
                 reason = finish_reason(d.output.finish_reason) if d.finished else None
                 if st.split is not None:   # thinking and answer apart

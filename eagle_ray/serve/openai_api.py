@@ -377,16 +377,13 @@ class ChatRequest(_Request, ChatFields):
                              "echo)")
         return v
 
-    def echoed(self) -> str:
+    def echoed(self, messages: list[dict]) -> str:
         """vLLM's chat ``echo``: the last message's text, which each answer then starts with, where that message
-        has the role the answer is written in (the assistant's; without ``add_generation_prompt``, its own)."""
-        last = self.messages[-1] if self.echo and isinstance(self.messages[-1], dict) else {}
-        if last.get("role") != ("assistant" if self.add_generation_prompt else last.get("role")):
-            return ""
-        content = last.get("content")
-        if isinstance(content, list):   # text parts, joined as the prompt joins them (vLLM's way)
-            content = "\n".join(p.get("text") or "" for p in content if isinstance(p, dict))
-        return content if isinstance(content, str) else ""
+        has the role the answer is written in (the assistant's; without ``add_generation_prompt``, its own).
+        ``messages``: the request's as its prompt holds them (``parse_messages``: content one string)."""
+        last = messages[-1]
+        return last["content"] if self.echo and last["role"] == (
+            "assistant" if self.add_generation_prompt else last["role"]) else ""
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):

@@ -121,7 +121,7 @@ def parse_data(data: dict, parse_chat, earlier: list) -> ParsedRequest:
 def parse_request(raw: bytes, parse_chat) -> ParsedRequest:
     """A Responses body that continues nothing (a batch file's line: nothing is kept there)."""
     data = load_object(raw)
-    check_fields(data)
+    check_fields(data)   # before previous_response_id's refusal, as Serve orders them
     continued(data, 0)
     return parse_data(data, parse_chat, [])
 

@@ -72,11 +72,14 @@ def test_a_user_pipeline_gives_the_jobs_rows(ray_local, pair, tmp_path):  # noqa
 @pytest.mark.slow
 def test_two_engines_share_one_gpu_at_half_a_gpu_each(ray_local, pair, tmp_path, monkeypatch):  # noqa: F811
     """Ray counts the GPU (this CPU machine's Ray is started with one logical GPU): two actors at 0.5 run at once
-    on it, each engine planning its memory from half of it."""
+    on it, each engine planning its memory from half of it. The work items are made before the pool starts (all
+    12 blocks wait for it), so each actor is handed one as soon as both are up: made one at a time by a task on
+    the CPU the actors leave, the first actor ran every block before the next arrived."""
     both_up(monkeypatch)
     cfg = config(pair, "x", "y", actors__num_gpus=0.5, actors__num_actors=2, actors__num_cpus=0.5,
                  actors__batch_size=2, actors__max_concurrent_batches=1)
-    out = build_processor(ProcessorConfig.of(cfg))(ray.data.from_items(prompts(24), override_num_blocks=12)).take_all()
+    items = ray.data.from_items(prompts(24), override_num_blocks=12).map(request_item).materialize()
+    out = build_processor(ProcessorConfig.of(cfg)).generate(items).take_all()
     assert sorted(r["id"] for r in out) == sorted(r["id"] for r in prompts(24)) and not any(r["error"] for r in out)
     assert len({r["worker_id"] for r in out}) == 2
     assert JobConfig(**cfg.model_dump()).engine.for_ray_worker(0.5, 0.5).cache.memory_share == 0.5

@@ -270,6 +270,49 @@ def test_a_follow_up_continues_the_kept_conversation_and_the_newest_responses_ar
     assert (asyncio.run(kept.delete("resp_3")), asyncio.run(kept.delete("resp_3"))) == (True, False)
 
 
+def test_a_kept_responses_input_items_are_its_conversations_then_its_own_listed_a_page_at_a_time():
+    """``GET /v1/responses/{id}/input_items``: what the response was made from (the chain's inputs and outputs,
+    then its own input), each with an id (a client's own kept), messages typed with text parts; newest first by
+    default, ``limit`` items a page, ``after`` / ``before`` an item id."""
+    from eagle_ray.serve.response_store import KeptResponses, identified, item_page
+    kept = KeptResponses(3, "test")
+    first = identified([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Paris?"}])
+    said = {"role": "assistant", "content": "Yes."}
+    answer = response_body({"choices": [{"finish_reason": "stop", "message": said}],
+                            "usage": {"prompt_tokens": 9, "completion_tokens": 2}}, base(), words)
+    asyncio.run(kept.put(answer, first + answer["output"], None))
+    own = identified([{"id": "msg_mine", "type": "message", "role": "user", "content": [
+        {"type": "input_text", "text": "And Rome?"}]}, {"role": "assistant", "content": "Say it."}])
+    asyncio.run(kept.put(answer | {"id": "resp_2", "output": []}, own, "resp_1"))
+    items = asyncio.run(kept.input_items("resp_2"))
+    assert [i["id"] for i in items] == [first[0]["id"], first[1]["id"], answer["output"][0]["id"], "msg_mine",
+                                        own[1]["id"]]
+    assert [i["id"][:4] for i in first] == ["msg_", "msg_"] and len({i["id"] for i in items}) == 5
+    assert asyncio.run(kept.input_items("resp_1")) == first
+
+    page = item_page(items, {})
+    assert (page["object"], page["has_more"]) == ("list", False) and page["data"][-1]["content"] == [
+        {"type": "input_text", "text": "Be brief."}] and page["data"][0]["content"] == [
+        {"type": "output_text", "text": "Say it."}]
+    assert all(i["type"] == "message" for i in page["data"]) and page["data"][1] == own[0]
+    ids = [i["id"] for i in items]
+    two = item_page(items, {"order": "asc", "limit": "2"})
+    assert ([i["id"] for i in two["data"]], two["first_id"], two["last_id"], two["has_more"]) == (
+        ids[:2], ids[0], ids[1], True)
+    assert [i["id"] for i in item_page(items, {"order": "asc", "after": ids[1]})["data"]] == ids[2:]
+    assert [i["id"] for i in item_page(items, {"order": "asc", "before": ids[3], "limit": "2"})["data"]] == ids[1:3]
+    assert [i["id"] for i in item_page(items, {"after": ids[3]})["data"]] == ids[2::-1]   # newest first
+    for query, param in (({"order": "up"}, "order"), ({"limit": "0"}, "limit"), ({"limit": "x"}, "limit"),
+                         ({"after": "msg_none"}, "after")):
+        with pytest.raises(ApiError) as e:
+            item_page(items, query)
+        assert (e.value.status, e.value.param) == (400, param)
+    for n in (3, 4):   # two more kept: resp_1 is dropped
+        asyncio.run(kept.put(answer | {"id": f"resp_{n}"}, [], None))
+    assert asyncio.run(kept.input_items("resp_9")) is None   # never kept
+    assert asyncio.run(kept.response("resp_2")) and asyncio.run(kept.input_items("resp_2")) is None   # its link gone
+
+
 def test_a_streamed_response_is_kept_whole_before_its_last_event():
     done = []
 

@@ -230,6 +230,10 @@ def test_the_responses_api_calls_a_tool_and_reads_its_output(embedded_server):
     assert events[-1].type == "response.completed" and follow.output_text == answer.output_text
     assert (follow.previous_response_id, follow.store, r.store) == (r.id, True, True)
     assert client.responses.retrieve(follow.id).output_text == answer.output_text
+    listed = list(client.responses.input_items.list(follow.id, order="asc", limit=2))   # two pages of two
+    assert [i.type for i in listed] == ["message", "function_call", "function_call_output"]
+    assert (listed[0].content[0].text, listed[1].id, listed[2].output) == (ask, call.id,
+                                                                           '{"temperature": 21, "sky": "clear"}')
     client.responses.delete(follow.id)
     with pytest.raises(openai.NotFoundError, match="not found"):
         client.responses.retrieve(follow.id)

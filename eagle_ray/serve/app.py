@@ -23,7 +23,7 @@ from eagle_ray.engine.tools import CallReader
 from eagle_ray.errors import EagleError
 from eagle_ray.serve import responses
 from eagle_ray.serve.answer import api_error, final_body, prepare_request, run_whole, token_counter
-from eagle_ray.serve.response_store import KeptResponses
+from eagle_ray.serve.response_store import KeptResponses, identified, item_page
 from eagle_ray.serve.choices import ChoiceShape, Chunks, Interleaved, StreamState, usage
 from eagle_ray.serve.config import ServeConfig
 from eagle_ray.serve.logprobs import TokenText
@@ -150,7 +150,7 @@ class EagleServer:
             p.base["store"] = True
 
         async def kept(response: dict) -> None:   # before the answer goes out: a follow-up may come at once
-            await self.kept.put(response, req.conversation + response["output"],
+            await self.kept.put(response, identified(req.conversation) + response["output"],
                                 req.responses.get("previous_response_id"))
         if req.stream:
             sse = self._sse(req.body, p.prompts, p.shape, p.rid)
@@ -331,23 +331,32 @@ class EagleServer:
     @api.get("/v1/responses/{response_id}")
     async def retrieve_response(self, response_id: str, request: Request):
         """A kept response (``responses_kept``), as it was answered."""
-        return await self._kept_response(request, response_id, "get")
+        return await self._kept_response(request, response_id, "response")
 
     @api.delete("/v1/responses/{response_id}")
     async def delete_response(self, response_id: str, request: Request):
         return await self._kept_response(request, response_id, "delete")
 
+    @api.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(self, response_id: str, request: Request):
+        """The items a kept response was made from (its conversation's, then its own input), a page at a time."""
+        return await self._kept_response(request, response_id, "input_items")
+
     async def _kept_response(self, request: Request, rid: str, action: str):
         if not self._authorized(request):
             return _unauthorized()
         try:
-            found = await (self.kept.response(rid) if action == "get" else self.kept.delete(rid))
-        except ApiError as e:   # the store did not answer
+            found = await getattr(self.kept, action)(rid)   # response, input_items or delete
+            if found is None or found is False:
+                why = "" if self.kept.limit else " (this server keeps no responses: responses_kept is 0)"
+                if self.kept.limit and action == "input_items":
+                    why = " (it, or an earlier response of its conversation, is no longer kept)"
+                return _err(404, f"Response with id {rid!r} not found{why}")
+            if action == "input_items":
+                return item_page(found, request.query_params)
+        except ApiError as e:   # the store did not answer, or a bad page
             return JSONResponse(e.body(), status_code=e.status)
-        if not found:
-            why = "" if self.kept.limit else " (this server keeps no responses: responses_kept is 0)"
-            return _err(404, f"Response with id {rid!r} not found{why}")
-        return found if action == "get" else {"id": rid, "object": "response", "deleted": True}
+        return found if action == "response" else {"id": rid, "object": "response", "deleted": True}
 
     def __del__(self):
         totals = getattr(self, "totals", None)

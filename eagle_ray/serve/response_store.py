@@ -1,4 +1,5 @@
-"""Responses the server keeps, for OpenAI's ``previous_response_id`` and ``GET`` / ``DELETE /v1/responses/{id}``.
+"""Responses the server keeps, for OpenAI's ``previous_response_id``, ``GET`` / ``DELETE /v1/responses/{id}`` and its
+``input_items``.
 
 One named Ray actor per app holds them (``eagle-ray-responses:<app>``, namespace ``eagle_ray``), so that any replica
 answers a follow-up to a response another one made; the newest ``ServeConfig.responses_kept`` are kept (the oldest
@@ -51,6 +52,16 @@ class ResponseStore:
             _, items, at = self.kept[at]
             chain.append(items)
         return [item for items in reversed(chain) for item in items]
+
+    def input_items(self, rid: str) -> list | None:
+        """The items response ``rid`` was made from: its conversation's earlier items, then its own input (None:
+        it, or an earlier link, is gone)."""
+        found = self.kept.get(rid)
+        earlier = [] if found is None or found[2] is None else self.conversation(found[2])
+        if found is None or earlier is None:
+            return None
+        response, items, _ = found
+        return earlier + items[:len(items) - len(response["output"])]
 
     def delete(self, rid: str) -> bool:
         return self.kept.pop(rid, None) is not None
@@ -108,6 +119,9 @@ class KeptResponses:
     async def response(self, rid: str) -> dict | None:
         return await self._call("response", rid) if self.limit else None
 
+    async def input_items(self, rid: str) -> list | None:
+        return await self._call("input_items", rid) if self.limit else None
+
     async def delete(self, rid: str) -> bool:
         return bool(self.limit) and await self._call("delete", rid)
 
@@ -116,3 +130,52 @@ class KeptResponses:
             await self._call("put", response["id"], response, items, parent)
         except ApiError:   # the answer goes out all the same: its follow-ups will not find it
             log.warning("response %s was not kept", response.get("id"), exc_info=True)
+
+
+def identified(items: list) -> list:
+    """A request's input items as kept: each with an id (OpenAI's input items have one; the client's own is kept),
+    so that a listing's ``after`` / ``before`` name them. The conversation read back ignores it."""
+    from eagle_ray.serve.responses import _item_id
+    prefixes = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+    return [item if "id" in item else {"id": _item_id(prefixes.get(item.get("type", "message"), "item")), **item}
+            for item in items]
+
+
+def listed(item: dict) -> dict:
+    """An input item as OpenAI lists it: a message typed, its text in parts (``input_text``; an assistant's
+    ``output_text``)."""
+    if item.get("type", "message") != "message":
+        return item
+    content = item.get("content")
+    if isinstance(content, str):
+        kind = "output_text" if item.get("role") == "assistant" else "input_text"
+        content = [{"type": kind, "text": content}]
+    return {"type": "message", **item, "content": content}
+
+
+def item_page(items: list, query) -> dict:
+    """OpenAI's list of a response's input items: ``order`` (``desc``, the default, newest first, or ``asc``),
+    ``limit`` (1 to 100, default 20) and the ``after`` / ``before`` item ids of cursor paging."""
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise ApiError(400, f"order must be 'asc' or 'desc', got {order!r}", param="order")
+    try:
+        limit = int(query.get("limit", 20))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise ApiError(400, f"limit must be an integer from 1 to 100, got {query.get('limit')!r}", param="limit")
+    ordered = [listed(item) for item in (items if order == "asc" else reversed(items))]
+    ids = [item.get("id") for item in ordered]
+    start, end = 0, len(ordered)
+    for key in ("after", "before"):
+        if query.get(key) is not None:
+            if query[key] not in ids:
+                raise ApiError(400, f"{key}: no input item {query[key]!r} in this response", param=key)
+            at = ids.index(query[key])
+            start, end = (at + 1, end) if key == "after" else (start, at)
+    page = ordered[start:end]
+    data = page[:limit] if query.get("before") is None or query.get("after") is not None else page[-limit:]
+    more = len(page) > len(data)
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": more}

@@ -4,6 +4,7 @@ queue that replays deltas) as the Responses events, whose deltas add up to the c
 HTTP with the ``openai`` client: tests/test_serve.py."""
 import asyncio
 import json
+import time
 
 import pytest
 from test_reasoning import THOUGHT, ReplayQueue, output, shape_for
@@ -11,8 +12,9 @@ from test_reasoning import THOUGHT, ReplayQueue, output, shape_for
 from eagle_ray.engine.queue import StreamDelta
 from eagle_ray.serve.choices import PromptChoices
 from eagle_ray.serve.openai_api import ApiError, parse_body
-from eagle_ray.serve.responses import (ResponseEvents, chat_body, check_fields, continued, parse_data, parse_request,
-                                       response_base, response_body)
+from eagle_ray.serve.response_store import KeptResponses, ResponseStore, identified, item_page
+from eagle_ray.serve.responses import (ResponseEvents, backgrounded, chat_body, check_fields, continued, parse_data,
+                                       parse_request, response_base, response_body)
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "the weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
@@ -27,6 +29,7 @@ def parsed(body: dict, parser: str | None = "hermes", kept=None):
         return parse_request(json.dumps(data).encode(), parse_chat)
     check_fields(data)
     rid = continued(data, kept.limit)
+    backgrounded(data, kept.limit)
     return parse_data(data, parse_chat, asyncio.run(kept.conversation(rid)) if rid else [])
 
 
@@ -70,7 +73,8 @@ def test_a_responses_body_is_the_chat_it_amounts_to():
 
 @pytest.mark.parametrize("body, param, message", [
     ({"previous_response_id": "resp_1"}, "previous_response_id", "keeps no responses"),
-    ({"background": True}, "background", "not supported"),
+    ({"background": True}, "background", "keeps no responses"),
+    ({"background": 1}, "background", "must be a boolean"),
     ({"include": ["reasoning.encrypted_content"]}, "include", "only 'message.output_text.logprobs'"),
     ({"top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
     ({"truncation": "auto"}, "truncation", "not supported"),
@@ -238,7 +242,6 @@ def test_a_follow_up_continues_the_kept_conversation_and_the_newest_responses_ar
     """``previous_response_id``: the kept chain's items (each response's input, then its output), then the new
     input; its instructions are not carried over (OpenAI's rule). The store keeps the newest ``responses_kept``; a
     conversation whose earlier response was dropped is a 404, as OpenAI's."""
-    from eagle_ray.serve.response_store import KeptResponses
     kept = KeptResponses(2, "test")   # outside Ray: this process's own
     first = parsed({"instructions": "Be brief.", "input": "Paris?", "tools": [WEATHER]}, kept=kept)
     assert first.conversation == [{"role": "user", "content": "Paris?"}]
@@ -264,8 +267,8 @@ def test_a_follow_up_continues_the_kept_conversation_and_the_newest_responses_ar
                                                                  "previous_response_id")
     with pytest.raises(ApiError, match="responses_kept is 0") as e:
         parsed({"previous_response_id": "resp_3", "input": "more"}, kept=KeptResponses(0, "none"))
-    with pytest.raises(ApiError, match="background is not supported"):   # refused before any look-up
-        parsed({"previous_response_id": "resp_9", "input": "more", "background": True}, kept=kept)
+    with pytest.raises(ApiError, match="conversation is not supported"):   # refused before any look-up
+        parsed({"previous_response_id": "resp_9", "input": "more", "conversation": "conv_1"}, kept=kept)
     assert asyncio.run(kept.response("resp_3"))["id"] == "resp_3"
     assert (asyncio.run(kept.delete("resp_3")), asyncio.run(kept.delete("resp_3"))) == (True, False)
 
@@ -274,7 +277,6 @@ def test_a_kept_responses_input_items_are_its_conversations_then_its_own_listed_
     """``GET /v1/responses/{id}/input_items``: what the response was made from (the chain's inputs and outputs,
     then its own input), each with an id (a client's own kept), messages typed with text parts; newest first by
     default, ``limit`` items a page, ``after`` / ``before`` an item id."""
-    from eagle_ray.serve.response_store import KeptResponses, identified, item_page
     kept = KeptResponses(3, "test")
     first = identified([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Paris?"}])
     said = {"role": "assistant", "content": "Yes."}
@@ -311,6 +313,41 @@ def test_a_kept_responses_input_items_are_its_conversations_then_its_own_listed_
         asyncio.run(kept.put(answer | {"id": f"resp_{n}"}, [], None))
     assert asyncio.run(kept.input_items("resp_9")) is None   # never kept
     assert asyncio.run(kept.response("resp_2")) and asyncio.run(kept.input_items("resp_2")) is None   # its link gone
+
+
+def test_a_background_response_is_kept_in_progress_until_it_ends_is_cancelled_or_its_replica_is_lost():
+    """``background: true`` (only where responses are kept, never with ``store: false`` or a stream): kept
+    ``in_progress`` at once, its replica beating; its end replaces it, unless it was cancelled first; a cancel of
+    an ended one answers it as it is; one whose replica went silent has failed."""
+    kept = KeptResponses(4, "test")
+    request = parsed({"input": "Paris?", "background": True}, kept=kept)
+    started = base({"background": True})
+    assert (started["status"], started["background"], base()["background"]) == ("in_progress", True, False)
+    for body, param in (({"store": False}, "store"), ({"stream": True}, "stream")):
+        with pytest.raises(ApiError) as e:
+            parsed({"input": "w1", "background": True, **body}, kept=kept)
+        assert (e.value.status, e.value.param) == (400, param)
+
+    store = ResponseStore(4, lost_s=0.2)
+    items = identified(request.conversation)
+    store.put("resp_1", started, items, None)
+    assert store.beat("resp_1") == "in_progress" and store.input_items("resp_1") == items
+    said = {"role": "assistant", "content": "Yes."}
+    done = response_body({"choices": [{"finish_reason": "stop", "message": said}],
+                          "usage": {"prompt_tokens": 9, "completion_tokens": 2}}, started, words)
+    store.put("resp_1", done, items + done["output"], None)
+    assert store.response("resp_1")["status"] == "completed" and store.cancel("resp_1") == done
+
+    store.put("resp_2", started | {"id": "resp_2"}, items, None)
+    assert store.cancel("resp_2")["status"] == store.beat("resp_2") == "cancelled"
+    store.put("resp_2", done | {"id": "resp_2"}, items + done["output"], None)   # its replica's end comes late
+    assert store.response("resp_2")["status"] == "cancelled"
+
+    store.put("resp_3", started | {"id": "resp_3"}, items, None)
+    time.sleep(0.3)   # past lost_s without a beat
+    lost = store.response("resp_3")
+    assert lost["status"] == "failed" and "replica making it was lost" in lost["error"]["message"]
+    assert store.beat("resp_3") == "failed" and store.beat("resp_9") is None
 
 
 def test_a_streamed_response_is_kept_whole_before_its_last_event():

@@ -243,6 +243,39 @@ def test_the_responses_api_calls_a_tool_and_reads_its_output(embedded_server):
     jsonschema.validate(json.loads(typed.output_text), schema)
 
 
+def test_a_background_response_is_made_on_read_back_and_stopped_by_a_cancel(embedded_server):
+    """``background: true``: answered at once ``in_progress``, then read back as the same request made in the
+    foreground answers; a cancel ends one in progress (its request counted as aborted, not run to its length)."""
+    import time
+
+    import httpx
+    import openai
+    from test_metrics import samples
+    client = openai.OpenAI(base_url=embedded_server + "/v1", api_key="unused", max_retries=0, timeout=300)
+    ask = {"model": "smol", "input": "Name three colors.", "temperature": 0, "max_output_tokens": 24}
+    r = client.responses.create(**ask, background=True)
+    assert (r.status, r.background, r.output) == ("in_progress", True, [])
+    deadline = time.time() + 300
+    while r.status == "in_progress" and time.time() < deadline:
+        time.sleep(0.5)
+        r = client.responses.retrieve(r.id)
+    now = client.responses.create(**ask)
+    assert (r.status, r.output_text, r.usage.output_tokens) == (now.status, now.output_text, now.usage.output_tokens)
+    with pytest.raises(openai.BadRequestError, match="only those can be cancelled"):
+        client.responses.cancel(now.id)
+
+    aborted = ("vllm:request_success_total", (("finished_reason", "abort"),))
+    before = samples(httpx.get(embedded_server + "/metrics", timeout=60).content).get(aborted, 0)
+    long = client.responses.create(**ask | {"max_output_tokens": 900}, background=True,
+                                   extra_body={"ignore_eos": True})
+    assert client.responses.cancel(long.id).status == "cancelled"
+    deadline = time.time() + 120
+    while samples(httpx.get(embedded_server + "/metrics", timeout=60).content).get(aborted, 0) == before:
+        assert time.time() < deadline, "the cancelled response's request was not aborted"
+        time.sleep(0.5)
+    assert client.responses.retrieve(long.id).status == "cancelled"
+
+
 def test_a_jobs_chat_rows_call_tools_as_serve_does(tmp_path):
     """The job's rows with tools, on the embedded model with a template that shows them: a named call and a
     required one land in ``tool_calls`` (OpenAI's list, each call's arguments valid under its tool's schema)."""

@@ -23,7 +23,6 @@ from eagle_ray.engine.tools import CallReader
 from eagle_ray.errors import EagleError
 from eagle_ray.serve import responses
 from eagle_ray.serve.answer import api_error, final_body, prepare_request, run_whole, token_counter
-from eagle_ray.serve.response_store import KeptResponses, identified, item_page
 from eagle_ray.serve.choices import ChoiceShape, Chunks, Interleaved, StreamState, usage
 from eagle_ray.serve.config import ServeConfig
 from eagle_ray.serve.logprobs import TokenText
@@ -31,6 +30,7 @@ from eagle_ray.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from eagle_ray.serve.metrics import ReplicaMetrics, ServeMetrics
 from eagle_ray.serve.openai_api import (ApiError, ParsedRequest, authorized, eagle_stats, error_body, finish_reason,
                                         load_object, now, parse_body)
+from eagle_ray.serve.response_store import BEAT_S, KeptResponses, identified, item_page
 from eagle_ray.serve.tokens import DetokenizeRequest, TokenizeRequest, parse_tokens_body
 from eagle_ray.serve.tokens import answer as token_answer
 from eagle_ray.train.online import adapt
@@ -92,6 +92,7 @@ class EagleServer:
         context = serve.get_replica_context()   # /metrics answers the app's totals over its replicas
         self.totals = ReplicaMetrics(self.metrics, self.engine, context.app_name, context.replica_tag)
         self.kept = KeptResponses(self.cfg.responses_kept, context.app_name)   # for previous_response_id
+        self._background_tasks: set[asyncio.Task] = set()   # background responses being made
         self.token_text = TokenText(self.engine.tokenizer)   # token texts and bytes of logprobs, decoded once
         self.count_tokens = token_counter(self.engine.tokenizer)   # a Responses answer's thinking tokens
 
@@ -133,6 +134,7 @@ class EagleServer:
             data = await asyncio.to_thread(load_object, bytes(raw))
             responses.check_fields(data)
             rid = responses.continued(data, self.kept.limit)
+            responses.backgrounded(data, self.kept.limit)
             earlier = await self.kept.conversation(rid) if rid else []
             return await asyncio.to_thread(responses.parse_data, data, functools.partial(parse, kind="chat"), earlier)
         return await asyncio.to_thread(parse, bytes(raw), kind)
@@ -148,6 +150,9 @@ class EagleServer:
         keep = p.base is not None and self.kept.limit and req.responses.get("store") is not False
         if keep:
             p.base["store"] = True
+            if p.base["background"]:
+                return await self._background(p, identified(req.conversation),
+                                              req.responses.get("previous_response_id"))
 
         async def kept(response: dict) -> None:   # before the answer goes out: a follow-up may come at once
             await self.kept.put(response, identified(req.conversation) + response["output"],
@@ -168,6 +173,34 @@ class EagleServer:
         if keep:
             await kept(out)
         return JSONResponse(out)
+
+    async def _background(self, p, items: list, parent: str | None):
+        """``background: true``: kept ``in_progress`` and answered at once; made on in a task of this replica,
+        which says so to the store every ``BEAT_S`` and stops where the response was cancelled or is gone."""
+        try:
+            await self.kept.start(p.base, items, parent)
+        except ApiError as e:
+            return JSONResponse(e.body(), status_code=e.status)
+        task = asyncio.create_task(self._make_in_background(p, items, parent))
+        self._background_tasks.add(task)   # held until it ends: the loop keeps only weak references
+        task.add_done_callback(self._background_tasks.discard)
+        return JSONResponse(p.base)
+
+    async def _make_in_background(self, p, items: list, parent: str | None) -> None:
+        rid = p.base["id"]
+        run = asyncio.create_task(run_whole(self.queue, p, self.cfg.model_name))
+        while not run.done():
+            await asyncio.wait({run}, timeout=BEAT_S)
+            if not run.done() and await self.kept.beat(rid) != "in_progress":
+                run.cancel()   # its sequences are cancelled with it (answer.run_all)
+        try:
+            out = final_body(p, (await run)[0], self.count_tokens)
+        except asyncio.CancelledError:
+            return   # cancelled, deleted or dropped: nothing to keep
+        except Exception as e:  # noqa: BLE001 - the response fails with the reason, as a whole request's would
+            why = {"code": "server_error", "message": f"{type(e).__name__}: {e}"}
+            out = p.base | {"status": "failed", "error": why}
+        await self.kept.put(out, items + out["output"], parent)
 
     async def _sse(self, req, prompts, shape: ChoiceShape, rid: str):
         kind = shape.kind
@@ -337,6 +370,11 @@ class EagleServer:
     async def delete_response(self, response_id: str, request: Request):
         return await self._kept_response(request, response_id, "delete")
 
+    @api.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(self, response_id: str, request: Request):
+        """A background response in progress stops (its replica reads it within ``BEAT_S``); OpenAI's answer."""
+        return await self._kept_response(request, response_id, "cancel")
+
     @api.get("/v1/responses/{response_id}/input_items")
     async def response_input_items(self, response_id: str, request: Request):
         """The items a kept response was made from (its conversation's, then its own input), a page at a time."""
@@ -354,9 +392,11 @@ class EagleServer:
                 return _err(404, f"Response with id {rid!r} not found{why}")
             if action == "input_items":
                 return item_page(found, request.query_params)
+            if action == "cancel" and not found.get("background"):
+                return _err(400, f"Response {rid!r} was not made with background: true; only those can be cancelled")
         except ApiError as e:   # the store did not answer, or a bad page
             return JSONResponse(e.body(), status_code=e.status)
-        return found if action == "response" else {"id": rid, "object": "response", "deleted": True}
+        return {"id": rid, "object": "response", "deleted": True} if action == "delete" else found
 
     def __del__(self):
         totals = getattr(self, "totals", None)

@@ -13,33 +13,69 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 
 from eagle_ray.serve.openai_api import ApiError
 
 log = logging.getLogger(__name__)
 WAIT_S = 10.0   # for the store's answer; past it a follow-up is a 503, a response goes unkept (said in the log)
+BEAT_S = 1.0    # a background response's replica says it is still making it (and reads a cancel) this often
+LOST_S = 30.0   # a background response whose replica has not said so for this long failed with its replica
 
 
 class ResponseStore:
     """The newest ``limit`` responses by id: each its response object, its own items and the id it continued."""
 
-    def __init__(self, limit: int):
-        self.limit = limit
+    def __init__(self, limit: int, lost_s: float = LOST_S):
+        self.limit, self.lost_s = limit, lost_s
         self.kept: OrderedDict[str, tuple[dict, list, str | None]] = OrderedDict()
+        self.beats: dict[str, float] = {}   # a background response in progress: when its replica last said so
 
     def put(self, rid: str, response: dict, items: list, parent: str | None) -> None:
+        """Keep ``response`` (a background one's end replaces its ``in_progress`` self, unless it was cancelled)."""
+        if self.status(rid) == "cancelled":
+            return
         self.kept[rid] = (response, items, parent)
         self.kept.move_to_end(rid)
+        self.beats.pop(rid, None)
+        if response.get("status") == "in_progress":
+            self.beats[rid] = time.monotonic()
         self.resize(self.limit)
+
+    def status(self, rid: str) -> str | None:
+        found = self.kept.get(rid)
+        return found[0].get("status") if found else None
+
+    def beat(self, rid: str) -> str | None:
+        """A background response's replica is still making it: its status (``cancelled``: stop)."""
+        if rid in self.beats:
+            self.beats[rid] = time.monotonic()
+        return self.status(rid)
+
+    def cancel(self, rid: str) -> dict | None:
+        """OpenAI's cancel: a background response in progress is ``cancelled`` (its replica stops at its next
+        beat); any other is answered as it is."""
+        if self.status(rid) == "in_progress":
+            self._end(rid, {"status": "cancelled"})
+        return self.response(rid)
+
+    def _end(self, rid: str, fields: dict) -> None:
+        response, items, parent = self.kept[rid]
+        self.kept[rid] = (response | fields, items, parent)
+        self.beats.pop(rid, None)
 
     def resize(self, limit: int) -> None:
         """The app's ``responses_kept`` as its newest replica has it."""
         self.limit = limit
         while len(self.kept) > limit:
-            self.kept.popitem(last=False)
+            self.beats.pop(self.kept.popitem(last=False)[0], None)
 
     def response(self, rid: str) -> dict | None:
+        """The kept response; a background one whose replica went silent has failed with it."""
+        if rid in self.beats and time.monotonic() - self.beats[rid] > self.lost_s:
+            self._end(rid, {"status": "failed", "error": {
+                "code": "server_error", "message": f"the replica making it was lost (silent for {self.lost_s:.0f} s)"}})
         found = self.kept.get(rid)
         return found[0] if found else None
 
@@ -64,6 +100,7 @@ class ResponseStore:
         return earlier + items[:len(items) - len(response["output"])]
 
     def delete(self, rid: str) -> bool:
+        self.beats.pop(rid, None)
         return self.kept.pop(rid, None) is not None
 
 
@@ -121,6 +158,21 @@ class KeptResponses:
 
     async def input_items(self, rid: str) -> list | None:
         return await self._call("input_items", rid) if self.limit else None
+
+    async def cancel(self, rid: str) -> dict | None:
+        return await self._call("cancel", rid) if self.limit else None
+
+    async def start(self, response: dict, items: list, parent: str | None) -> None:
+        """A background response kept ``in_progress``; raises :class:`ApiError` (503) where the store is away."""
+        await self._call("put", response["id"], response, items, parent)
+
+    async def beat(self, rid: str) -> str | None:
+        """A background response's status as its replica makes it (None: deleted, or dropped for newer ones); a
+        store that does not answer is taken as ``in_progress``: it may be back at the next beat."""
+        try:
+            return await self._call("beat", rid)
+        except ApiError:
+            return "in_progress"
 
     async def delete(self, rid: str) -> bool:
         return bool(self.limit) and await self._call("delete", rid)

@@ -12,8 +12,9 @@ become the Responses events (:class:`ResponseEvents`). Errors name the Responses
 
 With ``ServeConfig.responses_kept`` the server keeps its newest responses (``serve/response_store.py``): a
 request's ``previous_response_id`` continues that one's conversation (its items, then the request's ``input``; its
-``instructions`` are not carried over, as OpenAI's are not). Otherwise nothing is kept, ``store`` is answered as
-false and ``previous_response_id`` is a 400; ``background`` and ``conversation`` are a 400 either way, as are
+``instructions`` are not carried over, as OpenAI's are not); one with ``background: true`` is answered at once,
+``in_progress``, and made on (:func:`backgrounded`). Otherwise nothing is kept, ``store`` is answered as
+false and ``previous_response_id`` and ``background`` are a 400; ``conversation`` is a 400 either way, as are
 OpenAI's hosted tools and non-text input.
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from eagle_ray.engine.reasoning import CLOSE as THINK_CLOSE
 from eagle_ray.serve.openai_api import ApiError, ParsedRequest, changes_nothing, load_object
 
-REFUSED = {"background": (None, False), "conversation": (None,), "prompt": (None,),
+REFUSED = {"conversation": (None,), "prompt": (None,),
            "truncation": (None, "disabled"), "max_tool_calls": (None,)}   # what this server does not keep or do
 LOGPROBS = "message.output_text.logprobs"   # the one ``include`` this server answers
 PASSED = ("model", "temperature", "top_p", "stream", "parallel_tool_calls", "user", "seed", "top_k", "min_p",
@@ -86,7 +87,7 @@ def check_fields(data: dict) -> None:
     for key, harmless in REFUSED.items():
         if key in data and not any(changes_nothing(data[key], h) for h in harmless):
             raise ApiError(400, f"{key} is not supported by this server", param=key)
-    for key in ("include_reasoning", "store"):
+    for key in ("include_reasoning", "store", "background"):
         if data.get(key) is not None and not isinstance(data[key], bool):
             raise ApiError(400, f"{key} must be a boolean", param=key)
 
@@ -103,6 +104,22 @@ def continued(data: dict, kept: int) -> str | None:
     if not isinstance(rid, str):
         raise ApiError(400, "previous_response_id must be a string", param="previous_response_id")
     return rid
+
+
+def backgrounded(data: dict, kept: int) -> bool:
+    """``background: true``: the response is answered at once (``in_progress``), made on and read back from the
+    kept responses (``kept``: ``responses_kept``), as OpenAI's; raises :class:`ApiError` where it cannot be."""
+    if not data.get("background"):
+        return False
+    if not kept:
+        raise ApiError(400, "background: this server keeps no responses (Serve's responses_kept is 0; a batch job "
+                       "keeps none)", param="background")
+    if data.get("store") is False:
+        raise ApiError(400, "background requires store: a background response is read back from the kept ones",
+                       param="store")
+    if data.get("stream"):
+        raise ApiError(400, "background with stream is not supported by this server", param="stream")
+    return True
 
 
 def parse_data(data: dict, parse_chat, earlier: list) -> ParsedRequest:
@@ -123,6 +140,7 @@ def parse_request(raw: bytes, parse_chat) -> ParsedRequest:
     data = load_object(raw)
     check_fields(data)   # before previous_response_id's refusal, as Serve orders them
     continued(data, 0)
+    backgrounded(data, 0)
     return parse_data(data, parse_chat, [])
 
 
@@ -295,6 +313,7 @@ def response_base(data: dict, rid: str, created: int, model: str) -> dict:
             "parallel_tool_calls": data.get("parallel_tool_calls", True),
             "text": {"format": text.get("format") or {"type": "text"}},
             "reasoning": data.get("reasoning") or {"effort": None, "summary": None}, "store": False,
+            "background": data.get("background") is True,
             "previous_response_id": data.get("previous_response_id"), "metadata": data.get("metadata") or {},
             "user": data.get("user"), "output": [], "usage": None}
 

@@ -317,8 +317,9 @@ def test_a_kept_responses_input_items_are_its_conversations_then_its_own_listed_
 
 def test_a_background_response_is_kept_in_progress_until_it_ends_is_cancelled_or_its_replica_is_lost():
     """``background: true`` (only where responses are kept, never with ``store: false`` or a stream): kept
-    ``in_progress`` at once, its replica beating; its end replaces it, unless it was cancelled first; a cancel of
-    an ended one answers it as it is; one whose replica went silent has failed."""
+    ``in_progress`` at once, its replica beating; its end replaces it only while it is still in progress (not
+    after a cancel, a delete or its replica's loss); a cancel of an ended one answers it as it is; a follow-up
+    waits for its end."""
     kept = KeptResponses(4, "test")
     request = parsed({"input": "Paris?", "background": True}, kept=kept)
     started = base({"background": True})
@@ -332,22 +333,53 @@ def test_a_background_response_is_kept_in_progress_until_it_ends_is_cancelled_or
     items = identified(request.conversation)
     store.put("resp_1", started, items, None)
     assert store.beat("resp_1") == "in_progress" and store.input_items("resp_1") == items
+    assert store.conversation("resp_1") == {"in_progress": "resp_1"}   # a follow-up's: refused (below)
     said = {"role": "assistant", "content": "Yes."}
     done = response_body({"choices": [{"finish_reason": "stop", "message": said}],
                           "usage": {"prompt_tokens": 9, "completion_tokens": 2}}, started, words)
-    store.put("resp_1", done, items + done["output"], None)
+    assert store.finish("resp_1", done, items + done["output"])
     assert store.response("resp_1")["status"] == "completed" and store.cancel("resp_1") == done
+    assert store.conversation("resp_1") == items + done["output"]
 
     store.put("resp_2", started | {"id": "resp_2"}, items, None)
     assert store.cancel("resp_2")["status"] == store.beat("resp_2") == "cancelled"
-    store.put("resp_2", done | {"id": "resp_2"}, items + done["output"], None)   # its replica's end comes late
+    assert not store.finish("resp_2", done | {"id": "resp_2"}, items + done["output"])   # its end comes late
     assert store.response("resp_2")["status"] == "cancelled"
+    store.put("resp_4", started | {"id": "resp_4"}, items, None)
+    assert store.delete("resp_4") and not store.finish("resp_4", done, []) and store.response("resp_4") is None
 
     store.put("resp_3", started | {"id": "resp_3"}, items, None)
     time.sleep(0.3)   # past lost_s without a beat
     lost = store.response("resp_3")
     assert lost["status"] == "failed" and "replica making it was lost" in lost["error"]["message"]
     assert store.beat("resp_3") == "failed" and store.beat("resp_9") is None
+    assert not store.finish("resp_3", done | {"id": "resp_3"}, items)
+
+    asyncio.run(kept.start(started, items, None))   # a replica that shuts down fails its own at once
+    with pytest.raises(ApiError, match="still in progress") as e:
+        parsed({"previous_response_id": "resp_1", "input": "more"}, kept=kept)
+    assert (e.value.status, e.value.param) == (400, "previous_response_id")
+    kept.abandon(["resp_1"], "its replica shut down before it ended")
+    assert asyncio.run(kept.response("resp_1"))["error"]["message"] == "its replica shut down before it ended"
+
+
+def test_an_item_id_twice_in_a_conversation_is_a_400():
+    """An item's id names it in the listing of input items: the same id again (an earlier output sent back with
+    ``previous_response_id``) is refused, as OpenAI's."""
+    kept = KeptResponses(2, "test")
+    answer = response_body({"choices": [{"finish_reason": "stop", "message": {"role": "assistant", "content": "A"}}],
+                           "usage": {"prompt_tokens": 9, "completion_tokens": 1}}, base(), words)
+    asyncio.run(kept.put(answer, identified([{"role": "user", "content": "Q"}]) + answer["output"], None))
+    with pytest.raises(ApiError, match="Duplicate item found") as e:
+        parsed({"previous_response_id": "resp_1", "input": [*answer["output"], {"role": "user", "content": "B"}]},
+               kept=kept)
+    assert (e.value.status, e.value.param) == (400, "input[0].id")
+    twice = {"id": "msg_1", "role": "user", "content": "B"}
+    with pytest.raises(ApiError, match="Duplicate item found") as e:
+        parsed({"input": [twice, twice]})
+    assert e.value.param == "input[1].id"
+    assert parsed({"previous_response_id": "resp_1", "input": "B"}, kept=kept).conversation == [
+        {"role": "user", "content": "B"}]
 
 
 def test_a_streamed_response_is_kept_whole_before_its_last_event():

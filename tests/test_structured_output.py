@@ -266,7 +266,7 @@ def test_a_background_response_is_made_on_read_back_and_stopped_by_a_cancel(embe
 
     aborted = ("vllm:request_success_total", (("finished_reason", "abort"),))
     before = samples(httpx.get(embedded_server + "/metrics", timeout=60).content).get(aborted, 0)
-    long = client.responses.create(**ask | {"max_output_tokens": 900}, background=True,
+    long = client.responses.create(**ask | {"max_output_tokens": 960}, background=True,
                                    extra_body={"ignore_eos": True})
     assert client.responses.cancel(long.id).status == "cancelled"
     deadline = time.time() + 120

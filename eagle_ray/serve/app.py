@@ -92,7 +92,7 @@ class EagleServer:
         context = serve.get_replica_context()   # /metrics answers the app's totals over its replicas
         self.totals = ReplicaMetrics(self.metrics, self.engine, context.app_name, context.replica_tag)
         self.kept = KeptResponses(self.cfg.responses_kept, context.app_name)   # for previous_response_id
-        self._background_tasks: set[asyncio.Task] = set()   # background responses being made
+        self._background: dict[str, asyncio.Task] = {}   # the background responses this replica is making
         self.token_text = TokenText(self.engine.tokenizer)   # token texts and bytes of logprobs, decoded once
         self.count_tokens = token_counter(self.engine.tokenizer)   # a Responses answer's thinking tokens
 
@@ -151,8 +151,8 @@ class EagleServer:
         if keep:
             p.base["store"] = True
             if p.base["background"]:
-                return await self._background(p, identified(req.conversation),
-                                              req.responses.get("previous_response_id"))
+                return await self._start_background(p, identified(req.conversation),
+                                                    req.responses.get("previous_response_id"))
 
         async def kept(response: dict) -> None:   # before the answer goes out: a follow-up may come at once
             await self.kept.put(response, identified(req.conversation) + response["output"],
@@ -174,33 +174,34 @@ class EagleServer:
             await kept(out)
         return JSONResponse(out)
 
-    async def _background(self, p, items: list, parent: str | None):
+    async def _start_background(self, p, items: list, parent: str | None):
         """``background: true``: kept ``in_progress`` and answered at once; made on in a task of this replica,
         which says so to the store every ``BEAT_S`` and stops where the response was cancelled or is gone."""
         try:
             await self.kept.start(p.base, items, parent)
         except ApiError as e:
             return JSONResponse(e.body(), status_code=e.status)
-        task = asyncio.create_task(self._make_in_background(p, items, parent))
-        self._background_tasks.add(task)   # held until it ends: the loop keeps only weak references
-        task.add_done_callback(self._background_tasks.discard)
+        rid = p.base["id"]   # held until it ends (the loop keeps only weak references), failed if this replica stops
+        self._background[rid] = asyncio.create_task(self._make_in_background(p, items))
+        self._background[rid].add_done_callback(lambda _: self._background.pop(rid, None))
         return JSONResponse(p.base)
 
-    async def _make_in_background(self, p, items: list, parent: str | None) -> None:
-        rid = p.base["id"]
+    async def _make_in_background(self, p, items: list) -> None:
+        rid, stopped = p.base["id"], False
         run = asyncio.create_task(run_whole(self.queue, p, self.cfg.model_name))
         while not run.done():
             await asyncio.wait({run}, timeout=BEAT_S)
             if not run.done() and await self.kept.beat(rid) != "in_progress":
-                run.cancel()   # its sequences are cancelled with it (answer.run_all)
+                stopped = run.cancel()   # its sequences are cancelled with it (answer.run_all)
         try:
             out = final_body(p, (await run)[0], self.count_tokens)
         except asyncio.CancelledError:
-            return   # cancelled, deleted or dropped: nothing to keep
+            if stopped:
+                return   # cancelled, deleted or dropped: nothing to keep
+            out = failed(p.base, "cancelled by its replica")
         except Exception as e:  # noqa: BLE001 - the response fails with the reason, as a whole request's would
-            why = {"code": "server_error", "message": f"{type(e).__name__}: {e}"}
-            out = p.base | {"status": "failed", "error": why}
-        await self.kept.put(out, items + out["output"], parent)
+            out = failed(p.base, f"{type(e).__name__}: {e}")
+        await self.kept.finish(out, items + out["output"])
 
     async def _sse(self, req, prompts, shape: ChoiceShape, rid: str):
         kind = shape.kind
@@ -399,12 +400,18 @@ class EagleServer:
         return {"id": rid, "object": "response", "deleted": True} if action == "delete" else found
 
     def __del__(self):
+        if getattr(self, "_background", None):
+            self.kept.abandon(list(self._background), "its replica shut down before it ended")
         totals = getattr(self, "totals", None)
         if totals is not None:
             totals.close()
         queue = getattr(self, "queue", None)
         if queue is not None:
             queue.shutdown(drain=True, timeout=30)
+
+
+def failed(response: dict, message: str) -> dict:
+    return response | {"status": "failed", "error": {"code": "server_error", "message": message}}
 
 
 def build_app(args: dict):

@@ -1,13 +1,17 @@
 """Responses the server keeps, for OpenAI's ``previous_response_id``, ``GET`` / ``DELETE /v1/responses/{id}`` and its
 ``input_items``.
 
-One named Ray actor per app holds them (``eagle-ray-responses:<app>``, namespace ``eagle_ray``), so that any replica
+One named Ray actor per app holds them (``eagle-ray-responses-v2:<app>``, namespace ``eagle_ray``), so that any replica
 answers a follow-up to a response another one made; the newest ``ServeConfig.responses_kept`` are kept (the oldest
 dropped first), in memory. Each is kept with its own items (its input, then its output) and the id of the response
 it continued: a follow-up's conversation is read back along that chain, and ends at a 404 where an earlier link was
 dropped, as OpenAI's. The actor is detached: it outlives a replica's restart and ``serve delete``, and takes the
 bound of the newest deployment (0 drops all). Outside Ray (a replica's class used on its own) the store is in the
 process. A replica awaits the actor on its event loop, never in a worker thread.
+
+A ``background`` response is kept ``in_progress`` at once; its replica beats every ``BEAT_S`` while it makes it
+(reading a cancel there), and its end replaces it only where it is still in progress. One whose replica went
+silent for ``LOST_S`` has failed; a replica that shuts down fails its own at once.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ log = logging.getLogger(__name__)
 WAIT_S = 10.0   # for the store's answer; past it a follow-up is a 503, a response goes unkept (said in the log)
 BEAT_S = 1.0    # a background response's replica says it is still making it (and reads a cancel) this often
 LOST_S = 30.0   # a background response whose replica has not said so for this long failed with its replica
+STORE_VERSION = 2   # in the actor's name: a detached store of code with other methods is never called by this one
 
 
 class ResponseStore:
@@ -33,22 +38,31 @@ class ResponseStore:
         self.beats: dict[str, float] = {}   # a background response in progress: when its replica last said so
 
     def put(self, rid: str, response: dict, items: list, parent: str | None) -> None:
-        """Keep ``response`` (a background one's end replaces its ``in_progress`` self, unless it was cancelled)."""
-        if self.status(rid) == "cancelled":
-            return
         self.kept[rid] = (response, items, parent)
         self.kept.move_to_end(rid)
         self.beats.pop(rid, None)
-        if response.get("status") == "in_progress":
+        if response.get("status") == "in_progress":   # a background response, started
             self.beats[rid] = time.monotonic()
         self.resize(self.limit)
 
+    def finish(self, rid: str, response: dict, items: list) -> bool:
+        """A background response's end, kept where it is still in progress (not cancelled, failed with a silent
+        replica, deleted or dropped for newer ones)."""
+        if self.status(rid) != "in_progress":
+            return False
+        self.kept[rid] = (response, items, self.kept[rid][2])
+        self.beats.pop(rid, None)
+        return True
+
     def status(self, rid: str) -> str | None:
+        """A kept response's status (None: not kept); a background one whose replica went silent has failed."""
+        if rid in self.beats and time.monotonic() - self.beats[rid] > self.lost_s:
+            self.fail(rid, f"the replica making it was lost (silent for {self.lost_s:.0f} s)")
         found = self.kept.get(rid)
         return found[0].get("status") if found else None
 
     def beat(self, rid: str) -> str | None:
-        """A background response's replica is still making it: its status (``cancelled``: stop)."""
+        """A background response's replica is still making it: its status (anything but ``in_progress``: stop)."""
         if rid in self.beats:
             self.beats[rid] = time.monotonic()
         return self.status(rid)
@@ -59,6 +73,11 @@ class ResponseStore:
         if self.status(rid) == "in_progress":
             self._end(rid, {"status": "cancelled"})
         return self.response(rid)
+
+    def fail(self, rid: str, message: str) -> None:
+        """A background response in progress that will not end (its replica lost or shut down)."""
+        if rid in self.beats:
+            self._end(rid, {"status": "failed", "error": {"code": "server_error", "message": message}})
 
     def _end(self, rid: str, fields: dict) -> None:
         response, items, parent = self.kept[rid]
@@ -72,19 +91,19 @@ class ResponseStore:
             self.beats.pop(self.kept.popitem(last=False)[0], None)
 
     def response(self, rid: str) -> dict | None:
-        """The kept response; a background one whose replica went silent has failed with it."""
-        if rid in self.beats and time.monotonic() - self.beats[rid] > self.lost_s:
-            self._end(rid, {"status": "failed", "error": {
-                "code": "server_error", "message": f"the replica making it was lost (silent for {self.lost_s:.0f} s)"}})
+        self.status(rid)
         found = self.kept.get(rid)
         return found[0] if found else None
 
-    def conversation(self, rid: str) -> list | None:
-        """The items of the conversation up to and with response ``rid`` (None: it, or an earlier link, is gone)."""
+    def conversation(self, rid: str) -> list | dict | None:
+        """The items of the conversation up to and with response ``rid`` (None: it, or an earlier link, is gone;
+        ``{"in_progress": id}``: a link is a background response not made yet, whose items are not all known)."""
         chain, at = [], rid
         while at is not None:
             if at not in self.kept:
                 return None
+            if self.status(at) == "in_progress":
+                return {"in_progress": at}
             _, items, at = self.kept[at]
             chain.append(items)
         return [item for items in reversed(chain) for item in items]
@@ -94,7 +113,7 @@ class ResponseStore:
         it, or an earlier link, is gone)."""
         found = self.kept.get(rid)
         earlier = [] if found is None or found[2] is None else self.conversation(found[2])
-        if found is None or earlier is None:
+        if found is None or not isinstance(earlier, list):
             return None
         response, items, _ = found
         return earlier + items[:len(items) - len(response["output"])]
@@ -108,7 +127,7 @@ class KeptResponses:
     """A replica's side of the app's store (``limit`` 0: nothing kept; an existing store of the app is emptied)."""
 
     def __init__(self, limit: int, app: str):
-        self.limit, self.name = limit, f"eagle-ray-responses:{app}"
+        self.limit, self.name = limit, f"eagle-ray-responses-v{STORE_VERSION}:{app}"
         self._store: ResponseStore | object | None = None   # the actor's handle, or this process's store
         import ray
         if not ray.is_initialized():
@@ -151,6 +170,9 @@ class KeptResponses:
             raise ApiError(404, f"Previous response with id {rid!r} not found (kept: the newest {self.limit} not "
                            "sent with store false, with every earlier response of their conversation)",
                            param="previous_response_id", code="previous_response_not_found")
+        if isinstance(found, dict):
+            raise ApiError(400, f"Previous response {found['in_progress']!r} is still in progress (background): "
+                           "continue it once it has ended", param="previous_response_id")
         return found
 
     async def response(self, rid: str) -> dict | None:
@@ -165,6 +187,24 @@ class KeptResponses:
     async def start(self, response: dict, items: list, parent: str | None) -> None:
         """A background response kept ``in_progress``; raises :class:`ApiError` (503) where the store is away."""
         await self._call("put", response["id"], response, items, parent)
+
+    async def finish(self, response: dict, items: list) -> None:
+        """A background response's end (kept only where it is still in progress)."""
+        try:
+            await self._call("finish", response["id"], response, items)
+        except ApiError:   # nobody is waiting on this replica: said in the log, failed at LOST_S
+            log.warning("background response %s was not kept", response.get("id"), exc_info=True)
+
+    def abandon(self, rids, why: str) -> None:
+        """Background responses that will not end (their replica shuts down), failed at once: nothing awaited."""
+        try:
+            for rid in rids:
+                if isinstance(self._store, ResponseStore):
+                    self._store.fail(rid, why)
+                elif self._store is not None:
+                    self._store.fail.remote(rid, why)
+        except Exception:  # noqa: BLE001 - shutting down: LOST_S fails them all the same
+            log.warning("background responses %s not failed", list(rids), exc_info=True)
 
     async def beat(self, rid: str) -> str | None:
         """A background response's status as its replica makes it (None: deleted, or dropped for newer ones); a

@@ -126,6 +126,11 @@ def parse_data(data: dict, parse_chat, earlier: list) -> ParsedRequest:
     """A Responses body (JSON read) as the chat request it amounts to (``parse_chat``: the server's chat parser of a
     body's bytes; ``earlier``: the items of the conversation it continues); errors name the Responses fields."""
     chat, origin = chat_body(data, earlier)
+    seen = {item.get("id") for item in earlier}
+    for i, item in enumerate(input_items(data)):   # a kept item's id names it in a listing of input items
+        if isinstance(item.get("id"), str) and item["id"] in seen:
+            raise ApiError(400, f"Duplicate item found with id {item['id']!r}", param=f"input[{i}].id")
+        seen.add(item.get("id") if isinstance(item.get("id"), str) else None)
     try:
         parsed = parse_chat(json.dumps(chat).encode())
     except ApiError as e:

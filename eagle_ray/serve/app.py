@@ -385,7 +385,7 @@ class EagleServer:
         if not self._authorized(request):
             return _unauthorized()
         try:
-            found = await getattr(self.kept, action)(rid)   # response, input_items or delete
+            found = await getattr(self.kept, action)(rid)   # response, input_items, cancel or delete
             if found is None or found is False:
                 why = "" if self.kept.limit else " (this server keeps no responses: responses_kept is 0)"
                 if self.kept.limit and action == "input_items":

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 import repo_scripts
-from tiny import tiny_engine, wait_healthy
+from tiny import save_target, tiny_engine, wait_healthy
 
 from eagle_ray.config import SamplingParams
 from eagle_ray.serve.config import ServeConfig
@@ -397,15 +397,17 @@ def test_metrics_add_up_to_what_the_responses_report(server, client):
 
 
 @pytest.fixture(scope="module")
-def two_replicas(server):
-    """A second app on the same Serve: two replicas behind /two, long answers allowed (1,000 tokens)."""
+def two_replicas(server, tmp_path_factory):
+    """A second app on the same Serve: two replicas behind /two, long answers allowed (8,000 tokens: the tiny
+    target saved again with room for them, its weights the same)."""
     from ray import serve
 
     from eagle_ray.serve.app import build_app
-    cfg = json.loads(ServeConfig(engine={"target": server[2], "draft": server[3], "dtype": "float32",
-                                         "max_batch_size": 4, "max_model_len": 1024,
+    target = save_target(tmp_path_factory.mktemp("tiny-long"), max_positions=8192)
+    cfg = json.loads(ServeConfig(engine={"target": str(target), "draft": server[3], "dtype": "float32",
+                                         "max_batch_size": 4, "max_model_len": 8192,
                                          "tree": {"total_tokens": 8, "depth": 3, "top_k": 3}},
-                                 model_name="two", num_replicas=2, num_cpus=0.25, max_tokens_cap=1000,
+                                 model_name="two", num_replicas=2, num_cpus=0.25, max_tokens_cap=8000,
                                  default_max_tokens=16).model_dump_json())
     serve.run(build_app(cfg), name="eagle-two", route_prefix="/two", blocking=False)
     base = server[0] + "/two"
@@ -420,10 +422,10 @@ def scrape(base: str) -> dict:
 
 
 def test_cancelled_streams_count_as_aborted_requests(two_replicas):
-    """Clients that leave mid-stream (asking 900 tokens, gone after the first): /metrics counts their requests with
-    ``finished_reason="abort"`` and the tokens they made (no counter moved before)."""
+    """Clients that leave mid-stream (asking 8,000 tokens, seconds of work, gone after the first): /metrics counts
+    their requests with ``finished_reason="abort"`` and the tokens they made (no counter moved before)."""
     base = two_replicas
-    body = {"model": "two", "prompt": "w3 w4", "max_tokens": 900, "temperature": 0, "stream": True,
+    body = {"model": "two", "prompt": "w3 w4", "max_tokens": 8000, "temperature": 0, "stream": True,
             "ignore_eos": True}
     key = ("vllm:request_success_total", (("finished_reason", "abort"),))
     before = scrape(base)
@@ -440,7 +442,7 @@ def test_cancelled_streams_count_as_aborted_requests(two_replicas):
         time.sleep(1)
     assert after.get(key, 0) - before.get(key, 0) == 6
     assert 6 <= after[("vllm:generation_tokens_total", ())] - before.get(("vllm:generation_tokens_total", ()), 0) \
-        < 6 * 900
+        < 6 * 8000
 
 
 def test_every_scrape_of_a_two_replica_app_reads_its_totals(two_replicas):

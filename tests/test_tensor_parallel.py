@@ -178,7 +178,8 @@ cfg = ProcessorConfig(engine={"tensor_parallel": 2}, actors={"num_actors": 2, "n
 options = pool_options(cfg.actors)
 options["batch_format"] = "numpy"
 ray.data.DataContext.get_current().wait_for_min_actors_s = 300   # both actors up before any row: both take rows
-rows = ray.data.range(40, override_num_blocks=8).map(lambda r: {"id": r["id"]}).map_batches(Devices, **options).take_all()
+items = ray.data.range(40, override_num_blocks=8).map(lambda r: {"id": r["id"]}).materialize()   # all there at once
+rows = items.map_batches(Devices, **options).take_all()
 print(json.dumps(sorted({(r["gpus"], r["visible"]) for r in rows})))
 """
 

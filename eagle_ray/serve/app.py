@@ -198,9 +198,9 @@ class EagleServer:
         except asyncio.CancelledError:
             if stopped:
                 return   # cancelled, deleted or dropped: nothing to keep
-            out = failed(p.base, "cancelled by its replica")
+            out = p.base | responses.failure("cancelled by its replica")
         except Exception as e:  # noqa: BLE001 - the response fails with the reason, as a whole request's would
-            out = failed(p.base, f"{type(e).__name__}: {e}")
+            out = p.base | responses.failure(f"{type(e).__name__}: {e}")
         await self.kept.finish(out, items + out["output"])
 
     async def _sse(self, req, prompts, shape: ChoiceShape, rid: str):
@@ -408,10 +408,6 @@ class EagleServer:
         queue = getattr(self, "queue", None)
         if queue is not None:
             queue.shutdown(drain=True, timeout=30)
-
-
-def failed(response: dict, message: str) -> dict:
-    return response | {"status": "failed", "error": {"code": "server_error", "message": message}}
 
 
 def build_app(args: dict):

@@ -46,8 +46,8 @@ class ServeConfig(StrictModel):
                                               "request may bring its own chat_template (Jinja, run in transformers' "
                                               "sandbox); false: such a request is a 400")
     responses_kept: int = Field(0, ge=0, description="the newest Responses API answers kept (in one Ray actor per "
-                                "app, in memory) for previous_response_id, background and GET/DELETE /v1/responses/{id}; "
-                                "0: none kept, as vLLM's default")
+                                "app, in memory) for previous_response_id, background and "
+                                "GET/DELETE /v1/responses/{id}; 0: none kept, as vLLM's default")
     s3: S3Options = Field(default_factory=S3Options)
     stall_floor_s: float = Field(120.0, gt=0, description="an engine step may run this long at least before it "
                                  "counts as stalled")

@@ -21,6 +21,7 @@ import time
 from collections import OrderedDict
 
 from eagle_ray.serve.openai_api import ApiError
+from eagle_ray.serve.responses import _item_id, failure
 
 log = logging.getLogger(__name__)
 WAIT_S = 10.0   # for the store's answer; past it a follow-up is a 503, a response goes unkept (said in the log)
@@ -77,7 +78,7 @@ class ResponseStore:
     def fail(self, rid: str, message: str) -> None:
         """A background response in progress that will not end (its replica lost or shut down)."""
         if rid in self.beats:
-            self._end(rid, {"status": "failed", "error": {"code": "server_error", "message": message}})
+            self._end(rid, failure(message))
 
     def _end(self, rid: str, fields: dict) -> None:
         response, items, parent = self.kept[rid]
@@ -227,7 +228,6 @@ class KeptResponses:
 def identified(items: list) -> list:
     """A request's input items as kept: each with an id (OpenAI's input items have one; the client's own is kept),
     so that a listing's ``after`` / ``before`` name them. The conversation read back ignores it."""
-    from eagle_ray.serve.responses import _item_id
     prefixes = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
     return [item if "id" in item else {"id": _item_id(prefixes.get(item.get("type", "message"), "item")), **item}
             for item in items]

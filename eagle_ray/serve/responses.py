@@ -82,6 +82,11 @@ def input_items(data: dict) -> list:
     return [{"role": "user", "content": items}] if isinstance(items, str) else items
 
 
+def failure(message: str) -> dict:
+    """A response's fields where it ended in a server error (its replica lost, its engine failed)."""
+    return {"status": "failed", "error": {"code": "server_error", "message": message}}
+
+
 def check_fields(data: dict) -> None:
     """What is refused whatever the rest holds (before a follow-up's conversation is looked up)."""
     for key, harmless in REFUSED.items():
@@ -157,9 +162,7 @@ def _messages(data: dict, earlier: list) -> tuple[list[dict], "Origins"]:
             raise ApiError(400, "instructions must be a string", param="instructions")
         messages.append({"role": "system", "content": instructions})
         origin.append("instructions")
-    items = data.get("input")
-    if isinstance(items, str):
-        items = [{"role": "user", "content": items}]
+    items = input_items(data)
     if not isinstance(items, list) or not items:
         raise ApiError(400, "input must be a string or a non-empty list of items", param="input")
     for i, item in enumerate(earlier + items):

@@ -13,8 +13,8 @@ from eagle_ray.engine.queue import StreamDelta
 from eagle_ray.serve.choices import PromptChoices
 from eagle_ray.serve.openai_api import ApiError, parse_body
 from eagle_ray.serve.response_store import KeptResponses, ResponseStore, identified, item_page
-from eagle_ray.serve.responses import (ResponseEvents, backgrounded, chat_body, check_fields, continued, parse_data,
-                                       parse_request, response_base, response_body)
+from eagle_ray.serve.responses import (ResponseEvents, chat_body, checked, parse_data, parse_request, response_base,
+                                       response_body)
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "the weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
@@ -27,9 +27,7 @@ def parsed(body: dict, parser: str | None = "hermes", kept=None):
     data = {"model": "m", **body}
     if kept is None:
         return parse_request(json.dumps(data).encode(), parse_chat)
-    check_fields(data)
-    rid = continued(data, kept.limit)
-    backgrounded(data, kept.limit)
+    rid = checked(data, kept.limit)
     return parse_data(data, parse_chat, asyncio.run(kept.conversation(rid)) if rid else [])
 
 

@@ -132,9 +132,7 @@ class EagleServer:
                                   trust_template=self.cfg.trust_request_chat_template)
         if kind == "responses":   # read as the chat it amounts to, after the conversation it continues
             data = await asyncio.to_thread(load_object, bytes(raw))
-            responses.check_fields(data)
-            rid = responses.continued(data, self.kept.limit)
-            responses.backgrounded(data, self.kept.limit)
+            rid = responses.checked(data, self.kept.limit)
             earlier = await self.kept.conversation(rid) if rid else []
             return await asyncio.to_thread(responses.parse_data, data, functools.partial(parse, kind="chat"), earlier)
         return await asyncio.to_thread(parse, bytes(raw), kind)

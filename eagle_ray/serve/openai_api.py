@@ -424,7 +424,7 @@ class ParsedRequest:
     tools: ToolPlan | None = None   # a chat's tools and how its answers are read
     reasoning: str | None = None    # the parser that splits a chat's thinking from its answer (engine/reasoning.py)
     responses: dict | None = None   # a Responses request as sent, answered as this chat (serve/responses.py)
-    conversation: list | None = None   # ... and its conversation's items: those it continues, then its input
+    conversation: list | None = None   # ... and its own input items (kept after those of the one it continues)
 
     @property
     def prompt(self) -> Prompt:

@@ -127,6 +127,16 @@ def backgrounded(data: dict, kept: int) -> bool:
     return True
 
 
+def checked(data: dict, kept: int) -> str | None:
+    """What is checked before a follow-up's conversation is looked up (``kept``: ``responses_kept``; a batch line's
+    0): the fields refused whatever the rest holds, then ``previous_response_id`` and ``background``; the id it
+    continues, None without one."""
+    check_fields(data)
+    rid = continued(data, kept)
+    backgrounded(data, kept)
+    return rid
+
+
 def parse_data(data: dict, parse_chat, earlier: list) -> ParsedRequest:
     """A Responses body (JSON read) as the chat request it amounts to (``parse_chat``: the server's chat parser of a
     body's bytes; ``earlier``: the items of the conversation it continues); errors name the Responses fields."""
@@ -148,9 +158,7 @@ def parse_data(data: dict, parse_chat, earlier: list) -> ParsedRequest:
 def parse_request(raw: bytes, parse_chat) -> ParsedRequest:
     """A Responses body that continues nothing (a batch file's line: nothing is kept there)."""
     data = load_object(raw)
-    check_fields(data)   # before previous_response_id's refusal, as Serve orders them
-    continued(data, 0)
-    backgrounded(data, 0)
+    checked(data, 0)
     return parse_data(data, parse_chat, [])
 
 
